@@ -1,0 +1,43 @@
+# Every target sets up what it needs, from a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The editable install is a tree of links to the role folders (setuptools' strict mode, needed
+# because operator/ is a namespace folder). Adding or removing a module re-links it.
+SOURCES := $(sort $(wildcard pagefleet/*.py engine/*.py engine/*/*.py router/*.py router/*/*.py \
+             operator/*.py operator/*/*.py proto/*.py))
+SOURCE_LIST := build/.sources
+
+.PHONY: demo test lint bench clean FORCE
+
+$(SOURCE_LIST): FORCE
+	@mkdir -p build
+	@echo '$(SOURCES)' | cmp -s - $@ || echo '$(SOURCES)' > $@
+
+$(STAMP): pyproject.toml $(SOURCE_LIST)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]' --config-settings editable_mode=strict
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## The main job on the embedded default: an offline run of the scheduler and KV cache.
+demo: $(STAMP)
+	$(BIN)/pagefleet demo
+
+## The whole test suite (lint included).
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/scheduler_step.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,1 @@
+"""The engine: KV-cache manager, scheduler and (later) model runner of one model replica."""

@@ -1,0 +1,261 @@
+"""Iteration-level scheduler: decides, each step, which requests compute how many tokens.
+
+One `schedule()` is the work of one forward pass: running requests first (decodes and the
+next chunks of unfinished prompts), then waiting requests admitted FCFS while the token
+budget, sequence slots and free blocks allow. When a running request needs a block and none
+is free, the most recently admitted running request is preempted by recompute.
+
+Anti-thrash rule: a request resumed from preemption in step s is not chosen as a victim in
+step s + 1 unless it is the only candidate. Without it, two requests that each nearly fill
+the pool can evict each other every step and neither finishes its recompute.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagefleet.engine.config import CacheConfig, SchedulerConfig
+from pagefleet.engine.kv_cache.manager import KVCacheManager
+from pagefleet.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The work of one forward pass."""
+
+    # (request, number of tokens it computes this step), in batch order.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    # Requests that lost their blocks this step (the runner drops any state it keeps for them).
+    preempted: list[Request] = field(default_factory=list)
+    num_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step_id = 0
+        self.num_preemptions = 0
+
+    @classmethod
+    def create(
+        cls, scheduler_config: SchedulerConfig, cache_config: CacheConfig, listener=None
+    ) -> Scheduler:
+        if cache_config.num_gpu_blocks < 1:
+            raise ValueError("num_gpu_blocks must be set (>= 1) to build a scheduler")
+        kv = KVCacheManager(
+            cache_config.num_gpu_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            listener,
+        )
+        return cls(scheduler_config, kv)
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise ValueError naming the limit and flag it breaks."""
+        self.check_request(request)
+        request.status = RequestStatus.WAITING
+        request.max_len = min(request.max_len, self.config.max_model_len)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        cfg = self.config
+        n = request.num_prompt_tokens
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if n == 0:
+            raise ValueError("the prompt is empty: at least one token is required")
+        if request.block_size != self.block_size:
+            raise ValueError(
+                f"request hashed with block_size={request.block_size}, "
+                f"engine uses {self.block_size} (--block-size)"
+            )
+        if n >= cfg.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens; max_model_len={cfg.max_model_len} leaves no room "
+                f"for output (raise --max-model-len or shorten the prompt)"
+            )
+        if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
+            raise ValueError(
+                f"the prompt has {n} tokens, more than max_num_batched_tokens="
+                f"{cfg.max_num_batched_tokens} (--max-num-batched-tokens) without chunked prefill"
+            )
+        # Every accepted request must be able to finish alone in the whole pool. The last
+        # token's keys/values are never written, hence the -1.
+        final_len = min(n + request.sampling_params.max_tokens, cfg.max_model_len)
+        blocks = (final_len - 1 + self.block_size - 1) // self.block_size
+        if blocks > self.kv_cache.num_blocks:
+            raise ValueError(
+                f"the request needs up to {blocks} KV blocks ({final_len} tokens) but the pool "
+                f"has num_gpu_blocks={self.kv_cache.num_blocks} (raise --num-gpu-blocks-override,"
+                f" --kv-cache-memory or --gpu-memory-utilization, or lower max_tokens)"
+            )
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request now and free its blocks; unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return request
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        self.step_id += 1
+        out = SchedulerOutput()
+        scheduled = out.scheduled
+        budget = cfg.max_num_batched_tokens
+        chunk_cap = cfg.long_prefill_token_threshold or budget
+        num_partial = 0  # requests whose prompt will still be unfinished after this step
+
+        running = self.running
+        bs = self.block_size
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            computed = req.num_computed_tokens
+            n = len(req.all_token_ids) - computed
+            if n > 1:
+                n = min(n, budget, chunk_cap)
+            # The inline test is the fast path: the last block has room (most decode steps).
+            if computed + n > len(req.block_table) * bs and not self._allocate_or_preempt(
+                req, i, n, out
+            ):
+                break  # the request preempted itself: nothing later fits either
+            if computed + n < len(req.all_token_ids):
+                num_partial += 1
+            scheduled.append((req, n))
+            budget -= n
+            i += 1
+
+        # Requests beyond the budget wait for a later step, still holding their blocks.
+        if not out.preempted:
+            budget = self._admit(out, budget, chunk_cap, num_partial)
+        out.num_tokens = cfg.max_num_batched_tokens - budget
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, chunk_cap: int, num_partial: int) -> int:
+        cfg = self.config
+        kv = self.kv_cache
+        waiting = self.waiting
+        while waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = waiting[0]
+            hits = kv.find_cached_prefix(req)
+            remaining = req.num_tokens - kv.num_computed_after_hit(req, hits)
+            n = min(remaining, budget, chunk_cap)
+            if n < remaining:
+                if not cfg.enable_chunked_prefill or num_partial >= cfg.max_num_partial_prefills:
+                    break
+                num_partial += 1
+            if not kv.allocate_slots(req, n, hits):
+                break
+            waiting.popleft()
+            if req.status is RequestStatus.PREEMPTED:
+                req.resumed_step = self.step_id
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+        return budget
+
+    def _allocate_or_preempt(self, req: Request, i: int, n: int, out: SchedulerOutput) -> bool:
+        """Preempt until `req` (at running[i]) gets its blocks; False if it was the victim."""
+        while not self.kv_cache.allocate_slots(req, n):
+            victim = self._pick_victim(i)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _pick_victim(self, current: int) -> Request:
+        """The most recently admitted request not yet scheduled this step (or the current one),
+        skipping a request resumed in the previous step unless nothing else is left."""
+        running = self.running
+        protected_step = self.step_id - 1
+        for j in range(len(running) - 1, current - 1, -1):
+            if running[j].resumed_step != protected_step:
+                return running[j]
+        return running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv_cache.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled_token_ids: list[int | None]
+    ) -> list[Request]:
+        """Apply one step's results; returns the requests that finished in it.
+
+        `sampled_token_ids[k]` is the token sampled for `out.scheduled[k]`; it is ignored (and
+        may be None) while that request's prompt is not yet fully computed.
+        """
+        kv = self.kv_cache
+        bs = self.block_size
+        caching = kv.enable_prefix_caching
+        running_status = RequestStatus.RUNNING
+        finished: list[Request] = []
+        for (req, n), token in zip(out.scheduled, sampled_token_ids, strict=True):
+            if req.status is not running_status:
+                continue  # aborted between schedule() and now
+            computed = req.num_computed_tokens + n
+            req.num_computed_tokens = computed
+            if caching and computed // bs > req.num_cached_blocks:
+                kv.cache_computed_blocks(req)
+            tokens = req.all_token_ids
+            if computed < len(tokens):
+                continue  # a prompt chunk: no token yet
+            tokens.append(token)
+            num_tokens = computed + 1
+            if num_tokens % bs == 0:
+                req.hash_last_block()
+            if token in req.stop_ids and (
+                num_tokens - req.num_prompt_tokens >= req.sampling_params.min_tokens
+            ):
+                req.status = RequestStatus.FINISHED_STOPPED
+            elif num_tokens >= req.max_len:
+                req.status = RequestStatus.FINISHED_LENGTH
+            else:
+                continue
+            finished.append(req)
+        if finished:
+            for req in finished:
+                kv.free(req)
+                del self.requests[req.request_id]
+            self.running = [r for r in self.running if r.status is running_status]
+        return finished

@@ -1,0 +1,1 @@
+"""Protocol definitions (.proto files) and their generated stubs."""

@@ -1,0 +1,79 @@
+"""Shared helpers: build a scheduler, run steps with the stand-in model, check pool invariants."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from pagefleet.engine.config import CacheConfig, SchedulerConfig
+from pagefleet.engine.request import Request, RequestStatus
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.scheduler import Scheduler
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    listener=None,
+    enable_prefix_caching: bool = True,
+    **sched_kwargs,
+) -> Scheduler:
+    sched_kwargs.setdefault("max_model_len", 256)
+    return Scheduler.create(
+        SchedulerConfig(**sched_kwargs),
+        CacheConfig(
+            block_size=block_size,
+            num_gpu_blocks=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
+        listener,
+    )
+
+
+def make_request(
+    rid: str,
+    prompt: list[int],
+    max_tokens: int = 4,
+    block_size: int = 4,
+    eos_token_id: int | None = None,
+    **params,
+) -> Request:
+    return Request(
+        rid,
+        prompt,
+        SamplingParams(max_tokens=max_tokens, **params),
+        block_size=block_size,
+        eos_token_id=eos_token_id,
+    )
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """The pool's books balance: ref counts equal table references, free list and map agree."""
+    kv = sched.kv_cache
+    pool = kv.pool
+    refs = Counter(b.block_id for r in sched.running for b in r.block_table)
+    for r in sched.waiting:
+        assert not r.block_table, f"waiting {r} holds blocks"
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+    free_ids = [b.block_id for b in pool.free_queue]
+    assert len(free_ids) == len(set(free_ids)) == pool.free_queue.num_free
+    for block in pool.blocks:
+        assert block.ref_cnt >= 0
+        assert block.ref_cnt == refs.get(block.block_id, 0), block
+        assert (block.ref_cnt == 0) == (block.block_id in set(free_ids)), block
+    for h, block in pool.cached.items():
+        assert block.block_hash == h
+    assert sum(1 for b in pool.blocks if b.block_hash is not None) == len(pool.cached)
+    assert pool.num_cached_free == sum(1 for b in pool.free_queue if b.block_hash is not None)
+    for r in sched.running:
+        assert r.status is RequestStatus.RUNNING
+        assert [b.block_id for b in r.block_table] == r.block_ids
+        assert r.num_computed_tokens <= len(r.block_table) * kv.block_size
+        assert r.num_cached_blocks <= len(r.block_table)
+    assert len(sched.running) <= sched.config.max_num_seqs
+
+
+@pytest.fixture
+def scheduler_factory():
+    return make_scheduler
