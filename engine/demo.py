@@ -95,7 +95,7 @@ def run_demo(
         steps += 1
     kv = sched.kv_cache
     return DemoReport(
-        requests=num_requests,
+        requests=sum(1 for r in requests if r.status.finished),
         steps=steps,
         prompt_tokens=sum(r.num_prompt_tokens for r in requests),
         output_tokens=sum(r.num_output_tokens for r in requests),

@@ -87,11 +87,6 @@ class Scheduler:
                 f"the prompt has {n} tokens; max_model_len={cfg.max_model_len} leaves no room "
                 f"for output (raise --max-model-len or shorten the prompt)"
             )
-        if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
-            raise ValueError(
-                f"the prompt has {n} tokens, more than max_num_batched_tokens="
-                f"{cfg.max_num_batched_tokens} (--max-num-batched-tokens) without chunked prefill"
-            )
         # Every accepted request must be able to finish alone in the whole pool. The last
         # token's keys/values are never written, hence the -1.
         final_len = min(n + request.sampling_params.max_tokens, cfg.max_model_len)

@@ -1,0 +1,37 @@
+"""The `pagefleet` command: version, help, the demo main job, and errors for bad flags."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pagefleet
+
+PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PAGEFLEET, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_version_and_help():
+    out = _run("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"pagefleet {pagefleet.__version__}"
+    out = _run("--help")
+    assert out.returncode == 0 and "demo" in out.stdout
+
+
+def test_demo_runs_every_request_to_completion_with_prefix_hits():
+    out = _run("demo", "--num-requests", "24")
+    assert out.returncode == 0, out.stderr
+    assert "requests finished      24 " in out.stdout
+    rate = next(line for line in out.stdout.splitlines() if "hit rate" in line)
+    assert float(rate.split()[3].rstrip("%")) > 30.0
+
+
+def test_bad_flag_and_bad_value_exit_non_zero_with_a_message():
+    out = _run("demo", "--no-such-flag")
+    assert out.returncode != 0 and "unrecognized arguments" in out.stderr
+    out = _run("demo", "--num-gpu-blocks", "2")
+    assert out.returncode == 2 and "--num-gpu-blocks-override" in out.stderr

@@ -1,0 +1,205 @@
+"""Scheduler rules: chunking, partial-prefill cap, preemption, anti-thrash, stops, rejections."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import check_invariants, make_request, make_scheduler
+from pagefleet.engine.demo import run_step
+from pagefleet.engine.request import RequestStatus
+from pagefleet.engine.sampling_params import SamplingParams
+
+
+def _chunks(out) -> dict[str, int]:
+    return {r.request_id: n for r, n in out.scheduled}
+
+
+def test_chunked_prefill_splits_at_the_budget_and_mixes_with_decodes():
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=8)
+    short = make_request("short", [1, 2, 3], max_tokens=10)
+    sched.add_request(short)
+    run_step(sched, sched.schedule())  # short is decoding now
+    long = make_request("long", list(range(20)), max_tokens=2)
+    sched.add_request(long)
+    seen = []
+    while long.num_output_tokens == 0:
+        out = sched.schedule()
+        seen.append(_chunks(out))
+        assert out.num_tokens <= 8
+        run_step(sched, out)
+    # The decode takes 1 token of each step's budget; the prompt takes the rest: 7 + 7 + 6.
+    assert seen == [{"short": 1, "long": 7}, {"short": 1, "long": 7}, {"short": 1, "long": 6}]
+    assert long.num_computed_tokens == 20 and long.num_output_tokens == 1
+
+
+def test_long_prefill_token_threshold_caps_a_prompt_per_step():
+    sched = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=5)
+    r = make_request("r", list(range(12)), max_tokens=1)
+    sched.add_request(r)
+    sizes = []
+    while not r.status.finished:
+        out = sched.schedule()
+        sizes.append(_chunks(out)["r"])
+        run_step(sched, out)
+    assert sizes == [5, 5, 2]
+
+
+def test_partial_prefill_cap_holds_back_a_second_long_prompt():
+    for cap, expected in ((1, {"a": 6}), (2, {"a": 6, "b": 4})):
+        sched = make_scheduler(
+            max_num_batched_tokens=10,
+            long_prefill_token_threshold=6,
+            max_num_partial_prefills=cap,
+        )
+        sched.add_request(make_request("a", list(range(30)), max_tokens=1))
+        sched.add_request(make_request("b", list(range(100, 130)), max_tokens=1))
+        assert _chunks(sched.schedule()) == expected
+
+
+def test_a_prompt_that_finishes_in_the_step_does_not_count_as_partial():
+    sched = make_scheduler(max_num_batched_tokens=10, max_num_partial_prefills=1)
+    sched.add_request(make_request("long", list(range(30)), max_tokens=1))
+    sched.add_request(make_request("tiny", [7, 8], max_tokens=1))
+    run_step(sched, sched.schedule())  # long takes the whole budget
+    assert _chunks(sched.schedule()) == {"long": 10}
+    sched2 = make_scheduler(max_num_batched_tokens=10, max_num_partial_prefills=1)
+    sched2.add_request(make_request("tiny", [7, 8], max_tokens=1))
+    sched2.add_request(make_request("long", list(range(30)), max_tokens=1))
+    assert _chunks(sched2.schedule()) == {"tiny": 2, "long": 8}
+
+
+def test_max_num_seqs_limits_admission():
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        sched.add_request(make_request(f"r{i}", [i + 1], max_tokens=5))
+    out = sched.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["r0", "r1"]
+    assert sched.num_waiting == 2
+
+
+def test_preemption_picks_the_most_recently_admitted_and_keeps_its_tokens():
+    # 4 blocks of 4 slots; three requests grow until the pool is full.
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=32)
+    reqs = [make_request(f"r{i}", [i + 1] * 3, max_tokens=12) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    victim = None
+    for _ in range(20):
+        out = sched.schedule()
+        check_invariants(sched)
+        if out.preempted:
+            victim = out.preempted[0]
+            break
+        run_step(sched, out)
+    assert victim is reqs[2], "the last admitted request is the victim"
+    assert victim.status is RequestStatus.PREEMPTED and sched.waiting[0] is victim
+    assert victim.num_computed_tokens == 0 and victim.block_table == []
+    assert victim.num_output_tokens > 0, "generated tokens survive preemption"
+    assert sched.num_preemptions == 1 and victim.num_preemptions == 1
+    # It resumes later, recomputing prompt + output, and finishes like the others.
+    while sched.has_unfinished():
+        run_step(sched, sched.schedule())
+        check_invariants(sched)
+    assert all(r.finish_reason == "length" and r.num_output_tokens == 12 for r in reqs)
+
+
+def test_resumed_request_is_not_the_victim_in_the_next_step():
+    sched = make_scheduler(num_blocks=32)
+    a, b, c = (make_request(x, [1, 2], max_tokens=5) for x in "abc")
+    for r in (a, b, c):
+        sched.add_request(r)
+    sched.schedule()
+    # c was resumed in the previous step: b is preempted for a instead, though c is newer.
+    c.resumed_step = sched.step_id - 1
+    assert sched._pick_victim(0) is b
+    # Only when c is the sole candidate left does it lose its blocks.
+    assert sched._pick_victim(2) is c
+    b.resumed_step = sched.step_id - 1
+    assert sched._pick_victim(1) is c
+    # A request resumed two steps ago is fair game again.
+    c.resumed_step = sched.step_id - 2
+    assert sched._pick_victim(0) is c
+
+
+def test_stop_token_eos_min_tokens_and_ignore_eos():
+    def generate(**params):
+        sched = make_scheduler()
+        r = make_request("r", [5], max_tokens=6, **params)
+        sched.add_request(r)
+        tokens = iter([9, 2, 9, 2, 9, 9])
+        while not r.status.finished:
+            out = sched.schedule()
+            sched.update_from_output(out, [next(tokens)])
+        return r.output_token_ids, r.finish_reason
+
+    assert generate(eos_token_id=2) == ([9, 2], "stop")
+    assert generate(eos_token_id=2, min_tokens=3) == ([9, 2, 9, 2], "stop")
+    assert generate(eos_token_id=2, ignore_eos=True) == ([9, 2, 9, 2, 9, 9], "length")
+    assert generate(stop_token_ids=(9,)) == ([9], "stop")
+
+
+def test_max_model_len_caps_output():
+    sched = make_scheduler(max_model_len=8)
+    r = make_request("r", [1, 2, 3, 4, 5], max_tokens=100)
+    sched.add_request(r)
+    while not r.status.finished:
+        run_step(sched, sched.schedule())
+    assert r.num_tokens == 8 and r.finish_reason == "length"
+
+
+def test_abort_frees_blocks_for_running_and_waiting_requests():
+    sched = make_scheduler(num_blocks=8, max_num_seqs=1)
+    run = make_request("run", list(range(9)), max_tokens=5)
+    wait = make_request("wait", list(range(9)), max_tokens=5)
+    sched.add_request(run)
+    sched.add_request(wait)
+    out = sched.schedule()
+    assert sched.abort("run") is run and sched.abort("wait") is wait
+    assert sched.abort("run") is None  # unknown now: ignored
+    # The step scheduled before the abort completes without touching the aborted request.
+    assert sched.update_from_output(out, [3]) == []
+    assert run.finish_reason == "abort" and run.num_output_tokens == 0
+    assert sched.kv_cache.num_free_blocks == 8 and not sched.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "kwargs", "message"),
+    [
+        ([], 4, {}, "prompt is empty"),
+        (list(range(64)), 4, {"max_model_len": 64}, "--max-model-len"),
+        (list(range(40)), 40, {"num_blocks": 8}, "--num-gpu-blocks-override"),
+    ],
+)
+def test_requests_that_can_never_run_are_rejected_at_add(prompt, max_tokens, kwargs, message):
+    sched = make_scheduler(**kwargs)
+    with pytest.raises(ValueError, match=message):
+        sched.add_request(make_request("r", prompt, max_tokens=max_tokens))
+    assert not sched.has_unfinished()
+
+
+def test_a_request_that_fits_the_pool_exactly_is_accepted_and_finishes():
+    # 8 blocks x 4 = 32 slots; 20 + 13 = 33 tokens, the last never needs a slot.
+    sched = make_scheduler(num_blocks=8)
+    r = make_request("r", list(range(20)), max_tokens=13)
+    sched.add_request(r)
+    while sched.has_unfinished():
+        run_step(sched, sched.schedule())
+    assert r.num_output_tokens == 13
+
+
+def test_duplicate_ids_and_bad_max_tokens_are_rejected():
+    sched = make_scheduler()
+    sched.add_request(make_request("r", [1], max_tokens=1))
+    with pytest.raises(ValueError, match="duplicate request id"):
+        sched.add_request(make_request("r", [2], max_tokens=1))
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        SamplingParams(max_tokens=0)
+
+
+def test_bad_config_names_the_flag():
+    with pytest.raises(ValueError, match="--block-size"):
+        make_scheduler(block_size=3)
+    with pytest.raises(ValueError, match="--max-num-seqs"):
+        make_scheduler(max_num_seqs=0)
+    with pytest.raises(ValueError, match="without chunked prefill"):
+        make_scheduler(enable_chunked_prefill=False, max_num_batched_tokens=32, max_model_len=64)
