@@ -58,10 +58,62 @@ class SchedulerConfig:
             self.long_prefill_token_threshold,
             "must be >= 0",
         )
+        _require(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            f"must be >= max_num_seqs ({self.max_num_seqs}), or running requests starve",
+        )
         if not self.enable_chunked_prefill:
+            _require(
+                self.long_prefill_token_threshold == 0,
+                "long_prefill_token_threshold",
+                self.long_prefill_token_threshold,
+                "splits prompts, which needs chunked prefill (--enable-chunked-prefill)",
+            )
             _require(
                 self.max_num_batched_tokens >= self.max_model_len,
                 "max_num_batched_tokens",
                 self.max_num_batched_tokens,
                 f"must be >= max_model_len ({self.max_model_len}) without chunked prefill",
+            )
+
+
+@dataclass
+class EngineArgs:
+    """Engine arguments, named as vLLM's (`LLM(model=..., **engine_args)`)."""
+
+    model: str
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    seed: int = 0
+    kv_cache_memory: float = 4.0  # GiB for the KV pool on CPU (VLLM_CPU_KVCACHE_SPACE)
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.92
+    device: str = "auto"  # auto = cuda if available, else cpu
+    attention_backend: str | None = None  # torch (CPU default) | triton (CUDA default, later)
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "must be > 0")
+        _require(
+            0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "must be in (0, 1]",
+        )
+        if self.num_gpu_blocks_override is not None:
+            _require(
+                self.num_gpu_blocks_override >= 1,
+                "num_gpu_blocks_override",
+                self.num_gpu_blocks_override,
+                "must be >= 1",
             )

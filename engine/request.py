@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 
 from pagefleet.block_hash import BlockHash, hash_block, hash_blocks
 from pagefleet.engine.kv_cache.block_pool import Block
@@ -58,7 +59,7 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         *,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Collection[int] | None = None,
         block_size: int = 16,
         extra_keys: bytes = b"",
         arrival_time: float = 0.0,
@@ -88,7 +89,7 @@ class Request:
         self.resumed_step = -2
         stop = set(sampling_params.stop_token_ids)
         if eos_token_id is not None and not sampling_params.ignore_eos:
-            stop.add(eos_token_id)
+            stop.update([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
         self.stop_ids = frozenset(stop)
 
     @property

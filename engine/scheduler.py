@@ -5,9 +5,13 @@ next chunks of unfinished prompts), then waiting requests admitted FCFS while th
 budget, sequence slots and free blocks allow. When a running request needs a block and none
 is free, the most recently admitted running request is preempted by recompute.
 
-Anti-thrash rule: a request resumed from preemption in step s is not chosen as a victim in
-step s + 1 unless it is the only candidate. Without it, two requests that each nearly fill
-the pool can evict each other every step and neither finishes its recompute.
+Anti-thrash rule: a request resumed from preemption is protected from being chosen as a
+victim while it recomputes, and in the step after it resumed, unless every candidate is
+protected. Without it, two requests that each nearly fill the pool evict each other over and
+over and neither finishes its recompute (a recompute split into chunks needs several steps,
+so protecting a single step is not enough). With it, every resumption ends its recompute and
+samples a token before it can lose its blocks again, so every request that fits the pool alone
+eventually finishes.
 """
 
 from __future__ import annotations
@@ -100,6 +104,10 @@ class Scheduler:
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request now and free its blocks; unknown or finished ids are ignored."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request from outside the step (abort, a stop string) and free its blocks."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -108,7 +116,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv_cache.free(request)
-        request.status = RequestStatus.FINISHED_ABORTED
+        request.status = status
         return request
 
     @property
@@ -195,13 +203,18 @@ class Scheduler:
 
     def _pick_victim(self, current: int) -> Request:
         """The most recently admitted request not yet scheduled this step (or the current one),
-        skipping a request resumed in the previous step unless nothing else is left."""
+        skipping protected ones (see the module docstring) unless nothing else is left."""
         running = self.running
-        protected_step = self.step_id - 1
         for j in range(len(running) - 1, current - 1, -1):
-            if running[j].resumed_step != protected_step:
+            if not self._protected(running[j]):
                 return running[j]
         return running[-1]
+
+    def _protected(self, req: Request) -> bool:
+        if req.resumed_step < 0:
+            return False
+        recomputing = req.num_computed_tokens + 1 < len(req.all_token_ids)
+        return recomputing or req.resumed_step >= self.step_id - 1
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

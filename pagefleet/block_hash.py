@@ -20,7 +20,10 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
-    words = array("I", token_ids)
+    try:
+        words = array("I", token_ids)
+    except (OverflowError, TypeError) as e:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {e}") from None
     if not _LITTLE_ENDIAN:
         words.byteswap()
     return words.tobytes()

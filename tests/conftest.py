@@ -20,6 +20,8 @@ def make_scheduler(
     **sched_kwargs,
 ) -> Scheduler:
     sched_kwargs.setdefault("max_model_len", 256)
+    budget = sched_kwargs.get("max_num_batched_tokens", SchedulerConfig.max_num_batched_tokens)
+    sched_kwargs.setdefault("max_num_seqs", min(SchedulerConfig.max_num_seqs, budget))
     return Scheduler.create(
         SchedulerConfig(**sched_kwargs),
         CacheConfig(

@@ -121,6 +121,41 @@ def test_resumed_request_is_not_the_victim_in_the_next_step():
     assert sched._pick_victim(0) is c
 
 
+@pytest.mark.parametrize("enable_prefix_caching", [False, True])
+def test_two_requests_that_each_fill_the_pool_do_not_evict_each_other_forever(
+    enable_prefix_caching,
+):
+    # Seven one-token blocks; the recompute after a preemption takes several 2-token chunks.
+    sched = make_scheduler(
+        num_blocks=7,
+        block_size=1,
+        max_num_batched_tokens=7,
+        max_num_seqs=5,
+        max_num_partial_prefills=2,
+        long_prefill_token_threshold=2,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    a = make_request("a", [0, 1, 0], max_tokens=5, block_size=1)
+    b = make_request("b", [0, 1, 2, 2, 2, 2, 2], max_tokens=1, block_size=1)
+    sched.add_request(a)
+    sched.add_request(b)
+    steps = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        check_invariants(sched)
+        # A request resumed and still recomputing is never the victim of another request.
+        for victim in out.preempted:
+            assert (
+                victim.resumed_step < 0
+                or not sched._protected(victim)
+                or all(sched._protected(r) for r in [*sched.running, victim])
+            )
+        run_step(sched, out)
+        steps += 1
+        assert steps < 100, f"livelock: {sched.num_preemptions} preemptions in {steps} steps"
+    assert a.num_output_tokens == 5 and b.num_output_tokens == 1
+
+
 def test_stop_token_eos_min_tokens_and_ignore_eos():
     def generate(**params):
         sched = make_scheduler()
@@ -203,3 +238,7 @@ def test_bad_config_names_the_flag():
         make_scheduler(max_num_seqs=0)
     with pytest.raises(ValueError, match="without chunked prefill"):
         make_scheduler(enable_chunked_prefill=False, max_num_batched_tokens=32, max_model_len=64)
+    with pytest.raises(ValueError, match="needs chunked prefill"):
+        make_scheduler(enable_chunked_prefill=False, long_prefill_token_threshold=8)
+    with pytest.raises(ValueError, match="must be >= max_num_seqs"):
+        make_scheduler(max_num_seqs=16, max_num_batched_tokens=8)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import check_invariants, make_scheduler
 from pagefleet.engine.demo import run_step, stand_in_token
+from pagefleet.engine.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored
 from pagefleet.engine.request import Request, RequestStatus
 from pagefleet.engine.sampling_params import SamplingParams
 
@@ -65,6 +66,22 @@ def reference_output(prompt: list[int], params: SamplingParams, max_model_len: i
             return out
 
 
+class EventIndex:
+    """A router-side prefix index built only from KV events."""
+
+    def __init__(self) -> None:
+        self.hashes: set[bytes] = set()
+
+    def apply(self, event) -> None:
+        if isinstance(event, BlockStored):
+            self.hashes.update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            self.hashes.difference_update(event.block_hashes)
+        else:
+            assert isinstance(event, AllBlocksCleared)
+            self.hashes.clear()
+
+
 @dataclass
 class Spec:
     arrival: int
@@ -104,6 +121,8 @@ spec_strategy = st.builds(
     max_partial=st.integers(1, 3),
     long_threshold=st.integers(0, 12),
     enable_prefix_caching=st.booleans(),
+    chunked=st.booleans(),
+    abort_mid_step=st.booleans(),
     seed_prefixes=st.lists(st.integers(0, VOCAB - 1), min_size=24, max_size=24),
 )
 def test_random_workloads(
@@ -115,14 +134,21 @@ def test_random_workloads(
     max_partial,
     long_threshold,
     enable_prefix_caching,
+    chunked,
+    abort_mid_step,
     seed_prefixes,
 ):
     max_model_len = 64
+    if not chunked:  # whole prompts only: the budget must hold the longest
+        budget, long_threshold = max(budget, max_model_len), 0
+    index = EventIndex()
     sched = make_scheduler(
         num_blocks=num_blocks,
         block_size=block_size,
+        listener=index.apply,
         enable_prefix_caching=enable_prefix_caching,
-        max_num_seqs=max_num_seqs,
+        enable_chunked_prefill=chunked,
+        max_num_seqs=min(max_num_seqs, budget),
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
         max_num_partial_prefills=max_partial,
@@ -156,10 +182,13 @@ def test_random_workloads(
                 )
                 continue
             accepted[req.request_id] = (req, prompt, spec)
-        for rid, (_, _, spec) in accepted.items():
-            due = spec.abort_after is not None and step == spec.arrival + spec.abort_after
-            if due and sched.abort(rid) is not None:
-                aborted.add(rid)
+        due = [
+            rid
+            for rid, (_, _, spec) in accepted.items()
+            if spec.abort_after is not None and step == spec.arrival + spec.abort_after
+        ]
+        if not abort_mid_step:
+            aborted.update(rid for rid in due if sched.abort(rid) is not None)
         check_invariants(sched)
         out = sched.schedule()
         assert sum(n for _, n in out.scheduled) == out.num_tokens <= budget
@@ -168,8 +197,12 @@ def test_random_workloads(
         assert len({r.request_id for r, _ in out.scheduled}) == len(out.scheduled)
         check_invariants(sched)
         shadow.run(out.scheduled)
+        if abort_mid_step:  # between the forward pass and update_from_output
+            aborted.update(rid for rid in due if sched.abort(rid) is not None)
         run_step(sched, out, VOCAB)
         check_invariants(sched)
+        # A router fed only the KV events knows exactly what the engine caches.
+        assert index.hashes == set(sched.kv_cache.pool.cached)
         step += 1
         assert step < 5000, "the workload did not finish: a request starved or the loop stalled"
 

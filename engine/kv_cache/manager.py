@@ -50,8 +50,8 @@ class KVCacheManager:
 
     def find_cached_prefix(self, request: Request) -> list[Block]:
         """The longest run of the request's leading full blocks found in the cache."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         cached = self.pool.cached
         hits: list[Block] = []
         for block_hash in request.block_hashes:
@@ -108,8 +108,11 @@ class KVCacheManager:
         return True
 
     def _count_query(self, request: Request, num_hit_tokens: int) -> None:
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_hit_tokens
+        # Counted once per request: a resumption after preemption re-finds its own blocks,
+        # which says nothing about how well prompts share a cache.
+        if self.enable_prefix_caching and request.num_preemptions == 0:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's newly full, computed blocks for reuse by later requests."""

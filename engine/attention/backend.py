@@ -1,0 +1,55 @@
+"""The attention interface between model code and paged-attention implementations.
+
+A step's tokens are flattened: first the single-token rows (decodes, and the one-token
+recompute after a full prefix hit), then each prompt chunk. Keys/values are written into the
+paged pool through `slot_mapping`; reads go through block tables. Backends differ only in how
+they do these two things (torch reference on CPU, Triton on GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of this chunk in the flattened batch
+    num_tokens: int
+    num_computed: int  # tokens of the request already in the cache before this chunk
+    block_ids: torch.Tensor  # [ceil((num_computed + num_tokens) / block_size)] int64
+
+
+@dataclass
+class AttentionMetadata:
+    # Pool slot of each written row; rows in `skip_write_rows` are not written (their
+    # keys/values are already in a shared cached block).
+    slot_mapping: torch.Tensor  # [rows written] int64
+    write_rows: torch.Tensor | None  # rows to write, or None for all rows
+    num_single: int  # leading rows that attend alone (query length 1)
+    single_block_tables: torch.Tensor  # [num_single, max_blocks] int64, padded with 0
+    single_context_lens: torch.Tensor  # [num_single] int64
+    single_mask: torch.Tensor  # [num_single, 1, 1, max_blocks * block_size] bool, True = attend
+    prefills: list[PrefillChunk]
+
+
+class KVCache(Protocol):
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        ...

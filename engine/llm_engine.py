@@ -1,0 +1,333 @@
+"""The engine core: scheduler + model runner + sampler + detokeniser, one `step()` at a time.
+
+`LLM` (offline) and `AsyncLLM` (the server's engine) are thin loops around it. A user request
+with `n > 1` becomes n sequences; the siblings are admitted once the first has computed the
+prompt, so they take its blocks from the prefix cache instead of computing them again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
+from pagefleet.engine.config import CacheConfig, EngineArgs, SchedulerConfig
+from pagefleet.engine.detokenizer import Detokenizer
+from pagefleet.engine.kv_cache.events import KVEventListener
+from pagefleet.engine.model.loader import load_model, load_tokenizer, read_config, resolve_dtype
+from pagefleet.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from pagefleet.engine.request import Request, RequestStatus
+from pagefleet.engine.runner import ModelRunner, kv_bytes_per_block
+from pagefleet.engine.sampler import Sampler
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.scheduler import Scheduler
+
+logger = logging.getLogger("pagefleet.engine")
+GiB = 1 << 30
+
+
+@dataclass
+class _Sequence:
+    """One of a request's n samples: its scheduler request and what the user will see."""
+
+    index: int
+    request: Request
+    detok: Detokenizer | None
+    logprobs: list[TokenLogprobs] | None
+    cumulative_logprob: float | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    sequences: list[_Sequence] = field(default_factory=list)
+    pending: list[_Sequence] = field(default_factory=list)  # siblings waiting for the prompt
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending and all(s.request.status.finished for s in self.sequences)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, kv_event_listener: KVEventListener | None = None):
+        self.args = args
+        self.device = _resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        hf_config = read_config(args.model)
+        self.tokenizer = load_tokenizer(args.model)
+        max_positions = hf_config.get("max_position_embeddings", 4096)
+        self.max_model_len = args.max_model_len or max_positions
+        if self.max_model_len > max_positions:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is more than the model's "
+                f"max_position_embeddings={max_positions} (--max-model-len)"
+            )
+        start = time.perf_counter()
+        model = load_model(args.model, self.dtype, self.device, self.max_model_len)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        logger.info(
+            "Loading weights took %.2f s; model weights take %.2f GiB",
+            time.perf_counter() - start,
+            weight_bytes / GiB,
+        )
+        self.model_config = model.config
+        kv_dtype = (
+            self.dtype
+            if args.kv_cache_dtype == "auto"
+            else resolve_dtype(args.kv_cache_dtype, self.device)
+        )
+        num_blocks = self._size_kv_pool(model, kv_dtype)
+        self.scheduler = Scheduler.create(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                max_num_partial_prefills=args.max_num_partial_prefills,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+            ),
+            CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
+            kv_event_listener,
+        )
+        backend = _attention_backend(args.attention_backend, self.device)
+        self.runner = ModelRunner(
+            model, args.block_size, num_blocks, backend, self.device, kv_dtype
+        )
+        self.sampler = Sampler(args.seed, self.device)
+        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
+        self.groups: dict[str, _Group] = {}
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _size_kv_pool(self, model, kv_dtype: torch.dtype) -> int:
+        args = self.args
+        per_block = kv_bytes_per_block(model, args.block_size, kv_dtype)
+        if args.num_gpu_blocks_override:
+            num_blocks = args.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            num_blocks = self._cuda_kv_budget(model) // per_block
+        else:
+            num_blocks = int(args.kv_cache_memory * GiB) // per_block
+        tokens = num_blocks * args.block_size
+        logger.info("KV cache size: %d tokens (%d blocks, %.2f GiB)", tokens, num_blocks,
+                    num_blocks * per_block / GiB)  # fmt: skip
+        logger.info("Maximum concurrency for %d tokens per request: %.2fx",
+                    self.max_model_len, tokens / self.max_model_len)  # fmt: skip
+        if tokens < self.max_model_len:
+            memory_flag = "--gpu-memory-utilization" if self.device.type == "cuda" else (
+                "--kv-cache-memory")  # fmt: skip
+            raise ValueError(
+                f"the KV cache holds {tokens} tokens, less than one request of max_model_len="
+                f"{self.max_model_len}: lower --max-model-len, raise {memory_flag} or "
+                f"--num-gpu-blocks-override, or use a smaller --kv-cache-dtype"
+            )
+        return num_blocks
+
+    def _cuda_kv_budget(self, model) -> int:
+        """Bytes left for the KV pool on the GPU: utilisation x total, minus the weights and
+        the activation peak of a dry-run forward at max_num_batched_tokens."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        probe = ModelRunner(model, self.args.block_size,
+                            -(-self.args.max_num_batched_tokens // self.args.block_size),
+                            _attention_backend(self.args.attention_backend, self.device),
+                            self.device, self.dtype)  # fmt: skip
+        n = min(self.args.max_num_batched_tokens, self.max_model_len - 1)
+        dry = Request("profile", [0] * n, SamplingParams(max_tokens=1), block_size=probe.block_size)
+        dry.block_ids.extend(range(-(-n // probe.block_size)))
+        from pagefleet.engine.scheduler import SchedulerOutput
+
+        probe.execute(SchedulerOutput(scheduled=[(dry, n)], num_tokens=n))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del probe
+        torch.cuda.empty_cache()
+        total = torch.cuda.mem_get_info()[1]
+        return max(int(total * self.args.gpu_memory_utilization) - peak, 0)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request (text or token ids); returns its id. Raises ValueError if it cannot
+        run (empty, too long for max_model_len or for the whole KV pool, duplicate id)."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.groups:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        group = _Group(request_id, text, token_ids, params, arrival_time or time.time())
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(token_ids)
+        for i in range(params.n):
+            seq_params = params
+            if params.n > 1 and params.seed is not None:
+                seq_params = _replace(params, seed=params.seed + i)
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(
+                rid,
+                token_ids,
+                seq_params,
+                eos_token_id=self.eos_token_ids,
+                block_size=self.args.block_size,
+                arrival_time=group.arrival_time,
+            )
+            self.scheduler.check_request(req)
+            detok = Detokenizer(
+                self.tokenizer,
+                token_ids,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            )
+            seq = _Sequence(i, req, detok, [] if params.logprobs is not None else None,
+                            0.0 if params.logprobs is not None else None)  # fmt: skip
+            group.sequences.append(seq)
+        self.scheduler.add_request(group.sequences[0].request)
+        group.pending = group.sequences[1:]
+        self.groups[request_id] = group
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        group.pending = []
+        for seq in group.sequences:
+            if not seq.request.status.finished:
+                self.scheduler.abort(seq.request.request_id)
+                seq.request.status = RequestStatus.FINISHED_ABORTED
+            self.sampler.forget(seq.request.request_id)
+        return self._output(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; returns the outputs of the requests it advanced."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        logits, sample_reqs, prompt_logprobs = self.runner.execute(out)
+        sampled = self.sampler.sample(logits, sample_reqs)
+        token_of = {id(r): t for r, t in zip(sample_reqs, sampled.token_ids, strict=True)}
+        self.scheduler.update_from_output(out, [token_of.get(id(r)) for r, _ in out.scheduled])
+        touched: dict[str, _Group] = {}
+        for rid, (start, entries) in prompt_logprobs.items():
+            group = self.groups[_group_id(rid)]
+            group.prompt_logprobs[start + 1 : start + 1 + len(entries)] = entries
+        for req, token, logprobs in zip(sample_reqs, sampled.token_ids, sampled.logprobs,
+                                        strict=True):  # fmt: skip
+            group = self.groups.get(_group_id(req.request_id))
+            if group is None:
+                continue
+            self._record_token(group, req, token, logprobs)
+            touched[group.request_id] = group
+        outputs = []
+        for group in touched.values():
+            self._admit_siblings(group)
+            outputs.append(self._output(group))
+            if group.finished:
+                del self.groups[group.request_id]
+                for seq in group.sequences:
+                    self.sampler.forget(seq.request.request_id)
+        return outputs
+
+    def _record_token(self, group: _Group, req: Request, token: int, logprobs) -> None:
+        seq = next(s for s in group.sequences if s.request is req)
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token].logprob
+        stop_str = seq.detok.add_token(token) if seq.detok else None
+        if stop_str is not None and not req.status.finished:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            seq.stop_reason = stop_str
+        elif req.status is RequestStatus.FINISHED_STOPPED and seq.stop_reason is None:
+            seq.stop_reason = token if token in req.sampling_params.stop_token_ids else None
+
+    def _admit_siblings(self, group: _Group) -> None:
+        """Admit the other n-1 samples once the first has its prompt's blocks cached."""
+        if group.pending:
+            for seq in group.pending:
+                self.scheduler.add_request(seq.request)
+            group.pending = []
+
+    def _output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for seq in group.sequences:
+            req = seq.request
+            text = seq.detok.stream_text(req.status.finished) if seq.detok else ""
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=req.output_token_ids,
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    finish_reason=req.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            prompt_logprobs=group.prompt_logprobs,
+            finished=group.finished,
+            num_cached_tokens=group.sequences[0].request.num_cached_tokens,
+        )
+
+
+def _group_id(request_id: str) -> str:
+    return request_id.rsplit("#", 1)[0] if "#" in request_id else request_id
+
+
+def _replace(params: SamplingParams, **changes) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, **changes)
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _attention_backend(name: str | None, device: torch.device):
+    if name in (None, "torch"):
+        return TorchAttentionBackend()
+    raise ValueError(f"attention backend {name!r} is not available (--attention-backend): torch")
+
+
+def _eos_ids(hf_config: dict, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    eos = hf_config.get("eos_token_id")
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

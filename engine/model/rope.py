@@ -1,0 +1,77 @@
+"""Rotary position embeddings (half-rotation layout, as HF's Llama/Qwen), with llama3 scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_params(config: dict) -> dict:
+    """The rope settings of a config.json, old style (rope_theta + rope_scaling) or new
+    (rope_parameters), as one dict with `rope_type` and `rope_theta`."""
+    params = dict(config.get("rope_parameters") or {})
+    if not params:
+        params = dict(config.get("rope_scaling") or {})
+        params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope type {params['rope_type']!r} is not supported; one of {SUPPORTED_ROPE_TYPES}"
+        )
+    return params
+
+
+def inverse_frequencies(head_dim: int, params: dict) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+    kind = params["rope_type"]
+    if kind == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif kind == "llama3":
+        inv_freq = _llama3_scale(inv_freq, params)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling: long wavelengths are slowed by `factor`, short
+    ones kept, and the band between them blended linearly in 1/wavelength."""
+    factor = p["factor"]
+    low, high = p["low_freq_factor"], p["high_freq_factor"]
+    original_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    long_wave = wavelen > original_len / low
+    short_wave = wavelen < original_len / high
+    blend = (original_len / wavelen - low) / (high - low)
+    blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+    scaled = torch.where(long_wave, inv_freq / factor, inv_freq)
+    return torch.where(~long_wave & ~short_wave, blended, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Precomputed cos/sin per position; applied to flattened [tokens, heads, head_dim]."""
+
+    def __init__(self, head_dim: int, max_positions: int, params: dict) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, params)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    cos = cos.to(x.dtype)
+    sin = sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,176 @@
+"""Model runner: turns a scheduler step into tensors, runs the forward pass over the paged
+KV pool, and returns the logits rows to sample from.
+
+The KV pool is one tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim], so it can
+be registered for transfer as a single memory region.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagefleet.engine.attention.backend import AttentionBackend, AttentionMetadata, PrefillChunk
+from pagefleet.engine.model.transformer import CausalLM
+from pagefleet.engine.outputs import TokenLogprobs
+from pagefleet.engine.request import Request
+from pagefleet.engine.sampler import top_logprobs
+from pagefleet.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    # Rows whose logits are sampled (a request's last row once its prompt is done), in order.
+    sample_rows: list[int]
+    sample_requests: list[Request]
+    # Requests asking for prompt logprobs: (request, first row, first position, rows).
+    prompt_logprob_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
+
+
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        block_size: int,
+        num_blocks: int,
+        backend: AttentionBackend,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.backend = backend
+        self.device = device
+        self.kv_pool = torch.zeros(
+            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+            dtype=dtype, device=device,
+        )  # fmt: skip
+        self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(cfg.num_layers)]
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, list[Request], dict[str, tuple[int, list[TokenLogprobs]]]]:
+        """Run one step; returns (logits of sampled rows, their requests, prompt logprobs)."""
+        inputs = self.prepare(out)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.backend, self.kv_caches, inputs.meta
+        )
+        rows = torch.tensor(inputs.sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows]) if inputs.sample_rows else hidden[:0]
+        prompt_logprobs = self._prompt_logprobs(hidden, inputs)
+        return logits, inputs.sample_requests, prompt_logprobs
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        singles = [(r, n) for r, n in out.scheduled if n == 1]
+        chunks = [(r, n) for r, n in out.scheduled if n > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        skipped: list[int] = []  # rows whose keys/values are already in a shared block
+        tables: list[list[int]] = []
+        context_lens: list[int] = []
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+        prompt_rows: list[tuple[Request, int, int, int]] = []
+
+        for row, (req, _) in enumerate(singles):
+            pos = req.num_computed_tokens
+            ids = req.block_ids
+            input_ids.append(req.all_token_ids[pos])
+            positions.append(pos)
+            if pos < req.num_cached_tokens:
+                skipped.append(row)
+            else:
+                slots.append(ids[pos // bs] * bs + pos % bs)
+            num_blocks = pos // bs + 1
+            tables.append(ids[:num_blocks])
+            context_lens.append(pos + 1)
+            self._note_rows(req, row, pos, 1, sample_rows, sample_requests, prompt_rows)
+
+        prefills: list[PrefillChunk] = []
+        chunk_slots: list[torch.Tensor] = []
+        row = len(singles)
+        for req, n in chunks:
+            start = req.num_computed_tokens
+            input_ids.extend(req.all_token_ids[start : start + n])
+            pos = torch.arange(start, start + n)
+            positions_t = pos
+            block_ids = torch.tensor(req.block_ids[: (start + n + bs - 1) // bs])
+            chunk_slots.append(block_ids[pos // bs] * bs + pos % bs)
+            prefills.append(PrefillChunk(row, n, start, block_ids.to(self.device)))
+            positions.extend(positions_t.tolist())
+            self._note_rows(req, row, start, n, sample_rows, sample_requests, prompt_rows)
+            row += n
+
+        num_single = len(singles)
+        max_blocks = max((len(t) for t in tables), default=0)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        dev = self.device
+        single_lens = torch.tensor(context_lens, dtype=torch.int64)
+        slot_mapping = torch.tensor(slots, dtype=torch.int64)
+        if chunk_slots:
+            slot_mapping = torch.cat([slot_mapping, *chunk_slots])
+        write_rows = None
+        if skipped:
+            keep = torch.ones(row, dtype=torch.bool)
+            keep[skipped] = False
+            write_rows = keep.nonzero().squeeze(1).to(dev)
+        mask = torch.arange(max_blocks * bs).unsqueeze(0) < single_lens.unsqueeze(1)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            write_rows=write_rows,
+            num_single=num_single,
+            single_block_tables=torch.tensor(padded, dtype=torch.int64)
+            .view(num_single, max_blocks)
+            .to(dev),
+            single_context_lens=single_lens.to(dev),
+            single_mask=mask.view(num_single, 1, 1, max_blocks * bs).to(dev),
+            prefills=prefills,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta,
+            sample_rows=sample_rows,
+            sample_requests=sample_requests,
+            prompt_logprob_rows=prompt_rows,
+        )
+
+    @staticmethod
+    def _note_rows(req, row, start, n, sample_rows, sample_requests, prompt_rows) -> None:
+        end = start + n
+        if end >= req.num_tokens:
+            sample_rows.append(row + n - 1)
+            sample_requests.append(req)
+        if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+            # Rows at positions p < prompt_len - 1 predict prompt token p + 1.
+            count = min(end, req.num_prompt_tokens - 1) - start
+            prompt_rows.append((req, row, start, count))
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, inputs: StepInputs
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """Per request: (first position, logprobs of the prompt tokens that follow each row)."""
+        result: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        for req, row, start, count in inputs.prompt_logprob_rows:
+            logprobs = torch.log_softmax(
+                self.model.compute_logits(hidden[row : row + count]).float(), dim=-1
+            )
+            k = req.sampling_params.prompt_logprobs
+            targets = req.all_token_ids[start + 1 : start + 1 + count]
+            entries = [top_logprobs(logprobs[i], t, k) for i, t in enumerate(targets)]
+            result[req.request_id] = (start, entries)
+        return result
