@@ -1,1 +1,24 @@
-"""The engine: KV-cache manager, scheduler and (later) model runner of one model replica."""
+"""The engine: KV-cache manager, scheduler, model runner, sampler and the offline/async APIs.
+
+`LLM` and `SamplingParams` import lazily, so the scheduler and cache stay usable without torch.
+"""
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagefleet.engine.llm import LLM
+    from pagefleet.engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from pagefleet.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from pagefleet.engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

@@ -52,6 +52,7 @@ class _Group:
     sequences: list[_Sequence] = field(default_factory=list)
     pending: list[_Sequence] = field(default_factory=list)  # siblings waiting for the prompt
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens the first sample found cached
 
     @property
     def finished(self) -> bool:
@@ -258,6 +259,8 @@ class LLMEngine:
 
     def _record_token(self, group: _Group, req: Request, token: int, logprobs) -> None:
         seq = next(s for s in group.sequences if s.request is req)
+        if group.num_cached_tokens is None:
+            group.num_cached_tokens = req.num_cached_tokens
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token].logprob
@@ -298,7 +301,7 @@ class LLMEngine:
             outputs=completions,
             prompt_logprobs=group.prompt_logprobs,
             finished=group.finished,
-            num_cached_tokens=group.sequences[0].request.num_cached_tokens,
+            num_cached_tokens=group.num_cached_tokens or 0,
         )
 
 

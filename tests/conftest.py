@@ -79,3 +79,20 @@ def check_invariants(sched: Scheduler) -> None:
 @pytest.fixture
 def scheduler_factory():
     return make_scheduler
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """One tiny random checkpoint per supported architecture (see hf_reference.ARCH_CASES)."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from hf_reference import ARCH_CASES
+
+    from pagefleet.engine.model.tiny import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {
+        name: str(write_tiny_checkpoint(root / name, arch, **opts))
+        for name, (arch, opts) in ARCH_CASES.items()
+    }

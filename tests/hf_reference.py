@@ -1,0 +1,72 @@
+"""HF transformers as the oracle: greedy references and the near-tie rule for comparing them."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+# (architecture, checkpoint options): together they cover GQA 2:1, MQA, MHA-free head_dim,
+# llama3 rope scaling, tied embeddings, q/k/v biases, q/k norms and sharded weights.
+ARCH_CASES = {
+    "llama": ("LlamaForCausalLM", {
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        "rope_theta": 500000.0,
+    }),
+    "mistral": ("MistralForCausalLM", {"num_kv_heads": 1, "max_shard_size": "100KB"}),
+    "qwen2": ("Qwen2ForCausalLM", {"tie_word_embeddings": True, "num_kv_heads": 4}),
+    "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32, "num_heads": 4, "num_kv_heads": 2}),
+}  # fmt: skip
+
+
+@functools.lru_cache(maxsize=8)
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # No EOS at all: HF neither stops at it nor masks it (min_new_tokens would mask it, which
+    # is not what ignore_eos means), so both sides run exactly max_tokens greedy steps.
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@functools.lru_cache(maxsize=4096)
+def hf_greedy(path: str, prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    from transformers import GenerationConfig
+
+    model = hf_model(path)
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0
+    )
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), generation_config=config)
+    return tuple(out[0, len(prompt) :].tolist())
+
+
+def hf_logprobs(path: str, token_ids: list[int]) -> torch.Tensor:
+    """log-softmax of HF's next-token logits after each position: [len, vocab]."""
+    with torch.no_grad():
+        logits = hf_model(path)(torch.tensor([token_ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def assert_greedy_equal(path: str | Path, prompt: list[int], ours: list[int], max_tokens: int):
+    """Ours must equal HF's greedy tokens; a divergence passes only as a genuine near-tie: the
+    two tokens are each in the other's top-2 and their logprobs differ by < 1e-4 (vLLM's
+    check_logprobs_close criterion). Tokens after a near-tie are not compared."""
+    path = str(path)
+    ref = list(hf_greedy(path, tuple(prompt), max_tokens))
+    assert len(ours) == len(ref), (len(ours), len(ref))
+    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        if a == b:
+            continue
+        lp = hf_logprobs(path, prompt + ref[:i])[-1]
+        top2 = set(lp.topk(2).indices.tolist())
+        gap = abs(lp[a].item() - lp[b].item())
+        assert a in top2 and b in top2 and gap < 1e-4, (
+            f"diverged from HF at output token {i}: ours {a}, HF {b}, logprob gap {gap:.2e}, "
+            f"HF top-2 {sorted(top2)}"
+        )
+        return
