@@ -1,8 +1,8 @@
 """Model runner: turns a scheduler step into tensors, runs the forward pass over the paged
 KV pool, and returns the logits rows to sample from.
 
-The KV pool is one tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim], so it can
-be registered for transfer as a single memory region.
+The KV pool is one tensor [layers, 2, kv_heads, num_blocks, block_size, head_dim], so it can
+be registered for transfer as a single memory region (layout: see attention/torch_ref.py).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.kv_pool = torch.zeros(
-            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+            cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim,
             dtype=dtype, device=device,
         )  # fmt: skip
         self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(cfg.num_layers)]
@@ -137,7 +137,7 @@ class ModelRunner:
             .view(num_single, max_blocks)
             .to(dev),
             single_context_lens=single_lens.to(dev),
-            single_mask=mask.view(num_single, 1, 1, max_blocks * bs).to(dev),
+            single_mask=mask.view(1, num_single, 1, max_blocks * bs).to(dev),
             prefills=prefills,
         )
         return StepInputs(

@@ -31,7 +31,7 @@ class AttentionMetadata:
     num_single: int  # leading rows that attend alone (query length 1)
     single_block_tables: torch.Tensor  # [num_single, max_blocks] int64, padded with 0
     single_context_lens: torch.Tensor  # [num_single] int64
-    single_mask: torch.Tensor  # [num_single, 1, 1, max_blocks * block_size] bool, True = attend
+    single_mask: torch.Tensor  # [1, num_single, 1, max_blocks * block_size] bool, True = attend
     prefills: list[PrefillChunk]
 
 
@@ -47,7 +47,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_kv_heads, num_blocks, block_size, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,

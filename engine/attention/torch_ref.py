@@ -1,5 +1,9 @@
 """Reference paged attention in vectorised torch: the CPU backend and the tests' oracle.
 
+Cache layout per layer: [kv_heads, num_blocks, block_size, head_dim] (head-major), so the
+blocks of a block table, gathered for one head, are already one contiguous [context, head_dim]
+matrix for the matmuls: one copy per step, not two.
+
 Single-token rows are batched: their blocks are gathered into one padded tensor and attended
 with grouped matmuls (each KV head read once for its query heads). Prompt chunks go one
 request at a time through scaled_dot_product_attention; a step holds few of them.
@@ -18,8 +22,10 @@ class TorchAttentionBackend:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         write_cache(k, v, k_cache, v_cache, meta)
-        out = torch.empty_like(q)
         n = meta.num_single
+        if not meta.prefills:
+            return self._single(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
         if n:
             out[:n] = self._single(q[:n], k_cache, v_cache, meta, scale)
         for chunk in meta.prefills:
@@ -29,31 +35,35 @@ class TorchAttentionBackend:
 
     def _single(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         num, num_heads, head_dim = q.shape
-        num_kv = k_cache.shape[2]
+        num_kv, _, block_size, _ = k_cache.shape
         tables = meta.single_block_tables
-        # [num, blocks, block_size, kv, d] -> [num, kv, ctx, d]
-        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
-        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
-        queries = q.view(num, num_kv, num_heads // num_kv, head_dim)
-        scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # [num, kv, group, ctx]
-        scores.masked_fill_(~meta.single_mask, float("-inf"))
+        ctx = tables.shape[1] * block_size
+        # [kv, num * blocks, block_size, d] -> [kv, num, ctx, d], contiguous
+        keys = k_cache.index_select(1, tables.flatten()).view(num_kv, num, ctx, head_dim)
+        values = v_cache.index_select(1, tables.flatten()).view(num_kv, num, ctx, head_dim)
+        queries = q.view(num, num_kv, num_heads // num_kv, head_dim).transpose(0, 1)
+        scores = torch.matmul(queries, keys.transpose(-1, -2))  # [kv, num, group, ctx]
+        scores.mul_(scale).masked_fill_(~meta.single_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        return torch.matmul(probs, values).view(num, num_heads, head_dim)
+        out = torch.matmul(probs, values)  # [kv, num, group, d]
+        return out.transpose(0, 1).reshape(num, num_heads, head_dim)
 
     def _chunk(self, q, k, v, k_cache, v_cache, chunk, scale: float):
         n = chunk.num_tokens
         if chunk.num_computed == 0:
-            keys, values, mask, causal = k, v, None, True
+            keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
         else:
             ctx = chunk.num_computed + n
-            keys = k_cache[chunk.block_ids].flatten(0, 1)[:ctx]
-            values = v_cache[chunk.block_ids].flatten(0, 1)[:ctx]
+            num_kv, _, block_size, head_dim = k_cache.shape
+            span = len(chunk.block_ids) * block_size
+            keys = k_cache.index_select(1, chunk.block_ids).view(num_kv, span, head_dim)[:, :ctx]
+            values = v_cache.index_select(1, chunk.block_ids).view(num_kv, span, head_dim)[:, :ctx]
             query_pos = torch.arange(chunk.num_computed, ctx).unsqueeze(1)
             mask, causal = torch.arange(ctx).unsqueeze(0) <= query_pos, False
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
             attn_mask=mask,
             is_causal=causal,
             scale=scale,
@@ -67,7 +77,8 @@ def write_cache(k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
     if meta.write_rows is not None:
         k = k[meta.write_rows]
         v = v[meta.write_rows]
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    flat_k.index_copy_(0, meta.slot_mapping, k)
-    flat_v.index_copy_(0, meta.slot_mapping, v)
+    num_kv, _, _, head_dim = k_cache.shape
+    flat_k = k_cache.view(num_kv, -1, head_dim)
+    flat_v = v_cache.view(num_kv, -1, head_dim)
+    flat_k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+    flat_v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
