@@ -25,13 +25,19 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from pagefleet.engine import LLM, SamplingParams  # noqa: E402
-from pagefleet.engine.model.tiny import write_tiny_checkpoint  # noqa: E402
+from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.model.tiny import write_tiny_checkpoint
 
-SHAPE = dict(hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8, num_kv_heads=2,
-             vocab_size=32000)  # fmt: skip
+SHAPE = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=2,
+    vocab_size=32000,
+)
 
 
 def workload(name: str, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -41,10 +47,12 @@ def workload(name: str, seed: int = 0) -> list[tuple[list[int], int]]:
     else:
         n, prompt_range, out_range = 256, (16, 128), (128, 512)
     return [
-        ([rng.randrange(10, 32000) for _ in range(rng.randint(*prompt_range))],
-         rng.randint(*out_range))
+        (
+            [rng.randrange(10, 32000) for _ in range(rng.randint(*prompt_range))],
+            rng.randint(*out_range),
+        )
         for _ in range(n)
-    ]  # fmt: skip
+    ]
 
 
 # ---------------------------------------------------------------- the machine's floor
@@ -137,8 +145,12 @@ def run_hf(path: str, requests, batch_size: int) -> dict:
         ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, generation_config=config,
-                           max_new_tokens=max(m for _, m in batch))  # fmt: skip
+            model.generate(
+                ids,
+                attention_mask=mask,
+                generation_config=config,
+                max_new_tokens=max(m for _, m in batch),
+            )
         useful += sum(m for _, m in batch)
     wall = time.perf_counter() - start
     return {"wall_s": wall, "tokens": useful, "tok_s": useful / wall, "batch_size": batch_size}
@@ -163,28 +175,42 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gemm, bandwidth = gemm_rate(), memory_bandwidth()
-    print(f"machine: fp32 GEMM {gemm / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s,"
-          f" {args.threads} threads")  # fmt: skip
+    print(
+        f"machine: fp32 GEMM {gemm / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s,"
+        f" {args.threads} threads"
+    )
     results = {"gemm_flops": gemm, "bandwidth": bandwidth, "workloads": {}}
     with tempfile.TemporaryDirectory() as tmp:
         path = str(write_tiny_checkpoint(Path(tmp) / "bench", "LlamaForCausalLM", **SHAPE))
         for name in ("a", "b"):
             requests = workload(name)
-            ours = run_engine(path, requests, max_num_seqs=args.max_num_seqs,
-                              max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+            ours = run_engine(
+                path,
+                requests,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+            )
             cut = requests[: args.hf_cut]
             hf_runs = [run_hf(path, cut, int(b)) for b in args.hf_batch_sizes.split(",")]
             hf = max(hf_runs, key=lambda r: r["tok_s"])
             flops, nbytes = useful_work(requests, SHAPE)
             floor = max(flops / gemm, nbytes / bandwidth)
-            row = {"ours": ours, "hf": hf, "hf_all": hf_runs, "floor_s": floor,
-                   "speedup": ours["tok_s"] / hf["tok_s"], "of_floor": floor / ours["wall_s"]}  # fmt: skip
+            row = {
+                "ours": ours,
+                "hf": hf,
+                "hf_all": hf_runs,
+                "floor_s": floor,
+                "speedup": ours["tok_s"] / hf["tok_s"],
+                "of_floor": floor / ours["wall_s"],
+            }
             results["workloads"][name] = row
-            print(f"({name}) {len(requests)} requests, {ours['tokens']} output tokens: "
-                  f"pagefleet {ours['tok_s']:.1f} tok/s ({ours['wall_s']:.1f} s), "
-                  f"HF {hf['tok_s']:.1f} tok/s (batch {hf['batch_size']}, {len(cut)} requests) "
-                  f"-> x{row['speedup']:.2f}; floor {floor:.1f} s = "
-                  f"{row['of_floor']:.0%} of our wall time")  # fmt: skip
+            print(
+                f"({name}) {len(requests)} requests, {ours['tokens']} output tokens: "
+                f"pagefleet {ours['tok_s']:.1f} tok/s ({ours['wall_s']:.1f} s), "
+                f"HF {hf['tok_s']:.1f} tok/s (batch {hf['batch_size']}, {len(cut)} requests) "
+                f"-> x{row['speedup']:.2f}; floor {floor:.1f} s = "
+                f"{row['of_floor']:.0%} of our wall time"
+            )
         share = decode_overhead(path)
         results["outside_forward_share_64_decodes"] = share
         print(f"time outside the model forward at 64 concurrent decodes: {share:.1%}")

@@ -1,7 +1,9 @@
-"""An offline run of the scheduler and KV cache with a stand-in model: the current main job.
+"""The demo main job: `LLM.generate` on the tiny local checkpoint, and a stand-in-model run.
 
-The stand-in "samples" a deterministic token from the request's last token, so runs are
-reproducible and the scheduling, prefix caching and preemption are the real ones.
+`run_llm_demo` serves chat prompts that share a system prompt through the real engine. The
+stand-in run drives only the scheduler and KV cache: its "model" derives a deterministic
+token from the sequence so far, so runs are reproducible and the scheduling, prefix caching
+and preemption are the real ones (tests and benchmarks use it too).
 """
 
 from __future__ import annotations
@@ -105,6 +107,46 @@ def run_demo(
         cached_free_blocks=kv.num_cached_free_blocks,
         seconds=time.perf_counter() - start,
     )
+
+
+DEMO_QUESTIONS = [
+    "What is a KV cache?",
+    "Why does prefix caching help chat?",
+    "Tell me about the river and the mountain.",
+    "Write a short poem about blocks.",
+]
+
+
+def run_llm_demo(model_path: str, max_tokens: int = 24) -> str:
+    """Generate for a few chats with one system prompt; returns a printable report."""
+    from pagefleet.engine.llm import LLM
+    from pagefleet.engine.sampling_params import SamplingParams
+
+    llm = LLM(model_path, kv_cache_memory=0.25, max_model_len=1024)
+    system = {"role": "system", "content": "You are a helpful assistant. " * 6}
+    chats = [[system, {"role": "user", "content": q}] for q in DEMO_QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    start = time.perf_counter()
+    # The first chat fills the cache with the system prompt; the others then hit it.
+    outputs = llm.chat(chats[:1], params, use_tqdm=False)
+    outputs += llm.chat(chats[1:], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    kv = llm.engine.scheduler.kv_cache
+    lines = [f"pagefleet demo: LLM.generate on {model_path} (random weights: the text is noise)"]
+    for question, out in zip(DEMO_QUESTIONS, outputs, strict=True):
+        completion = out.outputs[0]
+        lines.append(f"  user: {question}")
+        lines.append(
+            f"  model ({len(completion.token_ids)} tokens, {completion.finish_reason}): "
+            f"{completion.text!r}"
+        )
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    lines.append(
+        f"  {tokens} tokens in {seconds:.2f} s; prefix-cache hits "
+        f"{kv.prefix_cache_hits}/{kv.prefix_cache_queries} prompt tokens (the shared system "
+        f"prompt); KV pool {kv.num_blocks} blocks"
+    )
+    return "\n".join(lines)
 
 
 def format_report(r: DemoReport) -> str:

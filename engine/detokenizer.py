@@ -22,6 +22,10 @@ class Detokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
+        # The fast tokenizer's backend decodes without transformers' per-call checks (which
+        # cost more than the decode itself at one call per token).
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         self.tokens: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
@@ -33,7 +37,10 @@ class Detokenizer:
         self.holdback = max((len(s) for s in stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        if self.backend is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        text = self.backend.decode(ids, skip_special_tokens=self.skip_special)
+        return self.tokenizer.clean_up_tokenization(text) if self.cleanup else text
 
     def add_token(self, token_id: int) -> str | None:
         """Append a token; returns the stop string it completed (text is cut there), or None."""
@@ -48,6 +55,14 @@ class Detokenizer:
         start = max(len(self.text) - self.holdback, 0)
         self.text += delta
         return self._check_stop(start) if self.stop else None
+
+    def flush(self) -> None:
+        """At the end of a sequence, emit what is held back for an incomplete character."""
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset :])
+        if len(full) > len(prefix):
+            self.text += full[len(prefix) :]
+            self.prefix_offset = self.read_offset = len(self.tokens)
 
     def _check_stop(self, search_from: int) -> str | None:
         found = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) != -1]

@@ -39,8 +39,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(batch):
                 raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
-        ids = [self.engine.add_request(None, _unwrap(p), sp) for p, sp in zip(batch, params,
-                                                                              strict=True)]  # fmt: skip
+        pairs = zip(batch, params, strict=True)
+        ids = [self.engine.add_request(None, _unwrap(p), sp) for p, sp in pairs]
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -55,10 +55,14 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.engine.tokenizer
         prompts = [
-            _token_ids(tokenizer.apply_chat_template(
-                conv, tokenize=True, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template,
-            ))  # fmt: skip
+            _token_ids(
+                tokenizer.apply_chat_template(
+                    conv,
+                    tokenize=True,
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template=chat_template,
+                )
+            )
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -121,13 +121,21 @@ class LLMEngine:
         else:
             num_blocks = int(args.kv_cache_memory * GiB) // per_block
         tokens = num_blocks * args.block_size
-        logger.info("KV cache size: %d tokens (%d blocks, %.2f GiB)", tokens, num_blocks,
-                    num_blocks * per_block / GiB)  # fmt: skip
-        logger.info("Maximum concurrency for %d tokens per request: %.2fx",
-                    self.max_model_len, tokens / self.max_model_len)  # fmt: skip
+        logger.info(
+            "KV cache size: %d tokens (%d blocks, %.2f GiB)",
+            tokens,
+            num_blocks,
+            num_blocks * per_block / GiB,
+        )
+        logger.info(
+            "Maximum concurrency for %d tokens per request: %.2fx",
+            self.max_model_len,
+            tokens / self.max_model_len,
+        )
         if tokens < self.max_model_len:
-            memory_flag = "--gpu-memory-utilization" if self.device.type == "cuda" else (
-                "--kv-cache-memory")  # fmt: skip
+            memory_flag = (
+                "--gpu-memory-utilization" if self.device.type == "cuda" else ("--kv-cache-memory")
+            )
             raise ValueError(
                 f"the KV cache holds {tokens} tokens, less than one request of max_model_len="
                 f"{self.max_model_len}: lower --max-model-len, raise {memory_flag} or "
@@ -140,10 +148,14 @@ class LLMEngine:
         the activation peak of a dry-run forward at max_num_batched_tokens."""
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        probe = ModelRunner(model, self.args.block_size,
-                            -(-self.args.max_num_batched_tokens // self.args.block_size),
-                            _attention_backend(self.args.attention_backend, self.device),
-                            self.device, self.dtype)  # fmt: skip
+        probe = ModelRunner(
+            model,
+            self.args.block_size,
+            -(-self.args.max_num_batched_tokens // self.args.block_size),
+            _attention_backend(self.args.attention_backend, self.device),
+            self.device,
+            self.dtype,
+        )
         n = min(self.args.max_num_batched_tokens, self.max_model_len - 1)
         dry = Request("profile", [0] * n, SamplingParams(max_tokens=1), block_size=probe.block_size)
         dry.block_ids.extend(range(-(-n // probe.block_size)))
@@ -202,8 +214,13 @@ class LLMEngine:
                 params.include_stop_str_in_output,
                 params.skip_special_tokens,
             )
-            seq = _Sequence(i, req, detok, [] if params.logprobs is not None else None,
-                            0.0 if params.logprobs is not None else None)  # fmt: skip
+            seq = _Sequence(
+                i,
+                req,
+                detok,
+                [] if params.logprobs is not None else None,
+                0.0 if params.logprobs is not None else None,
+            )
             group.sequences.append(seq)
         self.scheduler.add_request(group.sequences[0].request)
         group.pending = group.sequences[1:]
@@ -240,8 +257,9 @@ class LLMEngine:
         for rid, (start, entries) in prompt_logprobs.items():
             group = self.groups[_group_id(rid)]
             group.prompt_logprobs[start + 1 : start + 1 + len(entries)] = entries
-        for req, token, logprobs in zip(sample_reqs, sampled.token_ids, sampled.logprobs,
-                                        strict=True):  # fmt: skip
+        for req, token, logprobs in zip(
+            sample_reqs, sampled.token_ids, sampled.logprobs, strict=True
+        ):
             group = self.groups.get(_group_id(req.request_id))
             if group is None:
                 continue
@@ -268,8 +286,11 @@ class LLMEngine:
         if stop_str is not None and not req.status.finished:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             seq.stop_reason = stop_str
-        elif req.status is RequestStatus.FINISHED_STOPPED and seq.stop_reason is None:
-            seq.stop_reason = token if token in req.sampling_params.stop_token_ids else None
+        elif req.status.finished:
+            if req.status is RequestStatus.FINISHED_STOPPED and seq.stop_reason is None:
+                seq.stop_reason = token if token in req.sampling_params.stop_token_ids else None
+            if seq.detok:
+                seq.detok.flush()
 
     def _admit_siblings(self, group: _Group) -> None:
         """Admit the other n-1 samples once the first has its prompt's blocks cached."""

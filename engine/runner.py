@@ -11,7 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagefleet.engine.attention.backend import AttentionBackend, AttentionMetadata, PrefillChunk
+from pagefleet.engine.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    PrefillChunk,
+    SingleGroup,
+)
 from pagefleet.engine.model.transformer import CausalLM
 from pagefleet.engine.outputs import TokenLogprobs
 from pagefleet.engine.request import Request
@@ -53,9 +58,15 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.kv_pool = torch.zeros(
-            cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim,
-            dtype=dtype, device=device,
-        )  # fmt: skip
+            cfg.num_layers,
+            2,
+            cfg.num_kv_heads,
+            num_blocks,
+            block_size,
+            cfg.head_dim,
+            dtype=dtype,
+            device=device,
+        )
         self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(cfg.num_layers)]
 
     @torch.inference_mode()
@@ -74,7 +85,10 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         bs = self.block_size
-        singles = [(r, n) for r, n in out.scheduled if n == 1]
+        # Single-token rows sorted by context length, so attention groups pad little.
+        singles = sorted(
+            ((r, n) for r, n in out.scheduled if n == 1), key=lambda e: e[0].num_computed_tokens
+        )
         chunks = [(r, n) for r, n in out.scheduled if n > 1]
         input_ids: list[int] = []
         positions: list[int] = []
@@ -116,8 +130,6 @@ class ModelRunner:
             row += n
 
         num_single = len(singles)
-        max_blocks = max((len(t) for t in tables), default=0)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
         dev = self.device
         single_lens = torch.tensor(context_lens, dtype=torch.int64)
         slot_mapping = torch.tensor(slots, dtype=torch.int64)
@@ -128,16 +140,12 @@ class ModelRunner:
             keep = torch.ones(row, dtype=torch.bool)
             keep[skipped] = False
             write_rows = keep.nonzero().squeeze(1).to(dev)
-        mask = torch.arange(max_blocks * bs).unsqueeze(0) < single_lens.unsqueeze(1)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
             write_rows=write_rows,
             num_single=num_single,
-            single_block_tables=torch.tensor(padded, dtype=torch.int64)
-            .view(num_single, max_blocks)
-            .to(dev),
+            single_groups=self._single_groups(tables, single_lens),
             single_context_lens=single_lens.to(dev),
-            single_mask=mask.view(1, num_single, 1, max_blocks * bs).to(dev),
             prefills=prefills,
         )
         return StepInputs(
@@ -148,6 +156,38 @@ class ModelRunner:
             sample_requests=sample_requests,
             prompt_logprob_rows=prompt_rows,
         )
+
+    # A group of single rows holds at most this many padded context tokens (about 2.5 MB of
+    # keys and values for a 57M model's layer) or this many rows.
+    GROUP_TOKENS = 16 * 640
+    GROUP_ROWS = 32
+
+    def _single_groups(self, tables: list[list[int]], lens: torch.Tensor) -> list[SingleGroup]:
+        bs = self.block_size
+        groups: list[SingleGroup] = []
+        start = 0
+        while start < len(tables):
+            end = start + 1
+            # Rows are sorted by length, so the last row of a group has its longest table.
+            while (
+                end < len(tables)
+                and end - start < self.GROUP_ROWS
+                and (end + 1 - start) * len(tables[end]) * bs <= self.GROUP_TOKENS
+            ):
+                end += 1
+            width = len(tables[end - 1])
+            padded = [t + [0] * (width - len(t)) for t in tables[start:end]]
+            mask = torch.arange(width * bs).unsqueeze(0) < lens[start:end].unsqueeze(1)
+            groups.append(
+                SingleGroup(
+                    start,
+                    end,
+                    torch.tensor(padded, dtype=torch.int64, device=self.device),
+                    mask.view(1, end - start, 1, width * bs).to(self.device),
+                )
+            )
+            start = end
+        return groups
 
     @staticmethod
     def _note_rows(req, row, start, n, sample_rows, sample_requests, prompt_rows) -> None:

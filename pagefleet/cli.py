@@ -9,6 +9,15 @@ from pagefleet import __version__
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if not args.stand_in:
+        import os
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from pagefleet.cache import demo_checkpoint
+        from pagefleet.engine.demo import run_llm_demo
+
+        print(run_llm_demo(str(args.model or demo_checkpoint())))
+        return 0
     from pagefleet.engine.demo import format_report, run_demo
 
     report = run_demo(
@@ -29,7 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pagefleet {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser(
-        "demo", help="run the scheduler and KV cache offline on a synthetic shared-prefix load"
+        "demo",
+        help="generate with the tiny local demo model (LLM.generate), or --stand-in to run the "
+        "scheduler and KV cache alone on a synthetic shared-prefix load",
+    )
+    demo.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
+    demo.add_argument(
+        "--stand-in", action="store_true", help="no model: scheduler + KV cache with a stand-in"
     )
     demo.add_argument("--num-requests", type=int, default=64, help="requests to run (64)")
     demo.add_argument("--num-gpu-blocks", type=int, default=96, help="KV blocks in the pool (96)")

@@ -88,7 +88,6 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from hf_reference import ARCH_CASES
-
     from pagefleet.engine.model.tiny import write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("checkpoints")

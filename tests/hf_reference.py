@@ -10,15 +10,23 @@ import torch
 # (architecture, checkpoint options): together they cover GQA 2:1, MQA, MHA-free head_dim,
 # llama3 rope scaling, tied embeddings, q/k/v biases, q/k norms and sharded weights.
 ARCH_CASES = {
-    "llama": ("LlamaForCausalLM", {
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-        "rope_theta": 500000.0,
-    }),
+    "llama": (
+        "LlamaForCausalLM",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            "rope_theta": 500000.0,
+        },
+    ),
     "mistral": ("MistralForCausalLM", {"num_kv_heads": 1, "max_shard_size": "100KB"}),
     "qwen2": ("Qwen2ForCausalLM", {"tie_word_embeddings": True, "num_kv_heads": 4}),
     "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32, "num_heads": 4, "num_kv_heads": 2}),
-}  # fmt: skip
+}
 
 
 @functools.lru_cache(maxsize=8)

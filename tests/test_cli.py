@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +12,8 @@ import pagefleet
 PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PAGEFLEET, *args], capture_output=True, text=True, timeout=120)
+def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([PAGEFLEET, *args], capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_version_and_help():
@@ -22,8 +23,18 @@ def test_version_and_help():
     assert out.returncode == 0 and "demo" in out.stdout
 
 
-def test_demo_runs_every_request_to_completion_with_prefix_hits():
-    out = _run("demo", "--num-requests", "24")
+def test_demo_generates_with_a_fresh_demo_checkpoint(tmp_path):
+    env = {**os.environ, "PAGEFLEET_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    out = _run("demo", env=env)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "demo-llama" / "config.json").is_file()
+    assert out.stdout.count("model (24 tokens, length)") == 4
+    hits = out.stdout.split("prefix-cache hits ")[1].split()[0]
+    assert int(hits.split("/")[0]) > 0, "the shared system prompt was not reused"
+
+
+def test_stand_in_demo_runs_every_request_to_completion_with_prefix_hits():
+    out = _run("demo", "--stand-in", "--num-requests", "24")
     assert out.returncode == 0, out.stderr
     assert "requests finished      24 " in out.stdout
     rate = next(line for line in out.stdout.splitlines() if "hit rate" in line)
@@ -33,5 +44,5 @@ def test_demo_runs_every_request_to_completion_with_prefix_hits():
 def test_bad_flag_and_bad_value_exit_non_zero_with_a_message():
     out = _run("demo", "--no-such-flag")
     assert out.returncode != 0 and "unrecognized arguments" in out.stderr
-    out = _run("demo", "--num-gpu-blocks", "2")
+    out = _run("demo", "--stand-in", "--num-gpu-blocks", "2")
     assert out.returncode == 2 and "--num-gpu-blocks-override" in out.stderr

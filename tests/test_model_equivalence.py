@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from hf_reference import ARCH_CASES, assert_greedy_equal
 
+from hf_reference import ARCH_CASES, assert_greedy_equal
 from pagefleet.engine import LLM, SamplingParams
 
 MAX_TOKENS = 24
@@ -78,8 +78,13 @@ def test_prefix_cache_hits_do_not_change_output(tiny_checkpoints, arch):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_requests_arriving_while_others_decode(tiny_checkpoints, arch):
     path = tiny_checkpoints[arch]
-    llm = LLM(path, num_gpu_blocks_override=512, max_model_len=256, max_num_batched_tokens=64,
-              max_num_seqs=16)  # fmt: skip
+    llm = LLM(
+        path,
+        num_gpu_blocks_override=512,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        max_num_seqs=16,
+    )
     engine = llm.engine
     prompts = prompts_of_varied_lengths() + shared_prefix_prompts()
     done = {}

@@ -23,15 +23,25 @@ class PrefillChunk:
 
 
 @dataclass
+class SingleGroup:
+    """Consecutive single-token rows attended together. Rows are sorted by context length and
+    grouped so a group's gathered keys stay small (cache-resident) and padding stays low."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [rows, max_blocks] int64, padded with block 0
+    mask: torch.Tensor  # [1, rows, 1, max_blocks * block_size] bool, True = attend
+
+
+@dataclass
 class AttentionMetadata:
     # Pool slot of each written row; rows in `skip_write_rows` are not written (their
     # keys/values are already in a shared cached block).
     slot_mapping: torch.Tensor  # [rows written] int64
     write_rows: torch.Tensor | None  # rows to write, or None for all rows
     num_single: int  # leading rows that attend alone (query length 1)
-    single_block_tables: torch.Tensor  # [num_single, max_blocks] int64, padded with 0
+    single_groups: list[SingleGroup]
     single_context_lens: torch.Tensor  # [num_single] int64
-    single_mask: torch.Tensor  # [1, num_single, 1, max_blocks * block_size] bool, True = attend
     prefills: list[PrefillChunk]
 
 

@@ -4,8 +4,10 @@ Cache layout per layer: [kv_heads, num_blocks, block_size, head_dim] (head-major
 blocks of a block table, gathered for one head, are already one contiguous [context, head_dim]
 matrix for the matmuls: one copy per step, not two.
 
-Single-token rows are batched: their blocks are gathered into one padded tensor and attended
-with grouped matmuls (each KV head read once for its query heads). Prompt chunks go one
+Single-token rows are batched in groups of similar context length (see SingleGroup): each
+group's blocks are gathered into one padded tensor and attended with grouped matmuls (each KV
+head read once for its query heads). Small groups keep the gathered keys in cache, which on
+CPU is ~5x faster than one gather for the whole batch. Prompt chunks go one
 request at a time through scaled_dot_product_attention; a step holds few of them.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagefleet.engine.attention.backend import AttentionMetadata
+from pagefleet.engine.attention.backend import AttentionMetadata, SingleGroup
 
 
 class TorchAttentionBackend:
@@ -22,28 +24,26 @@ class TorchAttentionBackend:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         write_cache(k, v, k_cache, v_cache, meta)
-        n = meta.num_single
-        if not meta.prefills:
-            return self._single(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
-        if n:
-            out[:n] = self._single(q[:n], k_cache, v_cache, meta, scale)
+        for group in meta.single_groups:
+            rows = slice(group.start, group.end)
+            out[rows] = self._single(q[rows], k_cache, v_cache, group, scale)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
             out[rows] = self._chunk(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
         return out
 
-    def _single(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def _single(self, q, k_cache, v_cache, group: SingleGroup, scale: float):
         num, num_heads, head_dim = q.shape
         num_kv, _, block_size, _ = k_cache.shape
-        tables = meta.single_block_tables
+        tables = group.block_tables
         ctx = tables.shape[1] * block_size
         # [kv, num * blocks, block_size, d] -> [kv, num, ctx, d], contiguous
         keys = k_cache.index_select(1, tables.flatten()).view(num_kv, num, ctx, head_dim)
         values = v_cache.index_select(1, tables.flatten()).view(num_kv, num, ctx, head_dim)
         queries = q.view(num, num_kv, num_heads // num_kv, head_dim).transpose(0, 1)
         scores = torch.matmul(queries, keys.transpose(-1, -2))  # [kv, num, group, ctx]
-        scores.mul_(scale).masked_fill_(~meta.single_mask, float("-inf"))
+        scores.mul_(scale).masked_fill_(~group.mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, values)  # [kv, num, group, d]
         return out.transpose(0, 1).reshape(num, num_heads, head_dim)

@@ -1,0 +1,138 @@
+"""AsyncLLM: the engine on its own thread, driven from asyncio.
+
+The forward pass blocks, so it runs on a dedicated thread that owns the `LLMEngine`; the event
+loop only queues commands (add, abort) and receives outputs. HTTP handling therefore never
+stalls a step, and a step never stalls HTTP. An abort (or a cancelled consumer) takes effect at
+the next step boundary, where the request's blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagefleet.engine.config import EngineArgs
+from pagefleet.engine.kv_cache.events import KVEventListener
+from pagefleet.engine.llm_engine import LLMEngine
+from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.sampling_params import SamplingParams
+
+_STOP = object()
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="pagefleet-engine", daemon=True)
+        self._error: BaseException | None = None
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(
+        cls, args: EngineArgs, kv_event_listener: KVEventListener | None = None
+    ) -> AsyncLLM:
+        return cls(LLMEngine(args, kv_event_listener))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------------ asyncio side
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative output after every step that advances it. Closing
+        the iterator early (client gone) aborts the request."""
+        if self._error is not None:
+            raise RuntimeError("the engine loop has died") from self._error
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._streams[request_id] = (loop, stream)
+        self._commands.put(("add", request_id, prompt, params))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine to drop the request at the next step; safe from any thread."""
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._commands.put(_STOP)
+        self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                if not self._drain(block):
+                    return
+                for output in self.engine.step():
+                    self._deliver(output.request_id, output)
+        except BaseException as e:  # deliver the failure to every waiting consumer
+            self._error = e
+            with self._lock:
+                streams = list(self._streams)
+            for request_id in streams:
+                self._deliver(request_id, RuntimeError(f"engine loop failed: {e!r}"))
+            raise
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if idle); False when asked to stop."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if command is _STOP:
+                return False
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, command: tuple[Any, ...]) -> None:
+        if command[0] == "abort":
+            self.engine.abort_request(command[1])
+            return
+        _, request_id, prompt, params = command
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except ValueError as e:
+            self._deliver(request_id, e)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)

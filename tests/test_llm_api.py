@@ -1,0 +1,185 @@
+"""The offline and async APIs, checkpoint loading errors, and KV pool sizing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+
+import pytest
+
+from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.async_llm import AsyncLLM
+from pagefleet.engine.config import EngineArgs
+from pagefleet.engine.model.tiny import write_tiny_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoints):
+    return LLM(tiny_checkpoints["qwen3"], num_gpu_blocks_override=256, max_model_len=256)
+
+
+def test_generate_accepts_text_token_ids_and_dicts_in_order(llm):
+    tok = llm.get_tokenizer()
+    text = "hello world, what is a cache?"
+    ids = tok.encode(text)
+    outs = llm.generate(
+        [text, ids, {"prompt_token_ids": ids}, {"prompt": text}], GREEDY, use_tqdm=False
+    )
+    assert [o.prompt_token_ids for o in outs] == [ids] * 4
+    assert outs[0].prompt == text and outs[1].prompt is None
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    single = llm.generate(text, GREEDY, use_tqdm=False)
+    assert single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert single[0].outputs[0].text == tok.decode(
+        single[0].outputs[0].token_ids, skip_special_tokens=True
+    )
+
+
+def test_chat_applies_the_template(llm):
+    messages = [{"role": "user", "content": "tell me about the sky"}]
+    tok = llm.get_tokenizer()
+    expected = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    assert tok.decode(out.prompt_token_ids) == expected
+    assert (
+        out.outputs[0].token_ids
+        == llm.generate([out.prompt_token_ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    )
+
+
+def test_bad_requests_raise_value_errors(llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([list(range(300))], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        llm.generate([[10**6]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_progress_bar_can_be_on(llm, capsys):
+    llm.generate(["one", "two"], GREEDY, use_tqdm=True)
+    assert "Processed prompts" in capsys.readouterr().err
+
+
+def test_missing_and_unsupported_checkpoints_are_named(tmp_path, tiny_checkpoints):
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        LLM(str(tmp_path / "nope"))
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoints["llama"], broken)
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        LLM(str(broken))
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_checkpoints["mistral"], sharded)
+    next(sharded.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(FileNotFoundError, match="lacks shards"):
+        LLM(str(sharded))
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny_checkpoints["llama"], odd)
+    config = json.loads((odd / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (odd / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+        LLM(str(odd))
+    no_tok = tmp_path / "no_tok"
+    shutil.copytree(tiny_checkpoints["llama"], no_tok)
+    (no_tok / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no tokenizer"):
+        LLM(str(no_tok))
+
+
+def test_kv_pool_is_sized_from_memory_and_reported(tiny_checkpoints, caplog):
+    caplog.set_level(logging.INFO, logger="pagefleet.engine")
+    # llama tiny: 2 layers x 2 (k, v) x 16 slots x 2 kv heads x 16 dims x 4 bytes = 8 KiB/block
+    llm = LLM(tiny_checkpoints["llama"], kv_cache_memory=1 / 1024, max_model_len=512)
+    assert llm.engine.scheduler.kv_cache.num_blocks == 128
+    logs = caplog.text
+    assert "KV cache size: 2048 tokens" in logs
+    assert "Maximum concurrency for 512 tokens per request: 4.00x" in logs
+    assert "model weights take" in logs
+    with pytest.raises(ValueError, match=r"--max-model-len.*--kv-cache-memory.*--kv-cache-dtype"):
+        LLM(tiny_checkpoints["llama"], kv_cache_memory=1 / 1024, max_model_len=4096)
+
+
+def test_engine_args_are_validated():
+    with pytest.raises(ValueError, match="--gpu-memory-utilization"):
+        EngineArgs(model="x", gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="--dtype"):
+        from pagefleet.engine.model.loader import resolve_dtype
+
+        resolve_dtype("int3", __import__("torch").device("cpu"))
+
+
+def test_tiny_checkpoint_refuses_unknown_architectures(tmp_path):
+    with pytest.raises(ValueError, match="unknown architecture"):
+        write_tiny_checkpoint(tmp_path / "x", "GPT2LMHeadModel")
+
+
+def test_async_engine_streams_and_matches_offline(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    prompts = [[10 + i, 20, 30, 40 + i] * (i + 1) for i in range(6)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in LLM(path, num_gpu_blocks_override=128, max_model_len=256).generate(
+            prompts, GREEDY, use_tqdm=False
+        )
+    ]
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs(model=path, num_gpu_blocks_override=128, max_model_len=256)
+    )
+
+    async def one(i: int) -> tuple[list[int], int]:
+        updates = 0
+        final = None
+        async for out in engine.generate(prompts[i], GREEDY, f"req-{i}"):
+            updates += 1
+            final = out
+        return final.outputs[0].token_ids, updates
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    try:
+        results = asyncio.run(all_of_them())
+        assert [r[0] for r in results] == expected
+        assert all(updates == 12 for _, updates in results), "one update per token"
+    finally:
+        engine.shutdown()
+    assert not engine.is_running
+
+
+def test_async_abort_frees_blocks_at_the_next_step(tiny_checkpoints):
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs(model=tiny_checkpoints["llama"], num_gpu_blocks_override=64, max_model_len=256)
+    )
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def leave_early():
+        stream = engine.generate(list(range(40)), long, "leaver")
+        async for out in stream:
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+        await stream.aclose()  # the client went away
+        for _ in range(200):
+            if not engine.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+
+    async def bad_request():
+        with pytest.raises(ValueError, match="max_model_len"):
+            async for _ in engine.generate(list(range(300)), long, "too-long"):
+                pass
+
+    try:
+        asyncio.run(leave_early())
+        kv = engine.engine.scheduler.kv_cache
+        assert not engine.engine.has_unfinished_requests()
+        assert kv.num_free_blocks == kv.num_blocks and kv.usage == 0.0
+        asyncio.run(bad_request())
+    finally:
+        engine.shutdown()
