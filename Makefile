@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml $(SOURCE_LIST)
 
 venv: $(STAMP)
 
-## The main job on the embedded default: an offline run of the scheduler and KV cache.
+## The main job on the embedded default: LLM.generate on the tiny local demo checkpoint.
 demo: $(STAMP)
 	$(BIN)/pagefleet demo
 
@@ -38,6 +38,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/scheduler_step.py
+	$(BIN)/python benchmarks/offline_throughput.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

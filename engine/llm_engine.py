@@ -7,6 +7,7 @@ prompt, so they take its blocks from the prefix cache instead of computing them 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -24,7 +25,7 @@ from pagefleet.engine.request import Request, RequestStatus
 from pagefleet.engine.runner import ModelRunner, kv_bytes_per_block
 from pagefleet.engine.sampler import Sampler
 from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.engine.scheduler import Scheduler
+from pagefleet.engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("pagefleet.engine")
 GiB = 1 << 30
@@ -159,8 +160,6 @@ class LLMEngine:
         n = min(self.args.max_num_batched_tokens, self.max_model_len - 1)
         dry = Request("profile", [0] * n, SamplingParams(max_tokens=1), block_size=probe.block_size)
         dry.block_ids.extend(range(-(-n // probe.block_size)))
-        from pagefleet.engine.scheduler import SchedulerOutput
-
         probe.execute(SchedulerOutput(scheduled=[(dry, n)], num_tokens=n))
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
@@ -196,7 +195,7 @@ class LLMEngine:
         for i in range(params.n):
             seq_params = params
             if params.n > 1 and params.seed is not None:
-                seq_params = _replace(params, seed=params.seed + i)
+                seq_params = dataclasses.replace(params, seed=params.seed + i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(
                 rid,
@@ -328,12 +327,6 @@ class LLMEngine:
 
 def _group_id(request_id: str) -> str:
     return request_id.rsplit("#", 1)[0] if "#" in request_id else request_id
-
-
-def _replace(params: SamplingParams, **changes) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, **changes)
 
 
 def _resolve_device(device: str) -> torch.device:
