@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,12 @@ from pagefleet.engine.config import CacheConfig, EngineArgs, SchedulerConfig
 from pagefleet.engine.detokenizer import Detokenizer
 from pagefleet.engine.kv_cache.events import KVEventListener
 from pagefleet.engine.model.loader import load_model, load_tokenizer, read_config, resolve_dtype
-from pagefleet.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from pagefleet.engine.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprobs,
+)
 from pagefleet.engine.request import Request, RequestStatus
 from pagefleet.engine.runner import ModelRunner, kv_bytes_per_block
 from pagefleet.engine.sampler import Sampler
@@ -44,6 +50,15 @@ class _Sequence:
 
 
 @dataclass
+class StepStats:
+    """What one step did, for throughput metrics."""
+
+    num_prompt_tokens: int  # prompt tokens computed (cache hits excluded)
+    num_generation_tokens: int  # tokens sampled
+    num_preempted: int
+
+
+@dataclass
 class _Group:
     request_id: str
     prompt: str | None
@@ -54,6 +69,7 @@ class _Group:
     pending: list[_Sequence] = field(default_factory=list)  # siblings waiting for the prompt
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int | None = None  # prompt tokens the first sample found cached
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
 
     @property
     def finished(self) -> bool:
@@ -109,6 +125,8 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
         self.groups: dict[str, _Group] = {}
         self._ids = itertools.count()
+        # Called on the engine's thread after every step that ran (metrics, logging).
+        self.step_observers: list[Callable[[StepStats], None]] = []
 
     # ------------------------------------------------------------------ set-up
 
@@ -189,7 +207,10 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        group = _Group(request_id, text, token_ids, params, arrival_time or time.time())
+        arrival = arrival_time or time.time()
+        group = _Group(
+            request_id, text, token_ids, params, arrival, metrics=RequestMetrics(arrival)
+        )
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(token_ids)
         for i in range(params.n):
@@ -231,6 +252,7 @@ class LLMEngine:
         if group is None:
             return None
         group.pending = []
+        group.metrics.finished_time = time.time()
         for seq in group.sequences:
             if not seq.request.status.finished:
                 self.scheduler.abort(seq.request.request_id)
@@ -248,6 +270,14 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        now = time.time()
+        num_prompt = 0
+        for req, n in out.scheduled:
+            group = self.groups.get(_group_id(req.request_id))
+            if group is not None and group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                num_prompt += min(n, req.num_prompt_tokens - req.num_computed_tokens)
         logits, sample_reqs, prompt_logprobs = self.runner.execute(out)
         sampled = self.sampler.sample(logits, sample_reqs)
         token_of = {id(r): t for r, t in zip(sample_reqs, sampled.token_ids, strict=True)}
@@ -264,14 +294,24 @@ class LLMEngine:
                 continue
             self._record_token(group, req, token, logprobs)
             touched[group.request_id] = group
+        now = time.time()
         outputs = []
         for group in touched.values():
+            metrics = group.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            if group.finished:
+                metrics.finished_time = now
             self._admit_siblings(group)
             outputs.append(self._output(group))
             if group.finished:
                 del self.groups[group.request_id]
                 for seq in group.sequences:
                     self.sampler.forget(seq.request.request_id)
+        stats = StepStats(num_prompt, len(sample_reqs), len(out.preempted))
+        for observer in self.step_observers:
+            observer(stats)
         return outputs
 
     def _record_token(self, group: _Group, req: Request, token: int, logprobs) -> None:
@@ -322,6 +362,7 @@ class LLMEngine:
             prompt_logprobs=group.prompt_logprobs,
             finished=group.finished,
             num_cached_tokens=group.num_cached_tokens or 0,
+            metrics=dataclasses.replace(group.metrics),
         )
 
 

@@ -32,6 +32,17 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Wall-clock times (time.time()) of a request's life, for latency metrics."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -40,3 +51,4 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     finished: bool = False
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=0, help="workload seed (0)")
     demo.set_defaults(func=_demo)
+    from pagefleet.engine.server.serve import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""The engine pod's HTTP face: OpenAI-compatible API, Prometheus metrics, health."""

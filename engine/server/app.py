@@ -1,0 +1,600 @@
+"""The OpenAI-compatible HTTP API of one engine (FastAPI), built on `AsyncLLM`.
+
+Handlers tokenize, validate and translate; the engine runs on its own thread, so a slow
+client or a burst of requests never stalls a step. A client that disconnects aborts its
+request (its blocks are freed at the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagefleet import __version__
+from pagefleet.engine.async_llm import AsyncLLM
+from pagefleet.engine.outputs import RequestOutput, TokenLogprobs
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.server.metrics import EngineMetrics
+from pagefleet.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    max_waiting_requests: int | None = None
+    max_body_bytes: int = 4 << 20
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        headers: dict | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.headers = headers
+
+
+def _error(status: int, message: str, type_: str, param=None, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, status, param), status, headers=headers)
+
+
+class BodyLimit:
+    """ASGI middleware: a body over the limit gets 413 before any handler reads it."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._reject(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await self._reject(scope, receive, send)
+
+    async def _reject(self, scope, receive, send):
+        response = _error(
+            413, f"request body larger than {self.limit} bytes", "invalid_request_error"
+        )
+        await response(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
+    app = FastAPI(title="pagefleet", version=__version__)
+    app.state.draining = False
+    core = engine.engine
+    tokenizer = engine.tokenizer
+    metrics = EngineMetrics(core, config.served_model_name)
+    app.state.metrics = metrics
+    max_model_len = core.max_model_len
+    inflight: set[str] = set()
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, exc: APIError):
+        return _error(exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message = "malformed JSON body"
+        return _error(
+            400, f"{param + ': ' if param else ''}{message}", "invalid_request_error", param
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, str(exc.detail), kind)
+
+    @app.middleware("http")
+    async def _auth_and_ids(request: Request, call_next):
+        path = request.url.path
+        if config.api_key and path not in ("/health", "/metrics", "/version"):
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {config.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return _error(401, "invalid or missing API key", "authentication_error")
+        response = await call_next(request)
+        request_id = request.headers.get("x-request-id")
+        if request_id:
+            response.headers["X-Request-Id"] = request_id
+        return response
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != config.served_model_name:
+            raise APIError(
+                404,
+                f"model {name!r} does not exist; this server serves {config.served_model_name!r}",
+                "not_found_error",
+                "model",
+            )
+
+    def check_capacity() -> None:
+        limit = config.max_waiting_requests
+        waiting = len(inflight) - core.scheduler.num_running
+        if limit is not None and waiting >= limit:
+            raise APIError(
+                503,
+                f"the waiting queue is full ({limit} requests); retry later",
+                "service_unavailable",
+                headers={"Retry-After": "1"},
+            )
+
+    def fit_max_tokens(prompt_len: int, requested: int | None) -> int:
+        if prompt_len >= max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} "
+                f"tokens; the prompt has {prompt_len} tokens.",
+                param="prompt",
+            )
+        if requested is None:
+            return max_model_len - prompt_len
+        if prompt_len + requested > max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} "
+                f"tokens. However, you requested {prompt_len + requested} tokens "
+                f"({prompt_len} in the prompt, {requested} for the completion).",
+                param="max_tokens",
+            )
+        return requested
+
+    def encode(prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt)
+        vocab = core.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return list(prompt)
+
+    def chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            out = tokenizer.apply_chat_template(
+                messages,
+                tokenize=True,
+                add_generation_prompt=getattr(req, "add_generation_prompt", True),
+            )
+        except Exception as e:  # a template that rejects the conversation
+            raise APIError(400, f"chat template failed: {e}", param="messages") from None
+        return list(out if isinstance(out, list) else out["input_ids"])
+
+    def request_id(request: Request, prefix: str) -> str:
+        return f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
+
+    async def run(
+        rid: str, token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one prompt, metrics observed on the way."""
+        previous = None
+        inflight.add(rid)
+        try:
+            async for out in engine.generate(token_ids, params, rid):
+                metrics.observe(previous, out)
+                previous = out
+                yield out
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        finally:
+            inflight.discard(rid)
+            if previous is None or not previous.finished:
+                metrics.count_abort(params.n)
+
+    async def collect(gens, request: Request) -> list[RequestOutput]:
+        """Final outputs of several streams; a client disconnect aborts them all."""
+
+        async def last(gen):
+            final = None
+            async for out in gen:
+                final = out
+            return final
+
+        tasks = [asyncio.ensure_future(last(g)) for g in gens]
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        pending = {*tasks, gone}
+        try:
+            while True:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is not gone and task.exception() is not None:
+                        raise task.exception()
+                if all(t.done() for t in tasks):
+                    return [t.result() for t in tasks]
+                if gone.done():  # the client left: the finally below aborts the requests
+                    raise APIError(499, "client closed the request")
+        finally:
+            await _cancel_and_close([*tasks, gone], gens)
+
+    # ---------------------------------------------------------------- endpoints
+
+    @app.get("/health")
+    async def health():
+        if app.state.draining or not engine.is_running:
+            return _error(
+                503,
+                "shutting down" if app.state.draining else "engine stopped",
+                "service_unavailable",
+            )
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.served_model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "pagefleet",
+                    "root": core.args.model,
+                    "max_model_len": max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        check_model(req.model)
+        if req.messages is not None:
+            tokens = chat_prompt(req)
+        else:
+            tokens = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        check_model(req.model)
+        vocab = core.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_model(req.model)
+        prompts = [encode(p) for p in req.prompts()]
+        if any(not p for p in prompts):
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        max_tokens = [fit_max_tokens(len(p), req.max_tokens) for p in prompts]
+        check_capacity()
+        rid = request_id(request, "cmpl")
+        params = [_params(req, m, req.logprobs) for m in max_tokens]
+        gens = [
+            run(f"{rid}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
+        created = int(time.time())
+        if req.stream:
+            return _sse(
+                _completion_chunks(
+                    gens, rid, created, config.served_model_name, req, prompts, tokenizer
+                )
+            )
+        finals = await collect(gens, request)
+        choices = []
+        for i, out in enumerate(finals):
+            for c in out.outputs:
+                choices.append(
+                    {
+                        "index": i * req.n + c.index,
+                        "text": c.text,
+                        "logprobs": _completion_logprobs(c.logprobs, c.token_ids, tokenizer)
+                        if req.logprobs is not None
+                        else None,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": config.served_model_name,
+            "choices": choices,
+            "usage": _usage(prompts, finals),
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):
+        check_model(req.model)
+        prompt = chat_prompt(req)
+        max_tokens = fit_max_tokens(len(prompt), req.requested_max_tokens())
+        check_capacity()
+        rid = request_id(request, "chatcmpl")
+        top = req.top_logprobs or 0
+        params = _params(req, max_tokens, top if req.logprobs else None)
+        gen = run(rid, prompt, params)
+        created = int(time.time())
+        if req.stream:
+            return _sse(
+                _chat_chunks(gen, rid, created, config.served_model_name, req, prompt, tokenizer)
+            )
+        (final,) = await collect([gen], request)
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": _chat_logprobs(c.logprobs, c.token_ids, tokenizer, top)
+                if req.logprobs
+                else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in final.outputs
+        ]
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": config.served_model_name,
+            "choices": choices,
+            "usage": _usage([prompt], [final]),
+        }
+
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    return app
+
+
+def _params(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    try:
+        return req.sampling_params(max_tokens, logprobs)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+async def _cancel_and_close(tasks, gens) -> None:
+    """Stop the tasks iterating the streams, then close the streams (which aborts unfinished
+    requests in the engine). A stream can only be closed once no task is inside it."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for g in gens:
+        await g.aclose()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def body():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+        except APIError as e:  # after the first byte: a clean error event, then the end
+            yield f"data: {json.dumps(error_body(e.message, e.type, e.status, e.param))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+async def _merge(gens) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, gen):
+        try:
+            async for out in gen:
+                await queue.put((i, out))
+        except Exception as e:  # re-raised in the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        await _cancel_and_close(tasks, gens)
+
+
+async def _completion_chunks(gens, rid, created, model, req: CompletionRequest, prompts, tokenizer):
+    sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, sample) -> (chars, tokens)
+    finals: dict[int, RequestOutput] = {}
+    async for i, out in _merge(gens):
+        for c in out.outputs:
+            key = (i, c.index)
+            chars, toks = sent.get(key, (0, 0))
+            if len(c.text) == chars and not c.finished and len(c.token_ids) == toks:
+                continue
+            choice = {
+                "index": i * req.n + c.index,
+                "text": c.text[chars:],
+                "logprobs": _completion_logprobs(c.logprobs[toks:], c.token_ids[toks:], tokenizer)
+                if req.logprobs is not None and c.logprobs is not None
+                else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if key in sent and sent[key] == (-1, -1):
+                continue  # its final chunk went out already
+            sent[key] = (-1, -1) if c.finished else (len(c.text), len(c.token_ids))
+            yield {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [choice],
+            }
+        if out.finished:
+            finals[i] = out
+    if req.stream_options and req.stream_options.include_usage:
+        yield {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": _usage(prompts, [finals[i] for i in sorted(finals)]),
+        }
+
+
+async def _chat_chunks(gen, rid, created, model, req: ChatCompletionRequest, prompt, tokenizer):
+    def chunk(choices):
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+
+    yield chunk(
+        [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(req.n)
+        ]
+    )
+    sent: dict[int, tuple[int, int]] = {}
+    final = None
+    async for _, out in _merge([gen]):
+        for c in out.outputs:
+            chars, toks = sent.get(c.index, (0, 0))
+            if chars < 0:
+                continue
+            if len(c.text) == chars and not c.finished and len(c.token_ids) == toks:
+                continue
+            logprobs = None
+            if req.logprobs and c.logprobs is not None:
+                logprobs = _chat_logprobs(
+                    c.logprobs[toks:], c.token_ids[toks:], tokenizer, req.top_logprobs or 0
+                )
+            delta = {"content": c.text[chars:]} if len(c.text) > chars else {}
+            sent[c.index] = (-1, -1) if c.finished else (len(c.text), len(c.token_ids))
+            yield chunk(
+                [
+                    {
+                        "index": c.index,
+                        "delta": delta,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                ]
+            )
+        if out.finished:
+            final = out
+    if req.stream_options and req.stream_options.include_usage and final is not None:
+        yield {**chunk([]), "usage": _usage([prompt], [final])}
+
+
+def _usage(prompts: list[list[int]], finals: list[RequestOutput]) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
+
+
+def _token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def _completion_logprobs(entries: list[TokenLogprobs] | None, tokens: list[int], tokenizer):
+    if entries is None:
+        return None
+    texts = [_token_text(tokenizer, t) for t in tokens]
+    offsets, pos = [], 0
+    for text in texts:
+        offsets.append(pos)
+        pos += len(text)
+    return {
+        "tokens": texts,
+        "token_logprobs": [e[t].logprob for e, t in zip(entries, tokens, strict=True)],
+        "top_logprobs": [
+            {_token_text(tokenizer, tok): lp.logprob for tok, lp in e.items()} for e in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(entries: list[TokenLogprobs] | None, tokens: list[int], tokenizer, top_k: int):
+    if entries is None:
+        return None
+
+    def item(tok: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, tok)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for entry, token in zip(entries, tokens, strict=True):
+        top = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank <= top_k)
+        content.append(
+            {**item(token, entry[token].logprob), "top_logprobs": [item(t, lp) for _, t, lp in top]}
+        )
+    return {"content": content}

@@ -1,0 +1,241 @@
+"""Prometheus metrics under vLLM's names and units, label `model_name`, one registry per app.
+
+Gauges and cumulative counters are read from the engine when scraped (a collector); latency
+histograms are observed as request outputs arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pagefleet.engine.llm_engine import LLMEngine, StepStats
+from pagefleet.engine.outputs import RequestOutput
+
+logger = logging.getLogger("pagefleet.server")
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class _EngineCollector:
+    """Reads the engine's live state at scrape time (thread-safe enough: ints and lengths)."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        sched = self.engine.scheduler
+        kv = sched.kv_cache
+        name = [self.model_name]
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            g.add_metric(name, value)
+            return g
+
+        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(metric, doc, labels=["model_name"])
+            c.add_metric(name, value)
+            return c
+
+        yield gauge(
+            "vllm:num_requests_running", "Requests in the running batch.", sched.num_running
+        )
+        yield gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled.", sched.num_waiting
+        )
+        yield gauge(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV blocks held by live requests (1 = full).",
+            kv.usage,
+        )
+        yield gauge(
+            "pagefleet:kv_cache_cached_free_blocks",
+            "Free KV blocks that still hold reusable prefixes.",
+            kv.num_cached_free_blocks,
+        )
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the KV cache configuration.",
+            labels=[
+                "model_name",
+                "block_size",
+                "num_gpu_blocks",
+                "enable_prefix_caching",
+                "cache_dtype",
+            ],
+        )
+        info.add_metric(
+            [
+                self.model_name,
+                str(kv.block_size),
+                str(kv.num_blocks),
+                str(kv.enable_prefix_caching),
+                str(self.engine.runner.kv_pool.dtype).split(".")[-1],
+            ],
+            1.0,
+        )
+        yield info
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            kv.prefix_cache_queries,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            kv.prefix_cache_hits,
+        )
+        yield counter("vllm:num_preemptions", "Preemptions by recompute.", sched.num_preemptions)
+
+
+class EngineMetrics:
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        reg = self.registry
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
+        )
+        self.itl = hist(
+            "vllm:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS
+        )
+        self.e2e = hist(
+            "vllm:e2e_request_latency_seconds", "Request latency, end to end.", _LATENCY_BUCKETS
+        )
+        self.queue = hist(
+            "vllm:request_queue_time_seconds", "Time waiting before scheduling.", _LATENCY_BUCKETS
+        )
+        self.prefill = hist(
+            "vllm:request_prefill_time_seconds", "Time in prefill.", _LATENCY_BUCKETS
+        )
+        self.decode = hist("vllm:request_decode_time_seconds", "Time in decode.", _LATENCY_BUCKETS)
+        self.iteration_tokens = hist(
+            "vllm:iteration_tokens_total", "Tokens per engine step.", _TOKEN_BUCKETS
+        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens computed.", labels, registry=reg
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Tokens generated.", labels, registry=reg
+        ).labels(model_name)
+        self.success = Counter(
+            "vllm:request_success",
+            "Finished requests.",
+            ["model_name", "finished_reason"],
+            registry=reg,
+        )
+        reg.register(_EngineCollector(engine, model_name))
+        engine.step_observers.append(self.observe_step)
+        # For the periodic log line.
+        self._logged_at = time.monotonic()
+        self._logged_prompt = self._logged_generation = 0.0
+        self._prompt_total = self._generation_total = 0.0
+        self.engine = engine
+
+    def observe_step(self, stats: StepStats) -> None:
+        self.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        self._prompt_total += stats.num_prompt_tokens
+        self._generation_total += stats.num_generation_tokens
+
+    def observe(self, previous: RequestOutput | None, output: RequestOutput) -> None:
+        """Latency metrics from successive outputs of one request."""
+        m = output.metrics
+        if m is None:
+            return
+        had = sum(len(c.token_ids) for c in previous.outputs) if previous else 0
+        has = sum(len(c.token_ids) for c in output.outputs)
+        if had == 0 and has > 0 and m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+        elif has > had and previous is not None and previous.metrics.last_token_time:
+            gap = (m.last_token_time - previous.metrics.last_token_time) / max(has - had, 1)
+            for _ in range(has - had):
+                self.itl.observe(gap)
+        if output.finished:
+            end = m.finished_time or time.time()
+            self.e2e.observe(end - m.arrival_time)
+            if m.first_scheduled_time is not None:
+                self.queue.observe(m.first_scheduled_time - m.arrival_time)
+                if m.first_token_time is not None:
+                    self.prefill.observe(m.first_token_time - m.first_scheduled_time)
+                    self.decode.observe(end - m.first_token_time)
+            for c in output.outputs:
+                self.success.labels(self.model_name, c.finish_reason or "abort").inc()
+
+    def count_abort(self, n: int) -> None:
+        """A request that ended without finishing (the client left)."""
+        self.success.labels(self.model_name, "abort").inc(n)
+
+    def log_line(self) -> str:
+        now = time.monotonic()
+        span = max(now - self._logged_at, 1e-9)
+        prompt_rate = (self._prompt_total - self._logged_prompt) / span
+        gen_rate = (self._generation_total - self._logged_generation) / span
+        self._logged_at, self._logged_prompt = now, self._prompt_total
+        self._logged_generation = self._generation_total
+        sched = self.engine.scheduler
+        kv = sched.kv_cache
+        hit = kv.prefix_cache_hits / kv.prefix_cache_queries if kv.prefix_cache_queries else 0.0
+        return (
+            f"Avg prompt throughput: {prompt_rate:.1f} tokens/s, Avg generation throughput: "
+            f"{gen_rate:.1f} tokens/s, Running: {sched.num_running} reqs, Waiting: "
+            f"{sched.num_waiting} reqs, KV cache usage: {kv.usage:.1%}, "
+            f"Prefix cache hit rate: {hit:.1%}"
+        )

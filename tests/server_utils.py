@@ -1,0 +1,83 @@
+"""Start `pagefleet serve` as a real subprocess on 127.0.0.1 and wait until it is healthy."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(model: str, *flags: str, timeout: float = 60.0):
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [
+            PAGEFLEET,
+            "serve",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+            "--max-model-len",
+            "256",
+            "--num-gpu-blocks-override",
+            "256",
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited {proc.returncode}: {proc.stdout.read()}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not become healthy")
+            time.sleep(0.2)
+        yield base, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc.stdout.close()
+
+
+def metric_value(base: str, name: str, labels: dict | None = None) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base}/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(
+                sample.labels.get(k) == v for k, v in (labels or {}).items()
+            ):
+                return sample.value
+    raise KeyError(name)

@@ -1,0 +1,332 @@
+"""`pagefleet serve` through the real OpenAI SDK, raw HTTP for errors, and Prometheus' parser."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from pagefleet.engine import LLM, SamplingParams
+from server_utils import metric_value, running_server
+
+MESSAGES = [{"role": "user", "content": "Tell me about the river and the mountain."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoints):
+    with running_server(tiny_checkpoints["llama"]) as (base, _):
+        yield base
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_checkpoints):
+    return LLM(tiny_checkpoints["llama"], num_gpu_blocks_override=256, max_model_len=256)
+
+
+def client(base: str, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=kw.pop("api_key", "unused"), **kw)
+
+
+def test_chat_and_completions_greedy_equal_offline(server, offline):
+    c = client(server)
+    want_chat = (
+        offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
+    got = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0)
+    assert got.choices[0].message.content == want_chat
+    assert got.choices[0].finish_reason in ("length", "stop")
+    assert got.usage.completion_tokens <= 20 and got.usage.prompt_tokens > 10
+    assert got.id.startswith("chatcmpl-")
+
+    want = (
+        offline.generate(
+            ["hello world"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .text
+    )
+    comp = c.completions.create(model="tiny", prompt="hello world", max_tokens=12, temperature=0)
+    assert comp.choices[0].text == want
+    streamed = c.completions.create(
+        model="tiny",
+        prompt="hello world",
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(streamed)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+    assert chunks[-1].usage.completion_tokens == comp.usage.completion_tokens
+
+
+def test_streaming_chat_n2_stop_logprobs(server, offline):
+    c = client(server)
+    stream = c.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts = {0: "", 1: ""}
+    finish = {}
+    usage = None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert texts[0] == texts[1] and texts[0]
+    assert set(finish) == {0, 1}
+    assert usage.completion_tokens == 2 * len(
+        offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
+    stop = texts[0][3:6]
+    cut = c.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].message.content == texts[0][: texts[0].index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    lp = c.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
+
+
+def test_async_sdk_concurrent_requests(server, offline):
+    prompts = [f"question number {i} about the sky" for i in range(6)]
+    want = [
+        o.outputs[0].text
+        for o in offline.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False
+        )
+    ]
+
+    async def go():
+        c = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="x")
+        results = await asyncio.gather(
+            *(
+                c.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0)
+                for p in prompts
+            )
+        )
+        await c.close()
+        return [r.choices[0].text for r in results]
+
+    assert asyncio.run(go()) == want
+
+
+def test_completion_logprobs_and_models_tokenize_version(server):
+    r = httpx.post(
+        f"{server}/v1/completions",
+        json={"prompt": "the cache", "max_tokens": 3, "temperature": 0, "logprobs": 2},
+    )
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
+    models = httpx.get(f"{server}/v1/models").json()
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 256
+    tok = httpx.post(f"{server}/tokenize", json={"prompt": "hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    text = httpx.post(f"{server}/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert "hello world" in text
+    assert httpx.get(f"{server}/version").json()["version"]
+
+
+def test_request_id_is_honoured_and_echoed(server):
+    r = httpx.post(
+        f"{server}/v1/completions",
+        headers={"X-Request-Id": "abc-123"},
+        json={"prompt": "hi", "max_tokens": 2},
+    )
+    assert r.headers["x-request-id"] == "abc-123"
+    assert r.json()["id"] == "cmpl-abc-123"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "hi", "n": "many"}, 400, "n"),
+        ({"max_tokens": 2}, 400, "prompt"),
+        ({"prompt": "hi", "max_tokens": 300}, 400, "maximum context length is 256"),
+        ({"prompt": "hi", "model": "gpt-9"}, 404, "gpt-9"),
+        ({"prompt": [], "max_tokens": 2}, 400, "prompt"),
+        ({"prompt": [10**9], "max_tokens": 2}, 400, "token ids"),
+    ],
+)
+def test_client_mistakes_are_openai_shaped_errors(server, body, status, needle):
+    r = httpx.post(f"{server}/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["code"] == status and "type" in err
+
+
+def test_malformed_json_and_oversized_bodies(server):
+    r = httpx.post(
+        f"{server}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    big = json.dumps({"prompt": "x" * (5 << 20), "max_tokens": 1})
+    r = httpx.post(
+        f"{server}/v1/completions", content=big, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+
+def test_metrics_have_vllm_names_and_types(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    httpx.post(f"{server}/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+    families = {
+        f.name: f.type for f in text_string_to_metric_families(httpx.get(f"{server}/metrics").text)
+    }
+    expected = {
+        "vllm:num_requests_running": "gauge",
+        "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:cache_config_info": "gauge",
+        "pagefleet:kv_cache_cached_free_blocks": "gauge",
+        "vllm:prefix_cache_queries": "counter",
+        "vllm:prefix_cache_hits": "counter",
+        "vllm:num_preemptions": "counter",
+        "vllm:prompt_tokens": "counter",
+        "vllm:generation_tokens": "counter",
+        "vllm:request_success": "counter",
+        "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:inter_token_latency_seconds": "histogram",
+        "vllm:e2e_request_latency_seconds": "histogram",
+        "vllm:request_queue_time_seconds": "histogram",
+        "vllm:request_prefill_time_seconds": "histogram",
+        "vllm:request_decode_time_seconds": "histogram",
+        "vllm:iteration_tokens_total": "histogram",
+    }
+    for name, kind in expected.items():
+        assert families.get(name) == kind, (name, families.get(name))
+    assert (
+        metric_value(
+            server, "vllm:cache_config_info", {"num_gpu_blocks": "256", "block_size": "16"}
+        )
+        == 1
+    )
+    assert metric_value(server, "vllm:request_success_total", {"finished_reason": "length"}) >= 1
+    assert metric_value(server, "vllm:generation_tokens_total") >= 3
+
+
+def test_disconnecting_streams_free_everything(server):
+    async def drop(i: int):
+        async with httpx.AsyncClient(timeout=30) as c:
+            body = {
+                "prompt": f"story {i} " * 10,
+                "max_tokens": 200,
+                "stream": True,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+            async with c.stream("POST", f"{server}/v1/completions", json=body) as r:
+                seen = 0
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        seen += 1
+                    if seen >= 3 + i % 5:
+                        break  # leave mid-stream
+
+    async def main():
+        await asyncio.gather(*(drop(i) for i in range(16)))
+
+    asyncio.run(main())
+    for _ in range(100):
+        if metric_value(server, "vllm:num_requests_running") == 0:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert metric_value(server, "vllm:num_requests_running") == 0
+    assert metric_value(server, "vllm:num_requests_waiting") == 0
+    assert metric_value(server, "vllm:kv_cache_usage_perc") == 0
+    assert metric_value(server, "vllm:request_success_total", {"finished_reason": "abort"}) >= 16
+
+
+def test_api_key_guards_the_api_but_not_health_or_metrics(tiny_checkpoints):
+    with running_server(tiny_checkpoints["llama"], "--api-key", "s3cret") as (base, _):
+        assert httpx.get(f"{base}/health").status_code == 200
+        assert httpx.get(f"{base}/metrics").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.get(f"{base}/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        with pytest.raises(openai.AuthenticationError):
+            client(base, api_key="nope").models.list()
+        assert client(base, api_key="s3cret").models.list().data[0].id == "tiny"
+
+
+def test_full_waiting_queue_answers_503_with_retry_after(tiny_checkpoints):
+    flags = (
+        "--max-waiting-requests",
+        "1",
+        "--max-num-seqs",
+        "1",
+        "--max-num-batched-tokens",
+        "64",
+        "--max-model-len",
+        "1024",
+    )
+    with running_server(tiny_checkpoints["llama"], *flags) as (base, _):
+
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as c:
+                body = {"prompt": "long " * 20, "max_tokens": 900, "ignore_eos": True}
+                tasks = [
+                    asyncio.ensure_future(c.post(f"{base}/v1/completions", json=body))
+                    for _ in range(2)
+                ]
+                for _ in range(500):  # until one runs and one waits
+                    if metric_value(base, "vllm:num_requests_waiting") == 1:
+                        break
+                    await asyncio.sleep(0.01)
+                r = await c.post(f"{base}/v1/completions", json=body)
+                done = await asyncio.gather(*tasks)
+                return r, done
+
+        r, done = asyncio.run(main())
+        assert r.status_code == 503 and r.headers["retry-after"], (r.status_code, r.text)
+        assert r.json()["error"]["code"] == 503
+        assert all(d.status_code == 200 for d in done)
+
+
+def test_sigterm_finishes_in_flight_streams_and_exits_zero(tiny_checkpoints):
+    import signal
+
+    with running_server(tiny_checkpoints["llama"]) as (base, proc):
+
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as c:
+                body = {"prompt": "go on", "max_tokens": 60, "ignore_eos": True, "stream": True}
+                async with c.stream("POST", f"{base}/v1/completions", json=body) as r:
+                    lines = []
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            lines.append(line)
+                            if len(lines) == 2:
+                                proc.send_signal(signal.SIGTERM)
+                    return lines
+
+        lines = asyncio.run(main())
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(x[6:]) for x in lines[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=30) == 0
