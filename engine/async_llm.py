@@ -9,6 +9,7 @@ the next step boundary, where the request's blocks are freed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import AsyncIterator
@@ -31,6 +32,11 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="pagefleet-engine", daemon=True)
         self._error: BaseException | None = None
+        # The server tokenizes on the event loop while the engine thread detokenizes: HF fast
+        # tokenizers are not safe to share across threads, so each side has its own.
+        from pagefleet.engine.model.loader import load_tokenizer
+
+        self.tokenizer = load_tokenizer(engine.args.model)
         self._thread.start()
 
     @classmethod
@@ -38,10 +44,6 @@ class AsyncLLM:
         cls, args: EngineArgs, kv_event_listener: KVEventListener | None = None
     ) -> AsyncLLM:
         return cls(LLMEngine(args, kv_event_listener))
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -52,6 +54,8 @@ class AsyncLLM:
         the iterator early (client gone) aborts the request."""
         if self._error is not None:
             raise RuntimeError("the engine loop has died") from self._error
+        if not self._thread.is_alive():
+            raise RuntimeError("the engine is shut down")
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -122,17 +126,22 @@ class AsyncLLM:
 
     def _apply(self, command: tuple[Any, ...]) -> None:
         if command[0] == "abort":
-            self.engine.abort_request(command[1])
+            output = self.engine.abort_request(command[1])
+            if output is not None:  # a consumer still reading gets the final, aborted output
+                self._deliver(command[1], output)
             return
         _, request_id, prompt, params = command
         try:
             self.engine.add_request(request_id, prompt, params)
-        except ValueError as e:
-            self._deliver(request_id, e)
+        except Exception as e:  # a bad request fails alone, never the engine loop
+            error = e if isinstance(e, ValueError) else ValueError(f"invalid request: {e!r}")
+            self._deliver(request_id, error)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
             target = self._streams.get(request_id)
         if target is not None:
             loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+            # A closed consumer loop raises RuntimeError: nobody is left to tell.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(stream.put_nowait, item)

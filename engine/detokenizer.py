@@ -42,8 +42,9 @@ class Detokenizer:
         text = self.backend.decode(ids, skip_special_tokens=self.skip_special)
         return self.tokenizer.clean_up_tokenization(text) if self.cleanup else text
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append a token; returns the stop string it completed (text is cut there), or None."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append a token; returns the stop string it completed (text is cut there), or None.
+        `check_stop` False (below min_tokens) lets stop strings pass."""
         self.tokens.append(token_id)
         prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         full = self._decode(self.tokens[self.prefix_offset :])
@@ -54,7 +55,7 @@ class Detokenizer:
         self.read_offset = len(self.tokens)
         start = max(len(self.text) - self.holdback, 0)
         self.text += delta
-        return self._check_stop(start) if self.stop else None
+        return self._check_stop(start) if self.stop and check_stop else None
 
     def flush(self) -> None:
         """At the end of a sequence, emit what is held back for an incomplete character."""

@@ -39,8 +39,14 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(batch):
                 raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
-        pairs = zip(batch, params, strict=True)
-        ids = [self.engine.add_request(None, _unwrap(p), sp) for p, sp in pairs]
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(batch, params, strict=True):
+                ids.append(self.engine.add_request(None, _unwrap(prompt), sp))
+        except Exception:
+            for rid in ids:  # all or nothing: drop what this call queued
+                self.engine.abort_request(rid)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(

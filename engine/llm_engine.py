@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -35,6 +37,7 @@ from pagefleet.engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("pagefleet.engine")
 GiB = 1 << 30
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
 @dataclass
@@ -90,6 +93,12 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} is more than the model's "
                 f"max_position_embeddings={max_positions} (--max-model-len)"
             )
+        window = self._sliding_window(hf_config)
+        if window is not None and self.max_model_len > window:
+            raise ValueError(
+                f"the model uses sliding-window attention ({window} tokens), which pagefleet "
+                f"does not implement; set --max-model-len {window} or less"
+            )
         start = time.perf_counter()
         model = load_model(args.model, self.dtype, self.device, self.max_model_len)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -122,13 +131,23 @@ class LLMEngine:
             model, args.block_size, num_blocks, backend, self.device, kv_dtype
         )
         self.sampler = Sampler(args.seed, self.device)
-        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
+        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer, args.model)
         self.groups: dict[str, _Group] = {}
+        self._group_of: dict[str, str] = {}  # scheduler request id -> user request id
         self._ids = itertools.count()
         # Called on the engine's thread after every step that ran (metrics, logging).
         self.step_observers: list[Callable[[StepStats], None]] = []
 
     # ------------------------------------------------------------------ set-up
+
+    @staticmethod
+    def _sliding_window(hf_config: dict) -> int | None:
+        window = hf_config.get("sliding_window")
+        if not window:
+            return None
+        if "use_sliding_window" in hf_config and not hf_config["use_sliding_window"]:
+            return None  # Qwen2/Qwen3 carry a window they do not use
+        return int(window)
 
     def _size_kv_pool(self, model, kv_dtype: torch.dtype) -> int:
         args = self.args
@@ -198,8 +217,11 @@ class LLMEngine:
         """Queue a request (text or token ids); returns its id. Raises ValueError if it cannot
         run (empty, too long for max_model_len or for the whole KV pool, duplicate id)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.groups:
+        if request_id in self.groups or request_id in self._group_of:
             raise ValueError(f"duplicate request id {request_id!r}")
+        for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if k is not None and k > MAX_LOGPROBS:
+                raise ValueError(f"{name}={k} is more than the maximum, {MAX_LOGPROBS}")
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -218,6 +240,8 @@ class LLMEngine:
             if params.n > 1 and params.seed is not None:
                 seq_params = dataclasses.replace(params, seed=params.seed + i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            if rid in self._group_of:
+                raise ValueError(f"duplicate request id {rid!r}")
             req = Request(
                 rid,
                 token_ids,
@@ -245,6 +269,8 @@ class LLMEngine:
         self.scheduler.add_request(group.sequences[0].request)
         group.pending = group.sequences[1:]
         self.groups[request_id] = group
+        for seq in group.sequences:
+            self._group_of[seq.request.request_id] = request_id
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -257,8 +283,14 @@ class LLMEngine:
             if not seq.request.status.finished:
                 self.scheduler.abort(seq.request.request_id)
                 seq.request.status = RequestStatus.FINISHED_ABORTED
-            self.sampler.forget(seq.request.request_id)
+        self._forget(group)
         return self._output(group)
+
+    def _forget(self, group: _Group) -> None:
+        self.groups.pop(group.request_id, None)
+        for seq in group.sequences:
+            self._group_of.pop(seq.request.request_id, None)
+            self.sampler.forget(seq.request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -273,7 +305,7 @@ class LLMEngine:
         now = time.time()
         num_prompt = 0
         for req, n in out.scheduled:
-            group = self.groups.get(_group_id(req.request_id))
+            group = self.groups.get(self._group_of.get(req.request_id, ""))
             if group is not None and group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
             if req.num_computed_tokens < req.num_prompt_tokens:
@@ -284,12 +316,12 @@ class LLMEngine:
         self.scheduler.update_from_output(out, [token_of.get(id(r)) for r, _ in out.scheduled])
         touched: dict[str, _Group] = {}
         for rid, (start, entries) in prompt_logprobs.items():
-            group = self.groups[_group_id(rid)]
+            group = self.groups[self._group_of[rid]]
             group.prompt_logprobs[start + 1 : start + 1 + len(entries)] = entries
         for req, token, logprobs in zip(
             sample_reqs, sampled.token_ids, sampled.logprobs, strict=True
         ):
-            group = self.groups.get(_group_id(req.request_id))
+            group = self.groups.get(self._group_of.get(req.request_id, ""))
             if group is None:
                 continue
             self._record_token(group, req, token, logprobs)
@@ -306,9 +338,7 @@ class LLMEngine:
             self._admit_siblings(group)
             outputs.append(self._output(group))
             if group.finished:
-                del self.groups[group.request_id]
-                for seq in group.sequences:
-                    self.sampler.forget(seq.request.request_id)
+                self._forget(group)
         stats = StepStats(num_prompt, len(sample_reqs), len(out.preempted))
         for observer in self.step_observers:
             observer(stats)
@@ -321,13 +351,22 @@ class LLMEngine:
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token].logprob
-        stop_str = seq.detok.add_token(token) if seq.detok else None
-        if stop_str is not None and not req.status.finished:
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        params = req.sampling_params
+        stopped_by_token = req.status is RequestStatus.FINISHED_STOPPED
+        # Like vLLM: a stop token's text is left out unless asked for, and stop strings only
+        # count once min_tokens are out.
+        stop_str = None
+        if seq.detok and not (stopped_by_token and not params.include_stop_str_in_output):
+            may_stop = req.num_output_tokens >= params.min_tokens
+            stop_str = seq.detok.add_token(token, check_stop=may_stop)
+        if stop_str is not None:
+            if not req.status.finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            req.status = RequestStatus.FINISHED_STOPPED  # also when max_tokens ended it too
             seq.stop_reason = stop_str
         elif req.status.finished:
-            if req.status is RequestStatus.FINISHED_STOPPED and seq.stop_reason is None:
-                seq.stop_reason = token if token in req.sampling_params.stop_token_ids else None
+            if stopped_by_token and seq.stop_reason is None:
+                seq.stop_reason = token if token in params.stop_token_ids else None
             if seq.detok:
                 seq.detok.flush()
 
@@ -366,10 +405,6 @@ class LLMEngine:
         )
 
 
-def _group_id(request_id: str) -> str:
-    return request_id.rsplit("#", 1)[0] if "#" in request_id else request_id
-
-
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -382,10 +417,14 @@ def _attention_backend(name: str | None, device: torch.device):
     raise ValueError(f"attention backend {name!r} is not available (--attention-backend): torch")
 
 
-def _eos_ids(hf_config: dict, tokenizer) -> frozenset[int]:
+def _eos_ids(hf_config: dict, tokenizer, model_path: str) -> frozenset[int]:
+    """EOS ids from config.json, generation_config.json (instruct models often list their
+    end-of-turn token only there) and the tokenizer."""
     ids: set[int] = set()
-    eos = hf_config.get("eos_token_id")
-    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    gen_file = Path(model_path) / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    for eos in (hf_config.get("eos_token_id"), gen.get("eos_token_id")):
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)

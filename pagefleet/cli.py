@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagefleet.engine.server.serve import add_serve_parser
 
     add_serve_parser(sub)
+    from pagefleet.bench_serve import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

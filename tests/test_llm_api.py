@@ -183,3 +183,57 @@ def test_async_abort_frees_blocks_at_the_next_step(tiny_checkpoints):
         asyncio.run(bad_request())
     finally:
         engine.shutdown()
+
+
+def test_a_failed_batch_leaves_nothing_behind(llm):
+    with pytest.raises(ValueError):
+        llm.generate([[1, 2, 3], list(range(300))], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.kv_cache.usage == 0.0
+
+
+def test_request_ids_may_contain_any_character(llm):
+    engine = llm.engine
+    for rid in ("chat#1", "a#b#2"):
+        engine.add_request(rid, [5, 6, 7], GREEDY)
+    engine.add_request("n", [5, 6, 7], SamplingParams(n=2, temperature=0, max_tokens=4))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert set(finished) == {"chat#1", "a#b#2", "n"}
+    assert len(finished["n"].outputs) == 2
+
+
+def test_async_abort_ends_a_reading_consumer_and_bad_requests_fail_alone(tiny_checkpoints):
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs(model=tiny_checkpoints["llama"], num_gpu_blocks_override=64, max_model_len=256)
+    )
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        outs = []
+        async for out in engine.generate(list(range(10)), long, "victim"):
+            outs.append(out)
+            if len(outs) == 3:
+                engine.abort("victim")  # from outside, while we keep reading
+        with pytest.raises(ValueError, match="invalid request"):
+            async for _ in engine.generate(["not", "ids"], long, "bad"):
+                pass
+        ok = [o async for o in engine.generate([1, 2, 3], GREEDY, "fine")]
+        return outs, ok
+
+    try:
+        outs, ok = asyncio.run(main())
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        assert ok[-1].finished and len(ok[-1].outputs[0].token_ids) == 12
+    finally:
+        engine.shutdown()
+
+    async def after_shutdown():
+        async for _ in engine.generate([1, 2], GREEDY, "late"):
+            pass
+
+    with pytest.raises(RuntimeError, match="shut down"):
+        asyncio.run(after_shutdown())

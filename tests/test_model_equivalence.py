@@ -128,3 +128,44 @@ def test_half_precision_dtypes_run(tiny_checkpoints):
         assert llm.engine.runner.kv_pool.dtype == getattr(torch, dtype)
         out = llm.generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)[0].outputs[0]
         assert len(out.token_ids) == MAX_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("arch", "extra"),
+    [
+        ("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+        ("Qwen3ForCausalLM", {"attention_bias": True}),
+    ],
+)
+def test_biased_checkpoints_equal_hf(tmp_path, arch, extra):
+    from pagefleet.engine.model.tiny import write_tiny_checkpoint
+
+    path = str(write_tiny_checkpoint(tmp_path / "biased", arch, **extra))
+    llm = LLM(path, num_gpu_blocks_override=128, max_model_len=256)
+    prompts = prompts_of_varied_lengths(6)
+    check_all(path, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+
+
+def test_sliding_window_models_are_refused_beyond_the_window(tmp_path):
+    from pagefleet.engine.model.tiny import write_tiny_checkpoint
+
+    path = str(write_tiny_checkpoint(tmp_path / "sw", "MistralForCausalLM", sliding_window=64))
+    with pytest.raises(ValueError, match=r"sliding-window attention.*--max-model-len 64"):
+        LLM(path, num_gpu_blocks_override=64, max_model_len=128)
+    # Within the window the window never matters: greedy equals HF.
+    llm = LLM(path, num_gpu_blocks_override=64, max_model_len=64)
+    prompts = [p[:30] for p in prompts_of_varied_lengths(6)]
+    check_all(path, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+
+
+def test_kv_cache_dtype_can_differ_from_the_model_dtype(tiny_checkpoints):
+    llm = LLM(
+        tiny_checkpoints["llama"],
+        kv_cache_dtype="bfloat16",
+        num_gpu_blocks_override=64,
+        max_model_len=128,
+    )
+    assert llm.engine.runner.kv_pool.dtype == torch.bfloat16
+    prompts = prompts_of_varied_lengths(4)
+    out = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in out)

@@ -194,3 +194,55 @@ def test_repetition_penalty_changes_a_repetitive_greedy_output(llm):
 def test_invalid_sampling_params_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    greedy = llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
+    stop = greedy.text[1:3]
+    early = llm.generate(
+        [PROMPT],
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    late = llm.generate(
+        [PROMPT],
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop], min_tokens=10),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) < 10
+    assert len(late.token_ids) >= 10
+
+
+def test_stop_token_text_is_left_out_unless_asked(llm):
+    greedy = _greedy(llm, ignore_eos=True)
+    tok = llm.get_tokenizer()
+    params = dict(temperature=0, max_tokens=16, stop_token_ids=[greedy[2]])
+    out = llm.generate([PROMPT], SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[-1] == greedy[2]
+    assert out.text == tok.decode(out.token_ids[:-1], skip_special_tokens=True)
+    kept = llm.generate(
+        [PROMPT], SamplingParams(**params, include_stop_str_in_output=True), use_tqdm=False
+    )[0].outputs[0]
+    assert kept.text == tok.decode(kept.token_ids, skip_special_tokens=True)
+
+
+def test_stop_string_on_the_last_allowed_token_is_a_stop(llm):
+    greedy = llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
+    first = llm.get_tokenizer().decode(greedy.token_ids[:1])
+    stop = greedy.text[len(first) :][:1]
+    assert stop
+    out = llm.generate(
+        [PROMPT],
+        SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+
+
+def test_too_many_logprobs_are_refused(llm):
+    with pytest.raises(ValueError, match="maximum, 20"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=1, logprobs=21), use_tqdm=False)

@@ -8,6 +8,7 @@ import json
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, settings
 
 from pagefleet.engine import LLM, SamplingParams
 from server_utils import metric_value, running_server
@@ -330,3 +331,80 @@ def test_sigterm_finishes_in_flight_streams_and_exits_zero(tiny_checkpoints):
         chunks = [json.loads(x[6:]) for x in lines[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize(
+    ("dataset", "endpoint", "extra"),
+    [
+        ("random", "completions", ["--request-rate", "50"]),
+        ("shared-prefix", "chat", ["--num-groups", "2", "--prefix-len", "40"]),
+        ("multi-turn", "chat", ["--num-turns", "3", "--max-concurrency", "2"]),
+    ],
+)
+def test_bench_serve_measures_the_server(server, tmp_path, dataset, endpoint, extra):
+    import subprocess
+
+    from server_utils import PAGEFLEET
+
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [
+            PAGEFLEET,
+            "bench",
+            "serve",
+            "--base-url",
+            server,
+            "--model",
+            "tiny",
+            "--endpoint",
+            endpoint,
+            "--dataset",
+            dataset,
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "12",
+            "--output-len",
+            "8",
+            "--result-json",
+            str(out),
+            "--no-progress",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Output token throughput" in proc.stdout
+    summary = json.loads(out.read_text())["summary"]
+    turns = 3 if dataset == "multi-turn" else 1
+    assert summary["completed"] == 6 * turns and summary["failed"] == 0
+    assert summary["total_output_tokens"] == 6 * turns * 8
+    assert 0 < summary["ttft_s"]["median"] <= summary["e2e_s"]["p99"]
+    assert summary["itl_s"]["mean"] > 0
+
+
+def test_openapi_fuzz_never_answers_5xx(server):
+    """Schema-driven requests for every operation of the server's OpenAPI document (valid and
+    edge values, bounded count): a client's input is never answered with a 5xx."""
+    import schemathesis
+    from hypothesis import given
+
+    schema = schemathesis.openapi.from_url(f"{server}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions"}
+    for operation in operations:
+
+        @given(case=operation.as_strategy())
+        @settings(
+            max_examples=10,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
+        def check(case):
+            response = case.call(timeout=60)
+            assert response.status_code < 500, (case.method, case.path, case.body, response.text)
+
+        check()

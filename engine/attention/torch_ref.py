@@ -41,6 +41,7 @@ class TorchAttentionBackend:
         # [kv, num * blocks, block_size, d] -> [kv, num, ctx, d], contiguous
         keys = k_cache.index_select(1, tables.flatten()).view(num_kv, num, ctx, head_dim)
         values = v_cache.index_select(1, tables.flatten()).view(num_kv, num, ctx, head_dim)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # the KV dtype may differ
         queries = q.view(num, num_kv, num_heads // num_kv, head_dim).transpose(0, 1)
         scores = torch.matmul(queries, keys.transpose(-1, -2))  # [kv, num, group, ctx]
         scores.mul_(scale).masked_fill_(~group.mask, float("-inf"))
@@ -58,8 +59,10 @@ class TorchAttentionBackend:
             span = len(chunk.block_ids) * block_size
             keys = k_cache.index_select(1, chunk.block_ids).view(num_kv, span, head_dim)[:, :ctx]
             values = v_cache.index_select(1, chunk.block_ids).view(num_kv, span, head_dim)[:, :ctx]
-            query_pos = torch.arange(chunk.num_computed, ctx).unsqueeze(1)
-            mask, causal = torch.arange(ctx).unsqueeze(0) <= query_pos, False
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+            query_pos = torch.arange(chunk.num_computed, ctx, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= query_pos
+            causal = False
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             keys.unsqueeze(0),

@@ -87,11 +87,13 @@ def write_tiny_checkpoint(
     initializer_range: float = 0.1,
     max_shard_size: str | None = None,
     seed: int = 0,
+    **extra_config,
 ) -> Path:
     """Write a random checkpoint of `architecture` to `path` and return the path.
 
     `vocab_size` defaults to the tokenizer's size; a larger one pads the embedding like real
-    models do. `max_shard_size` (e.g. "100KB") splits the weights into indexed shards.
+    models do. `max_shard_size` (e.g. "100KB") splits the weights into indexed shards. Other
+    keyword arguments go to the HF config (e.g. attention_bias, mlp_bias, sliding_window).
     """
     import torch
     import transformers
@@ -122,6 +124,7 @@ def write_tiny_checkpoint(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **extra_config,
     )
     torch.manual_seed(seed)
     model_cls = getattr(transformers, architecture)
