@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml $(SOURCE_LIST)
 
 venv: $(STAMP)
 
-## The main job on the embedded default: LLM.generate on the tiny local demo checkpoint.
+## The main job on the embedded default: serve the tiny local demo checkpoint on 127.0.0.1.
 demo: $(STAMP)
 	$(BIN)/pagefleet demo
 
@@ -39,6 +39,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/scheduler_step.py
 	$(BIN)/python benchmarks/offline_throughput.py
+	$(BIN)/python benchmarks/serve_vs_offline.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -7,17 +7,53 @@ import sys
 
 from pagefleet import __version__
 
+DEMO_CURL = """pagefleet is serving the demo model (random weights: the text is noise).
+Stream a chat completion:
+
+  curl -N http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "demo", "stream": true, "max_tokens": 32,
+         "messages": [{{"role": "user", "content": "What is a KV cache?"}}]}}'
+
+Metrics: http://{host}:{port}/metrics    Stop: Ctrl-C
+"""
+
 
 def _demo(args: argparse.Namespace) -> int:
-    if not args.stand_in:
-        import os
+    if args.stand_in:
+        return _stand_in_demo(args)
+    import os
 
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from pagefleet.cache import demo_checkpoint
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from pagefleet.cache import demo_checkpoint
+
+    model = str(args.model or demo_checkpoint())
+    if args.offline:
         from pagefleet.engine.demo import run_llm_demo
 
-        print(run_llm_demo(str(args.model or demo_checkpoint())))
+        print(run_llm_demo(model))
         return 0
+    from pagefleet.engine.server.serve import run_serve
+
+    serve_args = build_parser().parse_args(
+        [
+            "serve",
+            model,
+            "--host",
+            args.host,
+            "--port",
+            str(args.port),
+            "--served-model-name",
+            "demo",
+            "--kv-cache-memory",
+            "0.25",
+            "--max-model-len",
+            "1024",
+        ]
+    )
+    return run_serve(serve_args, banner=DEMO_CURL.format(host=args.host, port=args.port))
+
+
+def _stand_in_demo(args: argparse.Namespace) -> int:
     from pagefleet.engine.demo import format_report, run_demo
 
     report = run_demo(
@@ -39,10 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser(
         "demo",
-        help="generate with the tiny local demo model (LLM.generate), or --stand-in to run the "
-        "scheduler and KV cache alone on a synthetic shared-prefix load",
+        help="serve the tiny local demo model on 127.0.0.1 and print a curl to try; "
+        "--offline runs LLM.generate instead, --stand-in the scheduler and KV cache alone",
     )
     demo.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
+    demo.add_argument("--host", default="127.0.0.1", help="address to serve on (127.0.0.1)")
+    demo.add_argument("--port", type=int, default=8000, help="port to serve on (8000)")
+    demo.add_argument("--offline", action="store_true", help="LLM.chat on the demo model")
     demo.add_argument(
         "--stand-in", action="store_true", help="no model: scheduler + KV cache with a stand-in"
     )

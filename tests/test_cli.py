@@ -23,9 +23,50 @@ def test_version_and_help():
     assert out.returncode == 0 and "demo" in out.stdout
 
 
-def test_demo_generates_with_a_fresh_demo_checkpoint(tmp_path):
+def test_demo_serves_the_demo_model_and_the_printed_curl_streams(tmp_path):
+    import json
+    import shlex
+    import signal
+
+    import httpx
+
+    from server_utils import free_port
+
+    port = free_port()
     env = {**os.environ, "PAGEFLEET_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    out = _run("demo", env=env)
+    proc = subprocess.Popen(
+        [PAGEFLEET, "demo", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        banner = ""
+        while "Stop: Ctrl-C" not in banner:
+            line = proc.stdout.readline()
+            assert line, f"demo exited early: {proc.poll()}"
+            banner += line
+        # Run the printed curl's request (its URL and JSON body) with httpx.
+        command = banner[banner.index("curl") : banner.index("Metrics")].replace("\\\n", " ")
+        words = shlex.split(command)
+        url, body = words[2], json.loads(words[words.index("-d") + 1])
+        assert url == f"http://127.0.0.1:{port}/v1/chat/completions"
+        with httpx.stream("POST", url, json=body, timeout=60) as r:
+            lines = [x for x in r.iter_lines() if x.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and len(lines) > 3
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+
+
+def test_offline_demo_generates_with_a_fresh_demo_checkpoint(tmp_path):
+    env = {**os.environ, "PAGEFLEET_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    out = _run("demo", "--offline", env=env)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "demo-llama" / "config.json").is_file()
     assert out.stdout.count("model (24 tokens, length)") == 4

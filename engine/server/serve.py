@@ -152,7 +152,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     )
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_serve(args: argparse.Namespace, banner: str | None = None) -> int:
+    """Serve until SIGTERM or Ctrl-C; `banner` is printed once the server accepts requests."""
     from pagefleet.engine.async_llm import AsyncLLM
     from pagefleet.engine.server.app import ServerConfig, build_app
 
@@ -175,16 +176,22 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     server = DrainingServer(config, app)
 
-    async def main() -> None:
-        stats = None
-        if args.log_stats_interval > 0:
-            stats = asyncio.ensure_future(_log_stats(app, args.log_stats_interval))
+    async def announce() -> None:
+        while not server.started:
+            await asyncio.sleep(0.05)
         logger.info("serving %s on http://%s:%d", name, args.host, args.port)
+        if banner:
+            print(banner, flush=True)
+
+    async def main() -> None:
+        helpers = [asyncio.ensure_future(announce())]
+        if args.log_stats_interval > 0:
+            helpers.append(asyncio.ensure_future(_log_stats(app, args.log_stats_interval)))
         try:
             await server.serve()
         finally:
-            if stats is not None:
-                stats.cancel()
+            for task in helpers:
+                task.cancel()
 
     try:
         asyncio.run(main())
