@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagefleet.engine.config import EngineArgs
-from pagefleet.engine.kv_cache.events import KVEventListener
 from pagefleet.engine.llm_engine import LLMEngine
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.kv_events import KVEventListener
 
 _STOP = object()
 

@@ -21,7 +21,6 @@ import torch
 from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
 from pagefleet.engine.config import CacheConfig, EngineArgs, SchedulerConfig
 from pagefleet.engine.detokenizer import Detokenizer
-from pagefleet.engine.kv_cache.events import KVEventListener
 from pagefleet.engine.model.loader import load_model, load_tokenizer, read_config, resolve_dtype
 from pagefleet.engine.outputs import (
     CompletionOutput,
@@ -34,6 +33,7 @@ from pagefleet.engine.runner import ModelRunner, kv_bytes_per_block
 from pagefleet.engine.sampler import Sampler
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import Scheduler, SchedulerOutput
+from pagefleet.kv_events import KVEventListener
 
 logger = logging.getLogger("pagefleet.engine")
 GiB = 1 << 30

@@ -1,8 +1,8 @@
 """Paged KV-cache management: a fixed pool of blocks, per-request block tables, prefix caching."""
 
 from pagefleet.engine.kv_cache.block_pool import Block, BlockPool, FreeBlockQueue
-from pagefleet.engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pagefleet.engine.kv_cache.manager import KVCacheManager
+from pagefleet.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 __all__ = [
     "AllBlocksCleared",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from pagefleet.block_hash import BlockHash
-from pagefleet.engine.kv_cache.events import (
+from pagefleet.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

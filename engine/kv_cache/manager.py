@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagefleet.engine.kv_cache.block_pool import Block, BlockPool
-from pagefleet.engine.kv_cache.events import KVEventListener
+from pagefleet.kv_events import KVEventListener
 
 if TYPE_CHECKING:  # request.py imports the kv_cache package for Block
     from pagefleet.engine.request import Request

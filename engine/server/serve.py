@@ -161,7 +161,16 @@ def run_serve(args: argparse.Namespace, banner: str | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    engine = AsyncLLM.from_engine_args(engine_args_from(args))
+    publisher = None
+    if args.kv_events_config:
+        from pagefleet.engine.kv_event_publisher import KVEventsConfig, ZmqEventPublisher
+
+        events_config = KVEventsConfig.from_json(args.kv_events_config)
+        if events_config.enable_kv_cache_events and events_config.publisher == "zmq":
+            publisher = ZmqEventPublisher(events_config)
+    engine = AsyncLLM.from_engine_args(engine_args_from(args), publisher.add if publisher else None)
+    if publisher is not None:
+        engine.engine.step_observers.append(lambda _: publisher.flush())
     name = args.served_model_name or args.model
     app = build_app(
         engine,
@@ -197,6 +206,8 @@ def run_serve(args: argparse.Namespace, banner: str | None = None) -> int:
         asyncio.run(main())
     finally:
         engine.shutdown()
+        if publisher is not None:
+            publisher.shutdown()
     return 0
 
 

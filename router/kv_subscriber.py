@@ -1,0 +1,89 @@
+"""Follows one pod's KV-event stream (ZMQ SUB), replaying gaps, for the precise prefix index.
+
+Works against pagefleet engines and stock vLLM pods alike (see pagefleet.kv_events). A
+sequence number that goes backwards means the publisher restarted: the pod is purged first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from pagefleet.kv_events import END_OF_REPLAY, KVEvent, decode_batch, seq_bytes, seq_from_bytes
+
+logger = logging.getLogger("pagefleet.router")
+
+
+class KVEventSubscriber:
+    def __init__(
+        self,
+        pod: str,
+        endpoint: str,
+        on_events: Callable[[str, list[KVEvent]], None],
+        on_reset: Callable[[str], None],
+        replay_endpoint: str | None = None,
+        topic: str = "kv-events",
+    ) -> None:
+        import zmq
+
+        self.pod = pod
+        self.on_events, self.on_reset = on_events, on_reset
+        self.last_seq = -1
+        self._context = zmq.Context()
+        self._sub = self._context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._sub.connect(endpoint)
+        self._replay = None
+        if replay_endpoint:
+            # DEALER, not REQ: a replay answers with many messages.
+            self._replay = self._context.socket(zmq.DEALER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.connect(replay_endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kv-sub-{pod}", daemon=True)
+        self._thread.start()
+
+    def catch_up(self, timeout_ms: int = 1000) -> None:
+        """Ask the replay socket for everything it still buffers (a router joining late)."""
+        if self._replay is not None:
+            self._fetch_replay(0, None, timeout_ms)
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+        self._context.destroy(linger=0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sub.poll(50):
+                continue
+            _, raw_seq, payload = self._sub.recv_multipart()
+            seq = seq_from_bytes(raw_seq)
+            if seq <= self.last_seq:
+                logger.info("pod %s: KV event sequence restarted; purging it", self.pod)
+                self.on_reset(self.pod)
+                self.last_seq = -1
+            elif self.last_seq >= 0 and seq > self.last_seq + 1 and self._replay is not None:
+                self._fetch_replay(self.last_seq + 1, seq - 1, 500)
+            self._deliver(seq, payload)
+
+    def _fetch_replay(self, start: int, end: int | None, timeout_ms: int) -> None:
+        self._replay.send_multipart([b"", seq_bytes(start)])
+        while self._replay.poll(timeout_ms):
+            frames = self._replay.recv_multipart()
+            seq, payload = seq_from_bytes(frames[-2]), frames[-1]
+            if seq == END_OF_REPLAY or not payload:
+                return
+            if seq > self.last_seq and (end is None or seq <= end):
+                self._deliver(seq, payload)
+
+    def _deliver(self, seq: int, payload: bytes) -> None:
+        try:
+            _, events = decode_batch(payload)
+        except Exception as e:  # a malformed batch must not kill the subscriber
+            logger.warning("pod %s: undecodable KV event batch %d: %r", self.pod, seq, e)
+            return
+        self.last_seq = max(self.last_seq, seq)
+        self.on_events(self.pod, events)

@@ -1,0 +1,152 @@
+"""Endpoint picking as a pipeline of small plugins: filters -> weighted scorers -> picker.
+
+Pure: it sees plain data about pods and the request and returns a choice with its reasons.
+Each scorer maps every candidate pod to [0, 1]; the picker takes the highest weighted sum and
+breaks ties at random (with the generator it is given).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+# Defaults and why (see docs/benchmarks.md once the fleet experiment has run): prefix affinity
+# saves the most work, so it weighs most, as in llm-d (prefix 3, queue 2, kv-usage 2); the
+# in-flight count reacts between scrapes, so bursts spread even before metrics move.
+DEFAULT_WEIGHTS = {"prefix": 3.0, "queue": 2.0, "kv-usage": 2.0, "inflight": 1.0}
+
+
+@dataclass
+class Pod:
+    """What the router knows about one engine pod."""
+
+    name: str
+    url: str
+    role: str = "both"  # prefill | decode | both
+    models: frozenset[str] = frozenset()
+    healthy: bool = True
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    inflight: int = 0
+    num_gpu_blocks: int = 0
+
+
+@dataclass
+class RoutingRequest:
+    model: str
+    block_hashes: Sequence[bytes]
+    role: str | None = None  # the role a pod must serve (P/D); None: any that serves "both"
+    prefix_matches: dict[str, int] = field(default_factory=dict)  # pod -> leading blocks held
+
+
+@dataclass
+class Decision:
+    pod: Pod
+    score: float
+    contributions: dict[str, float]  # scorer -> weighted score of the chosen pod
+
+
+Filter = Callable[[RoutingRequest, list[Pod]], list[Pod]]
+Scorer = Callable[[RoutingRequest, list[Pod]], dict[str, float]]
+
+
+def healthy_filter(req: RoutingRequest, pods: list[Pod]) -> list[Pod]:
+    return [p for p in pods if p.healthy]
+
+
+def model_filter(req: RoutingRequest, pods: list[Pod]) -> list[Pod]:
+    return [p for p in pods if not p.models or req.model in p.models]
+
+
+def role_filter(req: RoutingRequest, pods: list[Pod]) -> list[Pod]:
+    if req.role is None:
+        return [p for p in pods if p.role == "both"] or pods
+    return [p for p in pods if p.role in (req.role, "both")]
+
+
+def prefix_scorer(req: RoutingRequest, pods: list[Pod]) -> dict[str, float]:
+    total = len(req.block_hashes)
+    if not total:
+        return {p.name: 0.0 for p in pods}
+    return {p.name: req.prefix_matches.get(p.name, 0) / total for p in pods}
+
+
+def _inverse_normalised(values: dict[str, float]) -> dict[str, float]:
+    top = max(values.values(), default=0.0)
+    if top <= 0:
+        return dict.fromkeys(values, 1.0)
+    return {name: 1.0 - v / top for name, v in values.items()}
+
+
+def queue_scorer(req: RoutingRequest, pods: list[Pod]) -> dict[str, float]:
+    return _inverse_normalised({p.name: p.waiting for p in pods})
+
+
+def kv_usage_scorer(req: RoutingRequest, pods: list[Pod]) -> dict[str, float]:
+    return {p.name: min(max(1.0 - p.kv_usage, 0.0), 1.0) for p in pods}
+
+
+def inflight_scorer(req: RoutingRequest, pods: list[Pod]) -> dict[str, float]:
+    return _inverse_normalised({p.name: float(p.inflight) for p in pods})
+
+
+FILTERS: dict[str, Filter] = {"healthy": healthy_filter, "model": model_filter, "role": role_filter}
+SCORERS: dict[str, Scorer] = {
+    "prefix": prefix_scorer,
+    "queue": queue_scorer,
+    "kv-usage": kv_usage_scorer,
+    "inflight": inflight_scorer,
+}
+
+
+class Pipeline:
+    def __init__(self, filters: Sequence[str], weights: dict[str, float]) -> None:
+        unknown = [f for f in filters if f not in FILTERS]
+        unknown += [s for s in weights if s not in SCORERS]
+        if unknown:
+            raise ValueError(
+                f"unknown plugins {unknown}; filters: {sorted(FILTERS)}, scorers: {sorted(SCORERS)}"
+            )
+        if any(w < 0 for w in weights.values()):
+            raise ValueError("scorer weights must be >= 0")
+        self.filters = [FILTERS[f] for f in filters]
+        self.weights = {name: w for name, w in weights.items() if w > 0}
+
+    @classmethod
+    def from_config(cls, config: dict | None = None) -> Pipeline:
+        """From the router's YAML config: `{filters: [...], scorers: {name: weight}}`."""
+        config = config or {}
+        filters = config.get("filters", ["healthy", "model", "role"])
+        weights = config.get("scorers", DEFAULT_WEIGHTS)
+        if not isinstance(filters, list) or not isinstance(weights, dict):
+            raise ValueError("router config: filters must be a list, scorers a mapping")
+        return cls(filters, {str(k): float(v) for k, v in weights.items()})
+
+    def candidates(self, req: RoutingRequest, pods: list[Pod]) -> list[Pod]:
+        for f in self.filters:
+            pods = f(req, pods)
+        return pods
+
+    def rank(self, req: RoutingRequest, pods: list[Pod]) -> list[tuple[float, Pod, dict]]:
+        """Candidates best first, each with its score and per-scorer contributions."""
+        pods = self.candidates(req, pods)
+        if not pods:
+            return []
+        per_scorer = {name: SCORERS[name](req, pods) for name in self.weights}
+        ranked = []
+        for pod in pods:
+            parts = {name: w * per_scorer[name][pod.name] for name, w in self.weights.items()}
+            ranked.append((sum(parts.values()), pod, parts))
+        ranked.sort(key=lambda r: r[0], reverse=True)
+        return ranked
+
+    def pick(self, req: RoutingRequest, pods: list[Pod], rng: random.Random) -> Decision | None:
+        ranked = self.rank(req, pods)
+        if not ranked:
+            return None
+        best = ranked[0][0]
+        tied = [r for r in ranked if best - r[0] <= 1e-9]
+        score, pod, parts = rng.choice(tied)
+        return Decision(pod, score, parts)

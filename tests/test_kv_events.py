@@ -1,0 +1,146 @@
+"""KV events on the wire: vLLM's encoding, a real engine publishing over ZMQ, a router-side
+subscriber building the precise prefix index, replay for late joiners, purge on restart."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+
+from pagefleet.block_hash import hash_blocks
+from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.kv_event_publisher import KVEventsConfig, ZmqEventPublisher
+from pagefleet.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    decode_batch,
+    encode_batch,
+)
+from pagefleet.router.kv_subscriber import KVEventSubscriber
+from pagefleet.router.prefix_index import PrefixIndex
+
+
+def test_batches_round_trip_and_vllm_payloads_decode():
+    events = [
+        BlockStored([b"h1", b"h2"], None, [1, 2, 3, 4], 2),
+        BlockRemoved([b"h0"]),
+        AllBlocksCleared(),
+    ]
+    assert decode_batch(encode_batch(12.5, events)) == (12.5, events)
+    # As a stock vLLM pod sends it: int hashes, newer trailing fields, an unknown event kind.
+    vllm = msgpack.packb(
+        [
+            1.0,
+            [
+                ["BlockStored", [7, 8], 6, [1, 2], 1, None, "GPU", "extra"],
+                ["SomethingNew", 1],
+                ["BlockRemoved", [7], "GPU"],
+            ],
+        ]
+    )
+    ts, decoded = decode_batch(vllm)
+    assert ts == 1.0
+    assert decoded == [BlockStored([7, 8], 6, [1, 2], 1), BlockRemoved([7])]
+
+
+def test_kv_events_config_is_validated():
+    cfg = KVEventsConfig.from_json('{"enable_kv_cache_events": true, "endpoint": "tcp://*:1"}')
+    assert cfg.enable_kv_cache_events and cfg.publisher == "zmq"
+    for bad, message in (
+        ("{", "not JSON"),
+        ('{"nope": 1}', "unknown keys"),
+        ('{"publisher": "kafka"}', "zmq or null"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            KVEventsConfig.from_json(bad)
+
+
+def _wait(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _subscribe(publisher, index: PrefixIndex, pod: str = "pod-a") -> KVEventSubscriber:
+    return KVEventSubscriber(
+        pod,
+        publisher.endpoint,
+        index.apply,
+        index.remove_pod,
+        replay_endpoint=publisher.replay_endpoint,
+    )
+
+
+@pytest.fixture
+def publisher():
+    pub = ZmqEventPublisher(
+        KVEventsConfig(
+            enable_kv_cache_events=True,
+            endpoint="tcp://127.0.0.1:*",
+            replay_endpoint="tcp://127.0.0.1:*",
+        )
+    )
+    yield pub
+    pub.shutdown()
+
+
+def test_router_index_mirrors_a_real_engine_cache(tiny_checkpoints, publisher):
+    index = PrefixIndex("precise")
+    live = _subscribe(publisher, index)
+    time.sleep(0.3)  # let SUB connect (PUB drops what is sent before)
+    llm = LLM(
+        tiny_checkpoints["llama"],
+        num_gpu_blocks_override=12,
+        max_model_len=128,
+        kv_event_listener=publisher.add,
+    )
+    llm.engine.step_observers.append(lambda _: publisher.flush())
+    prompts = [[i + 1] * 40 + list(range(10)) for i in range(5)]  # evictions in a small pool
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    publisher.flush()
+    cached = set(llm.engine.scheduler.kv_cache.pool.cached)
+    assert cached
+    _wait(lambda: live.last_seq >= publisher.last_seq > 0)
+    assert {h for h in cached if index.match([h], now=0)} == cached
+    assert index.num_blocks("pod-a") == len(cached)
+    # A router that joins late catches up from the replay buffer.
+    late_index = PrefixIndex("precise")
+    late = _subscribe(publisher, late_index, "pod-a")
+    late.catch_up()
+    assert late_index.num_blocks("pod-a") == len(cached)
+    # Longest-prefix lookups with the shared hash function agree with the engine's cache.
+    for prompt in prompts:
+        hashes = hash_blocks(prompt, 16)
+        leading = next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
+        assert index.match(hashes, now=0).get("pod-a", 0) == leading
+    live.stop()
+    late.stop()
+
+
+def test_a_restarted_publisher_purges_the_pod(publisher):
+    index = PrefixIndex("precise")
+    sub = _subscribe(publisher, index)
+    time.sleep(0.3)
+    for i in range(3):
+        publisher.add(BlockStored([bytes([i])], None, [i], 1))
+        publisher.flush()
+    _wait(lambda: index.num_blocks("pod-a") == 3)
+    port = publisher.endpoint.rsplit(":", 1)[1]
+    publisher.shutdown()
+    again = ZmqEventPublisher(
+        KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{port}")
+    )
+    try:
+        # The new process starts its sequence at 0 with AllBlocksCleared: the pod is purged.
+        deadline = time.monotonic() + 10
+        while index.num_blocks("pod-a") and time.monotonic() < deadline:
+            again.add(BlockRemoved([b"never-stored"]))
+            again.flush()
+            time.sleep(0.1)
+        assert index.num_blocks("pod-a") == 0
+    finally:
+        sub.stop()
+        again.shutdown()
