@@ -73,15 +73,18 @@ def prefix_scorer(req: RoutingRequest, pods: list[Pod]) -> dict[str, float]:
     return {p.name: req.prefix_matches.get(p.name, 0) / total for p in pods}
 
 
-def _inverse_normalised(values: dict[str, float]) -> dict[str, float]:
-    top = max(values.values(), default=0.0)
-    if top <= 0:
-        return dict.fromkeys(values, 1.0)
-    return {name: 1.0 - v / top for name, v in values.items()}
+def _relative_load(values: dict[str, float]) -> dict[str, float]:
+    """1 for an idle pod, falling smoothly as its load grows relative to the fleet's mean.
+    (Min-max normalisation would give the busiest pod 0 even when it has one request more,
+    which throws away a prefix hit for nothing.)"""
+    if not values:
+        return {}
+    mean = sum(values.values()) / len(values)
+    return {name: 1.0 / (1.0 + v / (mean + 1.0)) for name, v in values.items()}
 
 
 def queue_scorer(req: RoutingRequest, pods: list[Pod]) -> dict[str, float]:
-    return _inverse_normalised({p.name: p.waiting for p in pods})
+    return _relative_load({p.name: p.waiting for p in pods})
 
 
 def kv_usage_scorer(req: RoutingRequest, pods: list[Pod]) -> dict[str, float]:
@@ -89,7 +92,7 @@ def kv_usage_scorer(req: RoutingRequest, pods: list[Pod]) -> dict[str, float]:
 
 
 def inflight_scorer(req: RoutingRequest, pods: list[Pod]) -> dict[str, float]:
-    return _inverse_normalised({p.name: float(p.inflight) for p in pods})
+    return _relative_load({p.name: float(p.inflight) for p in pods})
 
 
 FILTERS: dict[str, Filter] = {"healthy": healthy_filter, "model": model_filter, "role": role_filter}

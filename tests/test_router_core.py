@@ -1,0 +1,161 @@
+"""The router's pure core: prefix index (precise, approximate, speculative) and the
+filters -> scorers -> picker pipeline."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagefleet.block_hash import hash_blocks
+from pagefleet.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pagefleet.router.prefix_index import PrefixIndex
+from pagefleet.router.scoring import DEFAULT_WEIGHTS, Pipeline, Pod, RoutingRequest
+
+H = hash_blocks(list(range(64)), 8)  # 8 chained block hashes
+
+
+def stored(hashes):
+    return BlockStored(list(hashes), None, [], 8)
+
+
+def test_precise_index_follows_events_and_matches_leading_blocks():
+    index = PrefixIndex("precise")
+    index.apply("a", [stored(H[:6])])
+    index.apply("b", [stored(H[:2])])
+    assert index.match(H, now=0) == {"a": 6, "b": 2}
+    index.apply("a", [BlockRemoved([H[3]])])  # a hole ends the prefix
+    assert index.match(H, now=0) == {"a": 3, "b": 2}
+    index.apply("b", [AllBlocksCleared()])
+    assert index.match(H, now=0) == {"a": 3}
+    index.remove_pod("a")
+    assert index.match(H, now=0) == {} and index.pods() == set()
+
+
+def test_a_block_held_out_of_order_does_not_count():
+    index = PrefixIndex("precise")
+    index.apply("a", [stored(H[1:4])])  # no first block: nothing usable
+    assert index.match(H, now=0) == {}
+
+
+def test_speculative_entries_route_bursts_until_events_or_ttl():
+    index = PrefixIndex("precise", speculative_ttl=2.0)
+    index.record("a", H[:4], now=10.0)
+    assert index.match(H, now=11.0) == {"a": 4}
+    assert index.match(H, now=12.5) == {}  # expired, no event confirmed it
+    index.record("b", H[:4], now=20.0)
+    index.apply("b", [stored(H[:2])])  # confirmed part outlives the TTL
+    assert index.match(H, now=30.0) == {"b": 2}
+    index.expire(now=30.0)
+    assert "b" in index.pods()
+
+
+def test_approximate_index_is_an_lru_per_pod():
+    index = PrefixIndex("approximate")
+    index.set_capacity("a", 4)
+    index.record("a", H[:4], now=0)
+    assert index.match(H, now=0) == {"a": 4}
+    index.record("a", H[4:6], now=0)  # evicts the two least recently sent: H[0], H[1]
+    assert index.num_blocks("a") == 4
+    assert index.match(H, now=0) == {}
+    assert index.match(H[2:], now=0) == {"a": 4}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["store", "remove", "clear"]),
+            st.sampled_from(["a", "b", "c"]),
+            st.integers(0, 7),
+            st.integers(1, 8),
+        ),
+        max_size=40,
+    )
+)
+def test_match_equals_a_brute_force_longest_prefix(ops):
+    index = PrefixIndex("precise")
+    truth: dict[str, set] = {"a": set(), "b": set(), "c": set()}
+    for op, pod, start, length in ops:
+        hashes = H[start : start + length]
+        if op == "store":
+            index.apply(pod, [stored(hashes)])
+            truth[pod].update(hashes)
+        elif op == "remove":
+            index.apply(pod, [BlockRemoved(list(hashes))])
+            truth[pod].difference_update(hashes)
+        else:
+            index.apply(pod, [AllBlocksCleared()])
+            truth[pod].clear()
+    expected = {}
+    for pod, held in truth.items():
+        n = next((i for i, h in enumerate(H) if h not in held), len(H))
+        if n:
+            expected[pod] = n
+    assert index.match(H, now=0) == expected
+
+
+def pods() -> list[Pod]:
+    return [
+        Pod("a", "http://a", waiting=2, kv_usage=0.6, inflight=2, models=frozenset({"m"})),
+        Pod("b", "http://b", waiting=0, kv_usage=0.2, inflight=0, models=frozenset({"m"})),
+        Pod("c", "http://c", waiting=1, kv_usage=0.5, inflight=1, healthy=False),
+        Pod("d", "http://d", models=frozenset({"other"})),
+        Pod("p", "http://p", role="prefill"),
+    ]
+
+
+def test_filters_drop_unhealthy_other_models_and_roles():
+    pipe = Pipeline.from_config()
+    names = {p.name for p in pipe.candidates(RoutingRequest("m", H), pods())}
+    assert names == {"a", "b"}
+    prefill = {p.name for p in pipe.candidates(RoutingRequest("m", H, role="prefill"), pods())}
+    assert prefill == {"a", "b", "p"}
+
+
+def test_prefix_affinity_beats_load_with_default_weights_and_load_breaks_ties():
+    pipe = Pipeline.from_config()
+    rng = random.Random(0)
+    warm = RoutingRequest("m", H, prefix_matches={"a": 8})
+    decision = pipe.pick(warm, pods(), rng)
+    assert decision.pod.name == "a"  # 3 x 1.0 prefix outweighs its somewhat heavier load
+    swamped = [
+        Pod(
+            p.name,
+            p.url,
+            waiting=40 if p.name == "a" else p.waiting,
+            kv_usage=p.kv_usage,
+            inflight=p.inflight,
+            models=p.models,
+        )
+        for p in pods()
+    ]
+    assert pipe.pick(warm, swamped, rng).pod.name == "b"  # but not a swamped one
+    assert decision.contributions["prefix"] == pytest.approx(3.0)
+    cold = RoutingRequest("m", H)
+    assert pipe.pick(cold, pods(), rng).pod.name == "b"  # least loaded
+    assert set(decision.contributions) == set(DEFAULT_WEIGHTS)
+
+
+def test_scores_are_in_unit_range_and_ties_are_broken_at_random():
+    pipe = Pipeline.from_config({"scorers": {"queue": 1.0}})
+    twins = [Pod("x", "http://x"), Pod("y", "http://y")]
+    seen = {pipe.pick(RoutingRequest("m", H), twins, random.Random(s)).pod.name for s in range(20)}
+    assert seen == {"x", "y"}
+    for score, _, parts in Pipeline.from_config().rank(RoutingRequest("m", H), pods()):
+        weights = DEFAULT_WEIGHTS
+        assert all(0 <= parts[k] <= weights[k] for k in parts)
+        assert score == pytest.approx(sum(parts.values()))
+
+
+def test_no_candidate_gives_no_decision_and_bad_configs_are_refused():
+    pipe = Pipeline.from_config()
+    assert pipe.pick(RoutingRequest("unknown-model", H), pods()[3:4], random.Random(0)) is None
+    with pytest.raises(ValueError, match="unknown plugins"):
+        Pipeline.from_config({"scorers": {"magic": 1}})
+    with pytest.raises(ValueError, match=">= 0"):
+        Pipeline.from_config({"scorers": {"queue": -1}})
+    with pytest.raises(ValueError, match="mode"):
+        PrefixIndex("fuzzy")
