@@ -122,15 +122,8 @@ def test_prefix_affinity_beats_load_with_default_weights_and_load_breaks_ties():
     decision = pipe.pick(warm, pods(), rng)
     assert decision.pod.name == "a"  # 3 x 1.0 prefix outweighs its somewhat heavier load
     swamped = [
-        Pod(
-            p.name,
-            p.url,
-            waiting=40 if p.name == "a" else p.waiting,
-            kv_usage=p.kv_usage,
-            inflight=p.inflight,
-            models=p.models,
-        )
-        for p in pods()
+        Pod("a", "http://a", waiting=40, kv_usage=1.0, inflight=30, models=frozenset({"m"})),
+        *pods()[1:],
     ]
     assert pipe.pick(warm, swamped, rng).pod.name == "b"  # but not a swamped one
     assert decision.contributions["prefix"] == pytest.approx(3.0)
