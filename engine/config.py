@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagefleet.engine.simulated import SimulationProfile
 
 
 def _flag(name: str) -> str:
@@ -101,6 +105,8 @@ class EngineArgs:
     device: str = "auto"  # auto = cuda if available, else cpu
     attention_backend: str | None = None  # torch (CPU default) | triton (CUDA default, later)
     served_model_name: str | None = None
+    # Run the real scheduler and cache with a time model instead of the weights.
+    simulate: SimulationProfile | None = None
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "must be > 0")

@@ -22,6 +22,7 @@ from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
 from pagefleet.engine.config import CacheConfig, EngineArgs, SchedulerConfig
 from pagefleet.engine.detokenizer import Detokenizer
 from pagefleet.engine.model.loader import load_model, load_tokenizer, read_config, resolve_dtype
+from pagefleet.engine.model.transformer import ModelConfig
 from pagefleet.engine.outputs import (
     CompletionOutput,
     RequestMetrics,
@@ -33,6 +34,7 @@ from pagefleet.engine.runner import ModelRunner, kv_bytes_per_block
 from pagefleet.engine.sampler import Sampler
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import Scheduler, SchedulerOutput
+from pagefleet.engine.simulated import SimulatedRunner
 from pagefleet.kv_events import KVEventListener
 
 logger = logging.getLogger("pagefleet.engine")
@@ -99,6 +101,38 @@ class LLMEngine:
                 f"the model uses sliding-window attention ({window} tokens), which pagefleet "
                 f"does not implement; set --max-model-len {window} or less"
             )
+        if args.simulate is not None:
+            self.model_config = ModelConfig.from_hf(hf_config)
+            num_blocks = args.num_gpu_blocks_override or args.simulate.num_gpu_blocks
+            self._log_kv_size(num_blocks, None)
+            runner = SimulatedRunner(args.simulate, self.model_config.vocab_size)
+        else:
+            runner, num_blocks = self._load_model_runner()
+        self.runner = runner
+        self.scheduler = Scheduler.create(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                max_num_partial_prefills=args.max_num_partial_prefills,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+            ),
+            CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
+            kv_event_listener,
+        )
+        self.sampler = Sampler(args.seed, self.device)
+        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer, args.model)
+        self.groups: dict[str, _Group] = {}
+        self._group_of: dict[str, str] = {}  # scheduler request id -> user request id
+        self._ids = itertools.count()
+        # Called on the engine's thread after every step that ran (metrics, logging).
+        self.step_observers: list[Callable[[StepStats], None]] = []
+
+    # ------------------------------------------------------------------ set-up
+
+    def _load_model_runner(self) -> tuple[ModelRunner, int]:
+        args = self.args
         start = time.perf_counter()
         model = load_model(args.model, self.dtype, self.device, self.max_model_len)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -114,31 +148,9 @@ class LLMEngine:
             else resolve_dtype(args.kv_cache_dtype, self.device)
         )
         num_blocks = self._size_kv_pool(model, kv_dtype)
-        self.scheduler = Scheduler.create(
-            SchedulerConfig(
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=args.enable_chunked_prefill,
-                max_num_partial_prefills=args.max_num_partial_prefills,
-                long_prefill_token_threshold=args.long_prefill_token_threshold,
-            ),
-            CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
-            kv_event_listener,
-        )
         backend = _attention_backend(args.attention_backend, self.device)
-        self.runner = ModelRunner(
-            model, args.block_size, num_blocks, backend, self.device, kv_dtype
-        )
-        self.sampler = Sampler(args.seed, self.device)
-        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer, args.model)
-        self.groups: dict[str, _Group] = {}
-        self._group_of: dict[str, str] = {}  # scheduler request id -> user request id
-        self._ids = itertools.count()
-        # Called on the engine's thread after every step that ran (metrics, logging).
-        self.step_observers: list[Callable[[StepStats], None]] = []
-
-    # ------------------------------------------------------------------ set-up
+        runner = ModelRunner(model, args.block_size, num_blocks, backend, self.device, kv_dtype)
+        return runner, num_blocks
 
     @staticmethod
     def _sliding_window(hf_config: dict) -> int | None:
@@ -158,18 +170,8 @@ class LLMEngine:
             num_blocks = self._cuda_kv_budget(model) // per_block
         else:
             num_blocks = int(args.kv_cache_memory * GiB) // per_block
+        self._log_kv_size(num_blocks, per_block)
         tokens = num_blocks * args.block_size
-        logger.info(
-            "KV cache size: %d tokens (%d blocks, %.2f GiB)",
-            tokens,
-            num_blocks,
-            num_blocks * per_block / GiB,
-        )
-        logger.info(
-            "Maximum concurrency for %d tokens per request: %.2fx",
-            self.max_model_len,
-            tokens / self.max_model_len,
-        )
         if tokens < self.max_model_len:
             memory_flag = (
                 "--gpu-memory-utilization" if self.device.type == "cuda" else ("--kv-cache-memory")
@@ -180,6 +182,16 @@ class LLMEngine:
                 f"--num-gpu-blocks-override, or use a smaller --kv-cache-dtype"
             )
         return num_blocks
+
+    def _log_kv_size(self, num_blocks: int, bytes_per_block: int | None) -> None:
+        tokens = num_blocks * self.args.block_size
+        size = f", {num_blocks * bytes_per_block / GiB:.2f} GiB" if bytes_per_block else ""
+        logger.info("KV cache size: %d tokens (%d blocks%s)", tokens, num_blocks, size)
+        logger.info(
+            "Maximum concurrency for %d tokens per request: %.2fx",
+            self.max_model_len,
+            tokens / self.max_model_len,
+        )
 
     def _cuda_kv_budget(self, model) -> int:
         """Bytes left for the KV pool on the GPU: utilisation x total, minus the weights and

@@ -68,6 +68,7 @@ class ModelRunner:
             device=device,
         )
         self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(cfg.num_layers)]
+        self.kv_cache_dtype = str(dtype).removeprefix("torch.")
 
     @torch.inference_mode()
     def execute(

@@ -121,7 +121,7 @@ class _EngineCollector:
                 str(kv.block_size),
                 str(kv.num_blocks),
                 str(kv.enable_prefix_caching),
-                str(self.engine.runner.kv_pool.dtype).split(".")[-1],
+                self.engine.runner.kv_cache_dtype,
             ],
             1.0,
         )

@@ -127,6 +127,25 @@ def add_serve_parser(sub) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="uvicorn's log level (warning)",
     )
+    p.add_argument(
+        "--simulate",
+        action="store_true",
+        help="no forward pass: the real scheduler, cache, metrics and events with a calibrated "
+        "step-time model and filler tokens (the model dir gives the tokenizer and config only)",
+    )
+    p.add_argument(
+        "--simulate-profile",
+        default=None,
+        help="time-model coefficients as JSON or a JSON file (see engine/simulated.py; "
+        "default: shaped like an 8B model on one H100)",
+    )
+    p.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="publish KV-cache events; vLLM's JSON, e.g. "
+        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}',
+    )
     p.set_defaults(func=run_serve)
 
 
@@ -149,7 +168,18 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         gpu_memory_utilization=args.gpu_memory_utilization,
         device=args.device,
         served_model_name=args.served_model_name,
+        simulate=_simulation(args),
     )
+
+
+def _simulation(args: argparse.Namespace):
+    if not args.simulate:
+        if args.simulate_profile:
+            raise ValueError("--simulate-profile needs --simulate")
+        return None
+    from pagefleet.engine.simulated import SimulationProfile
+
+    return SimulationProfile.load(args.simulate_profile)
 
 
 def run_serve(args: argparse.Namespace, banner: str | None = None) -> int:
