@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagefleet.engine.server.serve import add_serve_parser
 
     add_serve_parser(sub)
+    from pagefleet.router.main import add_router_parser
+
+    add_router_parser(sub)
     from pagefleet.bench_serve import add_bench_parser
 
     add_bench_parser(sub)

@@ -81,3 +81,35 @@ def metric_value(base: str, name: str, labels: dict | None = None) -> float:
             ):
                 return sample.value
     raise KeyError(name)
+
+
+@contextmanager
+def running_router(*flags: str, timeout: float = 60.0):
+    port = free_port()
+    proc = subprocess.Popen(
+        [PAGEFLEET, "router", "--host", "127.0.0.1", "--port", str(port), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"router exited {proc.returncode}: {proc.stdout.read()}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("router did not become healthy")
+            time.sleep(0.2)
+        yield base, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc.stdout.close()

@@ -1,0 +1,325 @@
+"""`pagefleet router`: an OpenAI-compatible proxy that picks an engine pod per request.
+
+Per request: tokenize (the model's tokenizer, or fixed character chunks without one), hash
+blocks with the engines' own function, look the hashes up in the prefix index, rank pods
+(filters -> scorers -> picker), record the decision at once (in-flight count, speculative
+prefix entries), forward, and stream the answer back untouched. A connect error or a 5xx
+before the first byte is retried on the next-best pod; after the first byte the client gets
+an SSE error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+
+from pagefleet.block_hash import hash_blocks
+from pagefleet.router.pods import PodRegistry
+from pagefleet.router.prefix_index import PrefixIndex
+from pagefleet.router.scoring import Pipeline, RoutingRequest
+
+logger = logging.getLogger("pagefleet.router")
+CHARS_PER_TOKEN = 4  # the tokenizer-less fallback hashes fixed character chunks
+
+
+@dataclass
+class RouterConfig:
+    model: str | None = None  # served model name; None accepts any
+    api_key: str | None = None  # clients must present this
+    upstream_api_key: str | None = None  # the router presents this to engines
+    max_attempts: int = 3
+    connect_timeout: float = 2.0
+    read_timeout: float = 600.0
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": type_, "param": None, "code": status}}, status
+    )
+
+
+class Router:
+    def __init__(
+        self,
+        registry: PodRegistry,
+        index: PrefixIndex,
+        pipeline: Pipeline,
+        config: RouterConfig,
+        tokenizer=None,
+        seed: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry, self.index, self.pipeline = registry, index, pipeline
+        self.config, self.tokenizer, self.clock = config, tokenizer, clock
+        self.rng = random.Random(seed)
+        self.metrics = CollectorRegistry()
+        m = self.metrics
+        self.m_requests = Counter(
+            "pagefleet_router:requests", "Requests sent, per pod.", ["pod"], registry=m
+        )
+        self.m_decision = Histogram(
+            "pagefleet_router:decision_seconds",
+            "Time to pick a pod.",
+            buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2),
+            registry=m,
+        )
+        self.m_contrib = Counter(
+            "pagefleet_router:scorer_contribution",
+            "Sum of weighted scores of chosen pods, per scorer.",
+            ["scorer"],
+            registry=m,
+        )
+        self.m_hit_blocks = Counter(
+            "pagefleet_router:predicted_hit_blocks",
+            "Prompt blocks predicted cached on the chosen pod.",
+            registry=m,
+        )
+        self.m_blocks = Counter(
+            "pagefleet_router:prompt_blocks", "Prompt blocks routed.", registry=m
+        )
+        self.m_retries = Counter(
+            "pagefleet_router:retries", "Requests retried on another pod.", registry=m
+        )
+        m.register(_RegistryCollector(registry))
+        if tokenizer is None:
+            logger.warning(
+                "no tokenizer: prefix hashing falls back to %d-character chunks per "
+                "token; prefix predictions are approximate",
+                CHARS_PER_TOKEN,
+            )
+
+    # ------------------------------------------------------------------ routing
+
+    def prompt_tokens(self, path: str, body: dict) -> list[int]:
+        if path.endswith("/chat/completions"):
+            messages = body.get("messages") or []
+            if self.tokenizer is not None:
+                conv = [
+                    {"role": m.get("role", "user"), "content": _text(m.get("content"))}
+                    for m in messages
+                ]
+                ids = self.tokenizer.apply_chat_template(
+                    conv, tokenize=True, add_generation_prompt=True
+                )
+                return list(ids if isinstance(ids, list) else ids["input_ids"])
+            text = "".join(f"{m.get('role')}:{_text(m.get('content'))}\n" for m in messages)
+        else:
+            prompt = body.get("prompt", "")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+                return list(prompt)
+            text = prompt if isinstance(prompt, str) else "".join(map(str, prompt))
+            if self.tokenizer is not None:
+                return self.tokenizer.encode(text)
+        # Fallback: one pseudo-token per character chunk, stable across processes.
+        return [
+            int.from_bytes(text[i : i + CHARS_PER_TOKEN].encode()[:4].ljust(4, b"\0"), "little")
+            for i in range(0, len(text), CHARS_PER_TOKEN)
+        ]
+
+    def rank(self, path: str, body: dict):
+        started = time.perf_counter()
+        now = self.clock()
+        pods = self.registry.pods(now)
+        block_size = next(iter(self.registry.status.values())).block_size if pods else 16
+        hashes = hash_blocks(self.prompt_tokens(path, body), block_size)
+        request = RoutingRequest(
+            model=body.get("model") or "",
+            block_hashes=hashes,
+            prefix_matches=self.index.match(hashes, now),
+        )
+        ranked = self.pipeline.rank(request, pods)
+        if len(ranked) > 1 and ranked[0][0] - ranked[1][0] <= 1e-9:
+            best = [r for r in ranked if ranked[0][0] - r[0] <= 1e-9]
+            self.rng.shuffle(best)  # random tie-break
+            ranked = best + ranked[len(best) :]
+        self.m_decision.observe(time.perf_counter() - started)
+        return ranked, hashes, request
+
+    def commit(self, pod_name: str, hashes, request: RoutingRequest, parts: dict) -> None:
+        """Record the decision before the answer: later requests see it at once."""
+        self.index.record(pod_name, hashes, self.clock())
+        self.m_requests.labels(pod_name).inc()
+        self.m_blocks.inc(len(hashes))
+        self.m_hit_blocks.inc(request.prefix_matches.get(pod_name, 0))
+        for scorer, value in parts.items():
+            self.m_contrib.labels(scorer).inc(value)
+
+
+class _RegistryCollector:
+    def __init__(self, registry: PodRegistry) -> None:
+        self.registry = registry
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        yield CounterMetricFamily(
+            "pagefleet_router:ejections",
+            "Pods ejected after failed scrapes.",
+            value=self.registry.ejections,
+        )
+        inflight = GaugeMetricFamily(
+            "pagefleet_router:inflight", "Requests sent and not finished, per pod.", labels=["pod"]
+        )
+        for name, status in self.registry.status.items():
+            inflight.add_metric([name], status.pod.inflight)
+        yield inflight
+
+
+def _text(content) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def build_router_app(router: Router) -> FastAPI:
+    config = router.config
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(config.read_timeout, connect=config.connect_timeout),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        scraper = asyncio.ensure_future(router.registry.run(client))
+        yield
+        scraper.cancel()
+        await client.aclose()
+
+    app = FastAPI(title="pagefleet router", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if config.api_key and request.url.path not in ("/health", "/metrics"):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {config.api_key}".encode()):
+                return error_response(401, "invalid or missing API key", "authentication_error")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        healthy = [p for p in router.registry.pods(router.clock()) if p.healthy]
+        if not healthy:
+            return error_response(503, "no healthy engine", "service_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(router.metrics), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        for pod in router.registry.pods(router.clock()):
+            if pod.healthy:
+                try:
+                    r = await client.get(
+                        f"{pod.url}/v1/models",
+                        headers=_forward_headers(request_headers={}, api_key=None),
+                    )
+                    return JSONResponse(r.json(), r.status_code)
+                except httpx.HTTPError:
+                    continue
+        return error_response(503, "no healthy engine", "service_unavailable")
+
+    async def proxy(path: str, request: Request):
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            return error_response(400, "malformed JSON body")
+        if config.model and body.get("model") not in (None, config.model):
+            return error_response(
+                404, f"model {body.get('model')!r} does not exist", "not_found_error"
+            )
+        ranked, hashes, routing = router.rank(path, body)
+        if not ranked:
+            return error_response(503, "no engine can serve this request", "service_unavailable")
+        headers = _forward_headers(dict(request.headers), config.upstream_api_key)
+        last_error = "no attempt"
+        for attempt, (_, pod, parts) in enumerate(ranked[: config.max_attempts]):
+            if attempt:
+                router.m_retries.inc()
+            router.commit(pod.name, hashes, routing, parts)
+            pod.inflight += 1
+            upstream = client.build_request(
+                "POST", f"{pod.url}{path}", content=raw, headers=headers
+            )
+            try:
+                response = await client.send(upstream, stream=True)
+            except httpx.HTTPError as e:
+                pod.inflight -= 1
+                last_error = f"{pod.name}: {e!r}"
+                continue
+            if response.status_code >= 500:
+                await response.aclose()
+                pod.inflight -= 1
+                last_error = f"{pod.name}: HTTP {response.status_code}"
+                continue
+            return _relay(response, pod, body.get("stream", False))
+        return error_response(502, f"no engine answered ({last_error})", "bad_gateway")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await proxy("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await proxy("/v1/chat/completions", request)
+
+    return app
+
+
+def _forward_headers(request_headers: dict, api_key: str | None) -> dict:
+    keep = {"content-type", "x-request-id", "accept"}
+    headers = {k: v for k, v in request_headers.items() if k.lower() in keep}
+    headers.setdefault("content-type", "application/json")
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+def _relay(response: httpx.Response, pod, streaming: bool) -> StreamingResponse:
+    async def body():
+        try:
+            async for chunk in response.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:  # after the first byte: a clean SSE error, then the end
+            if streaming:
+                error = {
+                    "error": {
+                        "message": f"engine {pod.name} failed mid-stream: {e!r}",
+                        "type": "upstream_error",
+                        "param": None,
+                        "code": 502,
+                    }
+                }
+                yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            pod.inflight -= 1
+            await response.aclose()
+
+    headers = {
+        k: v
+        for k, v in response.headers.items()
+        if k.lower() in ("content-type", "x-request-id", "retry-after")
+    }
+    return StreamingResponse(body(), status_code=response.status_code, headers=headers)

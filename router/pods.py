@@ -1,0 +1,132 @@
+"""What the router knows about each engine pod, kept fresh by scraping `/metrics`.
+
+A scrape every 50-100 ms reads vLLM's gauges; data older than `stale_after` counts as
+unknown (the pod keeps serving but scores as idle-unknown); `eject_after` consecutive
+failures eject a pod until its `/health` passes again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagefleet.router.scoring import Pod
+
+logger = logging.getLogger("pagefleet.router")
+
+
+@dataclass
+class PodStatus:
+    pod: Pod
+    scraped_at: float = 0.0
+    failures: int = 0
+    ejected: bool = False
+    block_size: int = 16
+    models_seen: set[str] = field(default_factory=set)
+
+
+def parse_metrics(text: str) -> dict[str, float | dict]:
+    """The gauges the router uses, from a vLLM-compatible /metrics page (summed over models)."""
+    out: dict[str, float | dict] = {"waiting": 0.0, "running": 0.0, "kv_usage": 0.0}
+    names = {
+        "vllm:num_requests_waiting": "waiting",
+        "vllm:num_requests_running": "running",
+        "vllm:kv_cache_usage_perc": "kv_usage",
+        "vllm:gpu_cache_usage_perc": "kv_usage",
+    }
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = names.get(sample.name)
+            if key is not None:
+                out[key] = (
+                    max(float(out[key]), sample.value)
+                    if key == "kv_usage"
+                    else (float(out[key]) + sample.value)
+                )
+            elif sample.name == "vllm:cache_config_info":
+                out["cache"] = dict(sample.labels)
+    return out
+
+
+class PodRegistry:
+    def __init__(
+        self,
+        interval: float = 0.075,
+        stale_after: float = 2.0,
+        eject_after: int = 3,
+        timeout: float = 1.0,
+    ) -> None:
+        self.interval, self.stale_after = interval, stale_after
+        self.eject_after, self.timeout = eject_after, timeout
+        self.status: dict[str, PodStatus] = {}
+        self.on_capacity = None  # callable(pod name, num_gpu_blocks), set by the router
+        self.on_lost = None  # callable(pod name): the pod is gone or ejected
+        self.ejections = 0
+
+    def set_pods(self, pods: list[Pod]) -> None:
+        """Discovery's current view; pods that vanished are forgotten."""
+        new = {p.name: p for p in pods}
+        for name in list(self.status):
+            if name not in new:
+                del self.status[name]
+                if self.on_lost:
+                    self.on_lost(name)
+        for name, pod in new.items():
+            if name not in self.status:
+                self.status[name] = PodStatus(pod)
+
+    def pods(self, now: float) -> list[Pod]:
+        """Pods with their freshest load (stale load reads as idle; ejected as unhealthy)."""
+        result = []
+        for st in self.status.values():
+            pod = st.pod
+            pod.healthy = not st.ejected
+            if now - st.scraped_at > self.stale_after:
+                pod.waiting = pod.running = pod.kv_usage = 0.0
+            result.append(pod)
+        return result
+
+    async def run(self, client: httpx.AsyncClient) -> None:
+        while True:
+            started = time.monotonic()
+            await asyncio.gather(*(self._scrape(client, st) for st in list(self.status.values())))
+            await asyncio.sleep(max(self.interval - (time.monotonic() - started), 0.0))
+
+    async def _scrape(self, client: httpx.AsyncClient, st: PodStatus) -> None:
+        pod = st.pod
+        try:
+            if st.ejected:
+                r = await client.get(f"{pod.url}/health", timeout=self.timeout)
+                if r.status_code != 200:
+                    return
+                logger.info("pod %s is healthy again; re-admitted", pod.name)
+                st.ejected, st.failures = False, 0
+            r = await client.get(f"{pod.url}/metrics", timeout=self.timeout)
+            r.raise_for_status()
+            values = parse_metrics(r.text)
+        except (httpx.HTTPError, ValueError):
+            st.failures += 1
+            if st.failures >= self.eject_after and not st.ejected:
+                logger.warning("pod %s failed %d scrapes; ejected", pod.name, st.failures)
+                st.ejected = True
+                self.ejections += 1
+                if self.on_lost:
+                    self.on_lost(pod.name)
+            return
+        st.failures = 0
+        st.scraped_at = time.monotonic()
+        pod.waiting, pod.running = float(values["waiting"]), float(values["running"])
+        pod.kv_usage = float(values["kv_usage"])
+        cache = values.get("cache")
+        if cache:
+            blocks = int(float(cache.get("num_gpu_blocks", 0) or 0))
+            st.block_size = int(float(cache.get("block_size", 16) or 16))
+            if blocks and blocks != pod.num_gpu_blocks:
+                pod.num_gpu_blocks = blocks
+                if self.on_capacity:
+                    self.on_capacity(pod.name, blocks)

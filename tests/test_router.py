@@ -1,0 +1,142 @@
+"""The router in front of real tiny-model engines: prefix affinity (approximate and precise),
+streaming pass-through, failover when an engine dies."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import httpx
+import pytest
+
+from pagefleet.router.main import static_pods
+from server_utils import free_port, metric_value, running_router, running_server
+
+LONG = " ".join(f"word{i % 37} cache block" for i in range(90))  # ~250 tokens
+
+
+def routed_pod(router: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = {}
+    for family in text_string_to_metric_families(httpx.get(f"{router}/metrics").text):
+        for s in family.samples:
+            if s.name == "pagefleet_router:requests_total":
+                counts[s.labels["pod"]] = s.value
+    return counts
+
+
+@contextlib.contextmanager
+def fleet(path: str, n: int = 3, events: bool = False):
+    with contextlib.ExitStack() as stack:
+        engines, event_ports = [], []
+        for _ in range(n):
+            flags = ["--max-model-len", "1024"]
+            if events:
+                port = free_port()
+                while free_port() == port + 1:
+                    pass
+                event_ports.append(port)
+                flags += [
+                    "--kv-events-config",
+                    json.dumps(
+                        {
+                            "enable_kv_cache_events": True,
+                            "endpoint": f"tcp://127.0.0.1:{port}",
+                            "replay_endpoint": f"tcp://127.0.0.1:{port + 1}",
+                        }
+                    ),
+                ]
+            engines.append(stack.enter_context(running_server(path, *flags)))
+        yield engines, event_ports
+
+
+def test_static_endpoints_are_validated():
+    pods = static_pods("http://a:1,http://b:2@prefill")
+    assert [(p.name, p.role) for p in pods] == [("a:1", "both"), ("b:2", "prefill")]
+    for bad in ("", "ftp://x", "http://a@chef"):
+        with pytest.raises(ValueError):
+            static_pods(bad)
+
+
+def test_repeated_prompt_sticks_to_its_pod_and_hits_its_cache(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    with fleet(path) as (engines, _):
+        urls = ",".join(base for base, _ in engines)
+        with running_router("--endpoints", urls, "--tokenizer", path) as (router, _):
+            body = {"model": "tiny", "prompt": LONG, "max_tokens": 4, "temperature": 0}
+            first = httpx.post(f"{router}/v1/completions", json=body, timeout=60)
+            assert first.status_code == 200
+            (pod,) = routed_pod(router)
+            engine = next(b for b, _ in engines if b.endswith(pod))
+            hits_before = metric_value(engine, "vllm:prefix_cache_hits_total")
+            # Other traffic in between does not move it.
+            for i in range(4):
+                httpx.post(
+                    f"{router}/v1/completions",
+                    timeout=60,
+                    json={**body, "prompt": f"other prompt {i}"},
+                )
+            second = httpx.post(f"{router}/v1/completions", json=body, timeout=60)
+            assert second.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+            assert metric_value(engine, "vllm:prefix_cache_hits_total") - hits_before >= 240
+            assert routed_pod(router)[pod] >= 2
+            # Streams pass through untouched, ending in [DONE].
+            with httpx.stream(
+                "POST", f"{router}/v1/completions", timeout=60, json={**body, "stream": True}
+            ) as r:
+                lines = [x for x in r.iter_lines() if x.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]" and len(lines) >= 5
+
+
+def test_precise_index_follows_engine_events(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    with fleet(path, events=True) as (engines, ports):
+        urls = ",".join(base for base, _ in engines)
+        kv = ",".join(f"tcp://127.0.0.1:{p}" for p in ports)
+        flags = (
+            "--endpoints",
+            urls,
+            "--tokenizer",
+            path,
+            "--prefix-index",
+            "precise",
+            "--kv-events-endpoints",
+            kv,
+        )
+        with running_router(*flags) as (router, _):
+            # Warm the LAST engine directly, behind the router's back: only its KV events
+            # can tell the router where this prefix lives.
+            target, _ = engines[-1]
+            body = {"model": "tiny", "prompt": LONG, "max_tokens": 2, "temperature": 0}
+            assert httpx.post(f"{target}/v1/completions", json=body, timeout=60).status_code == 200
+            time.sleep(0.5)
+            for _ in range(3):
+                assert (
+                    httpx.post(f"{router}/v1/completions", json=body, timeout=60).status_code == 200
+                )
+            counts = routed_pod(router)
+            assert counts == {target.removeprefix("http://"): 3}
+
+
+def test_requests_keep_succeeding_when_an_engine_dies(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    with fleet(path) as (engines, _):
+        urls = ",".join(base for base, _ in engines)
+        with running_router("--endpoints", urls, "--tokenizer", path) as (router, _):
+            body = {"model": "tiny", "prompt": LONG, "max_tokens": 3, "temperature": 0}
+            assert httpx.post(f"{router}/v1/completions", json=body, timeout=60).status_code == 200
+            (pod,) = routed_pod(router)
+            victim = next(proc for base, proc in engines if base.endswith(pod))
+            victim.kill()
+            victim.wait(timeout=30)
+            for i in range(6):  # the favourite pod is gone: retried elsewhere, then ejected
+                r = httpx.post(
+                    f"{router}/v1/completions", timeout=60, json={**body, "prompt": LONG + f" {i}"}
+                )
+                assert r.status_code == 200, r.text
+            deadline = time.monotonic() + 5
+            while metric_value(router, "pagefleet_router:ejections_total") < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
