@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import random
@@ -32,6 +31,7 @@ from prometheus_client import (
 )
 
 from pagefleet.block_hash import hash_blocks
+from pagefleet.http_errors import check_api_key, error_response
 from pagefleet.router.pods import PodRegistry
 from pagefleet.router.prefix_index import PrefixIndex
 from pagefleet.router.scoring import Pipeline, RoutingRequest
@@ -48,12 +48,6 @@ class RouterConfig:
     max_attempts: int = 3
     connect_timeout: float = 2.0
     read_timeout: float = 600.0
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": type_, "param": None, "code": status}}, status
-    )
 
 
 class Router:
@@ -207,11 +201,13 @@ def build_router_app(router: Router) -> FastAPI:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if config.api_key and request.url.path not in ("/health", "/metrics"):
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, f"Bearer {config.api_key}".encode()):
-                return error_response(401, "invalid or missing API key", "authentication_error")
-        return await call_next(request)
+        denied = check_api_key(
+            request.headers.get("authorization", ""),
+            config.api_key,
+            request.url.path,
+            ("/health", "/metrics"),
+        )
+        return denied if denied is not None else await call_next(request)
 
     @app.get("/health")
     async def health():

@@ -22,6 +22,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, base: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[1]} exited {proc.returncode}: {proc.stdout.read()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{proc.args[1]} did not become healthy")
+        time.sleep(0.2)
+
+
 @contextmanager
 def running_server(model: str, *flags: str, timeout: float = 60.0):
     port = free_port()
@@ -50,18 +65,7 @@ def running_server(model: str, *flags: str, timeout: float = 60.0):
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited {proc.returncode}: {proc.stdout.read()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("server did not become healthy")
-            time.sleep(0.2)
+        wait_healthy(proc, base, timeout)
         yield base, proc
     finally:
         if proc.poll() is None:
@@ -95,18 +99,7 @@ def running_router(*flags: str, timeout: float = 60.0):
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"router exited {proc.returncode}: {proc.stdout.read()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("router did not become healthy")
-            time.sleep(0.2)
+        wait_healthy(proc, base, timeout)
         yield base, proc
     finally:
         if proc.poll() is None:

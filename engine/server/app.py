@@ -8,7 +8,6 @@ request (its blocks are freed at the next step).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -31,8 +30,8 @@ from pagefleet.engine.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    error_body,
 )
+from pagefleet.http_errors import check_api_key, error_body, error_response
 
 
 @dataclass
@@ -55,10 +54,6 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
         self.headers = headers
-
-
-def _error(status: int, message: str, type_: str, param=None, headers=None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, status, param), status, headers=headers)
 
 
 class BodyLimit:
@@ -90,7 +85,7 @@ class BodyLimit:
             await self._reject(scope, receive, send)
 
     async def _reject(self, scope, receive, send):
-        response = _error(
+        response = error_response(
             413, f"request body larger than {self.limit} bytes", "invalid_request_error"
         )
         await response(scope, receive, send)
@@ -111,8 +106,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     inflight: set[str] = set()
 
     @app.exception_handler(APIError)
-    async def _api_error(_, exc: APIError):
-        return _error(exc.status, exc.message, exc.type, exc.param, exc.headers)
+    async def _apierror_response(_, exc: APIError):
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
@@ -122,23 +117,25 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         message = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             message = "malformed JSON body"
-        return _error(
+        return error_response(
             400, f"{param + ': ' if param else ''}{message}", "invalid_request_error", param
         )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(exc.status_code, str(exc.detail), kind)
+        return error_response(exc.status_code, str(exc.detail), kind)
 
     @app.middleware("http")
     async def _auth_and_ids(request: Request, call_next):
-        path = request.url.path
-        if config.api_key and path not in ("/health", "/metrics", "/version"):
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {config.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                return _error(401, "invalid or missing API key", "authentication_error")
+        denied = check_api_key(
+            request.headers.get("authorization", ""),
+            config.api_key,
+            request.url.path,
+            ("/health", "/metrics", "/version"),
+        )
+        if denied is not None:
+            return denied
         response = await call_next(request)
         request_id = request.headers.get("x-request-id")
         if request_id:
@@ -256,7 +253,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         if app.state.draining or not engine.is_running:
-            return _error(
+            return error_response(
                 503,
                 "shutting down" if app.state.draining else "engine stopped",
                 "service_unavailable",

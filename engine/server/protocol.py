@@ -139,7 +139,3 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
-
-
-def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
