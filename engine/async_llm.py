@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import queue
 import threading
-from collections.abc import AsyncIterator
+import weakref
 from typing import Any
 
 from pagefleet.engine.config import EngineArgs
@@ -22,6 +22,47 @@ from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.kv_events import KVEventListener
 
 _STOP = object()
+
+
+class RequestStream:
+    """Async iterator over one request's outputs. Its registration is released when it ends,
+    when it is closed, or when it is garbage-collected unread (a finalizer), so a client that
+    vanished before reading never leaks a request."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str, queue_: asyncio.Queue) -> None:
+        self.request_id = request_id
+        self._queue = queue_
+        self._state = {"finished": False}
+        self._release = weakref.finalize(self, _release, weakref.ref(llm), request_id, self._state)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._release.alive:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            self._release()
+            raise
+        if isinstance(item, BaseException):
+            self._state["finished"] = True  # it never started in the engine
+            self._release()
+            raise item
+        if item.finished:
+            self._state["finished"] = True
+            self._release()
+        return item
+
+    async def aclose(self) -> None:
+        self._release()
+
+
+def _release(llm_ref, request_id: str, state: dict) -> None:
+    llm = llm_ref()
+    if llm is not None:
+        llm._release(request_id, state["finished"])
 
 
 class AsyncLLM:
@@ -47,37 +88,35 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ asyncio side
 
-    async def generate(
+    def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative output after every step that advances it. Closing
-        the iterator early (client gone) aborts the request."""
+    ) -> RequestStream:
+        """Submit now (synchronously: the request counts as unfinished from this call on) and
+        return its stream: the cumulative output after every step that advances it. Closing
+        the stream early, or dropping it unread, aborts the request."""
         if self._error is not None:
             raise RuntimeError("the engine loop has died") from self._error
         if not self._thread.is_alive():
             raise RuntimeError("the engine is shut down")
         loop = asyncio.get_running_loop()
-        stream: asyncio.Queue = asyncio.Queue()
+        queue_: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
-            self._streams[request_id] = (loop, stream)
+            self._streams[request_id] = (loop, queue_)
         self._commands.put(("add", request_id, prompt, params))
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
-            with self._lock:
-                self._streams.pop(request_id, None)
+        return RequestStream(self, request_id, queue_)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests submitted and not yet finished or released."""
+        return len(self._streams)
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        if not finished:
+            self.abort(request_id)
+        with self._lock:
+            self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         """Ask the engine to drop the request at the next step; safe from any thread."""

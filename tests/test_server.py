@@ -289,24 +289,25 @@ def test_full_waiting_queue_answers_503_with_retry_after(tiny_checkpoints):
     with running_server(tiny_checkpoints["llama"], *flags) as (base, _):
 
         async def main():
-            async with httpx.AsyncClient(timeout=60) as c:
+            async with httpx.AsyncClient(timeout=120) as c:
                 body = {"prompt": "long " * 20, "max_tokens": 900, "ignore_eos": True}
-                tasks = [
-                    asyncio.ensure_future(c.post(f"{base}/v1/completions", json=body))
-                    for _ in range(2)
-                ]
-                for _ in range(500):  # until one runs and one waits
-                    if metric_value(base, "vllm:num_requests_waiting") == 1:
+                first = asyncio.ensure_future(c.post(f"{base}/v1/completions", json=body))
+                for _ in range(500):  # the first one is running
+                    if metric_value(base, "vllm:num_requests_running") == 1:
                         break
                     await asyncio.sleep(0.01)
-                r = await c.post(f"{base}/v1/completions", json=body)
-                done = await asyncio.gather(*tasks)
-                return r, done
+                # One more may wait; the rest are refused while the first still runs.
+                rest = await asyncio.gather(
+                    *(c.post(f"{base}/v1/completions", json=body) for _ in range(3))
+                )
+                return await first, rest
 
-        r, done = asyncio.run(main())
-        assert r.status_code == 503 and r.headers["retry-after"], (r.status_code, r.text)
-        assert r.json()["error"]["code"] == 503
-        assert all(d.status_code == 200 for d in done)
+        first, rest = asyncio.run(main())
+        assert first.status_code == 200
+        codes = sorted(r.status_code for r in rest)
+        assert codes == [200, 503, 503], codes
+        refused = next(r for r in rest if r.status_code == 503)
+        assert refused.headers["retry-after"] and refused.json()["error"]["code"] == 503
 
 
 def test_sigterm_finishes_in_flight_streams_and_exits_zero(tiny_checkpoints):

@@ -103,7 +103,6 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     metrics = EngineMetrics(core, config.served_model_name)
     app.state.metrics = metrics
     max_model_len = core.max_model_len
-    inflight: set[str] = set()
 
     @app.exception_handler(APIError)
     async def _apierror_response(_, exc: APIError):
@@ -153,7 +152,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     def check_capacity() -> None:
         limit = config.max_waiting_requests
-        waiting = len(inflight) - core.scheduler.num_running
+        waiting = engine.num_unfinished - core.scheduler.num_running
         if limit is not None and waiting >= limit:
             raise APIError(
                 503,
@@ -205,21 +204,26 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     def request_id(request: Request, prefix: str) -> str:
         return f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
 
-    async def run(
-        rid: str, token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs for one prompt, metrics observed on the way."""
-        previous = None
-        inflight.add(rid)
+    def submit(rid: str, token_ids: list[int], params: SamplingParams):
+        """Submit now (so the next capacity check counts it); outputs come from the returned
+        generator, with metrics observed on the way."""
         try:
-            async for out in engine.generate(token_ids, params, rid):
+            stream = engine.generate(token_ids, params, rid)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return observe(stream, params)
+
+    async def observe(stream, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        previous = None
+        try:
+            async for out in stream:
                 metrics.observe(previous, out)
                 previous = out
                 yield out
         except ValueError as e:
             raise APIError(400, str(e)) from None
         finally:
-            inflight.discard(rid)
+            await stream.aclose()
             if previous is None or not previous.finished:
                 metrics.count_abort(params.n)
 
@@ -308,11 +312,12 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         if any(not p for p in prompts):
             raise APIError(400, "prompt must not be empty", param="prompt")
         max_tokens = [fit_max_tokens(len(p), req.max_tokens) for p in prompts]
-        check_capacity()
-        rid = request_id(request, "cmpl")
         params = [_params(req, m, req.logprobs) for m in max_tokens]
+        rid = request_id(request, "cmpl")
+        check_capacity()  # and submit at once, with no await in between
         gens = [
-            run(f"{rid}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+            submit(f"{rid}-{i}", p, sp)
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
         ]
         created = int(time.time())
         if req.stream:
@@ -350,11 +355,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         check_model(req.model)
         prompt = chat_prompt(req)
         max_tokens = fit_max_tokens(len(prompt), req.requested_max_tokens())
-        check_capacity()
         rid = request_id(request, "chatcmpl")
         top = req.top_logprobs or 0
         params = _params(req, max_tokens, top if req.logprobs else None)
-        gen = run(rid, prompt, params)
+        check_capacity()  # and submit at once, with no await in between
+        gen = submit(rid, prompt, params)
         created = int(time.time())
         if req.stream:
             return _sse(
