@@ -38,60 +38,12 @@ def wait_healthy(proc: subprocess.Popen, base: str, timeout: float) -> None:
 
 
 @contextmanager
-def running_server(model: str, *flags: str, timeout: float = 60.0):
-    port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(
-        [
-            PAGEFLEET,
-            "serve",
-            model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--served-model-name",
-            "tiny",
-            "--max-model-len",
-            "256",
-            "--num-gpu-blocks-override",
-            "256",
-            *flags,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, base, timeout)
-        yield base, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        proc.stdout.close()
-
-
-def metric_value(base: str, name: str, labels: dict | None = None) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{base}/metrics", timeout=5).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(
-                sample.labels.get(k) == v for k, v in (labels or {}).items()
-            ):
-                return sample.value
-    raise KeyError(name)
-
-
-@contextmanager
-def running_router(*flags: str, timeout: float = 60.0):
+def running(command: str, *flags: str, timeout: float = 60.0):
+    """`pagefleet COMMAND` on a free loopback port; yields (base URL, process) once healthy,
+    and kills it afterwards."""
     port = free_port()
     proc = subprocess.Popen(
-        [PAGEFLEET, "router", "--host", "127.0.0.1", "--port", str(port), *flags],
+        [PAGEFLEET, command, "--host", "127.0.0.1", "--port", str(port), *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -106,3 +58,32 @@ def running_router(*flags: str, timeout: float = 60.0):
             proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         proc.stdout.close()
+
+
+def running_server(model: str, *flags: str, timeout: float = 60.0):
+    defaults = (
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "256",
+        "--num-gpu-blocks-override",
+        "256",
+    )
+    return running("serve", model, *defaults, *flags, timeout=timeout)
+
+
+def running_router(*flags: str, timeout: float = 60.0):
+    return running("router", *flags, timeout=timeout)
+
+
+def metric_value(base: str, name: str, labels: dict | None = None) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base}/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(
+                sample.labels.get(k) == v for k, v in (labels or {}).items()
+            ):
+                return sample.value
+    raise KeyError(name)
