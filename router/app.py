@@ -64,6 +64,7 @@ class Router:
         self.registry, self.index, self.pipeline = registry, index, pipeline
         self.config, self.tokenizer, self.clock = config, tokenizer, clock
         self.rng = random.Random(seed)
+        self._expired_at = 0.0
         self.metrics = CollectorRegistry()
         m = self.metrics
         self.m_requests = Counter(
@@ -147,14 +148,20 @@ class Router:
         self.m_decision.observe(time.perf_counter() - started)
         return ranked, hashes, request
 
-    def commit(self, pod_name: str, hashes, request: RoutingRequest, parts: dict) -> None:
-        """Record the decision before the answer: later requests see it at once."""
-        self.index.record(pod_name, hashes, self.clock())
+    def commit(self, pod_name: str, hashes, request: RoutingRequest, parts: dict) -> list:
+        """Record the decision before the answer: later requests see it at once. Returns what
+        the index newly recorded, to take back if the pod fails."""
+        now = self.clock()
+        if now - self._expired_at > 1.0:
+            self.index.expire(now)
+            self._expired_at = now
+        added = self.index.record(pod_name, hashes, now)
         self.m_requests.labels(pod_name).inc()
         self.m_blocks.inc(len(hashes))
         self.m_hit_blocks.inc(request.prefix_matches.get(pod_name, 0))
         for scorer, value in parts.items():
             self.m_contrib.labels(scorer).inc(value)
+        return added
 
 
 class _RegistryCollector:
@@ -227,10 +234,10 @@ def build_router_app(router: Router) -> FastAPI:
                 try:
                     r = await client.get(
                         f"{pod.url}/v1/models",
-                        headers=_forward_headers(request_headers={}, api_key=None),
+                        headers=_forward_headers({}, config.upstream_api_key),
                     )
                     return JSONResponse(r.json(), r.status_code)
-                except httpx.HTTPError:
+                except (httpx.HTTPError, ValueError):
                     continue
         return error_response(503, "no healthy engine", "service_unavailable")
 
@@ -246,7 +253,11 @@ def build_router_app(router: Router) -> FastAPI:
             return error_response(
                 404, f"model {body.get('model')!r} does not exist", "not_found_error"
             )
-        ranked, hashes, routing = router.rank(path, body)
+        try:
+            ranked, hashes, routing = router.rank(path, body)
+        except (TypeError, AttributeError, ValueError, KeyError) as e:
+            # The engine would refuse it too; say so here rather than with a 500.
+            return error_response(400, f"invalid request body: {e}")
         if not ranked:
             return error_response(503, "no engine can serve this request", "service_unavailable")
         headers = _forward_headers(dict(request.headers), config.upstream_api_key)
@@ -254,23 +265,25 @@ def build_router_app(router: Router) -> FastAPI:
         for attempt, (_, pod, parts) in enumerate(ranked[: config.max_attempts]):
             if attempt:
                 router.m_retries.inc()
-            router.commit(pod.name, hashes, routing, parts)
+            added = router.commit(pod.name, hashes, routing, parts)
             pod.inflight += 1
             upstream = client.build_request(
                 "POST", f"{pod.url}{path}", content=raw, headers=headers
             )
             try:
-                response = await client.send(upstream, stream=True)
+                response = await _send_unless_client_leaves(client, upstream, request)
             except httpx.HTTPError as e:
-                pod.inflight -= 1
-                last_error = f"{pod.name}: {e!r}"
-                continue
-            if response.status_code >= 500:
+                response, last_error = None, f"{pod.name}: {e!r}"
+            except _ClientLeft:
+                pod.inflight -= 1  # closing the upstream connection aborts it on the engine
+                return Response(status_code=499)
+            if response is not None and response.status_code < 500:
+                return _relay(response, pod, body.get("stream", False))
+            if response is not None:
                 await response.aclose()
-                pod.inflight -= 1
                 last_error = f"{pod.name}: HTTP {response.status_code}"
-                continue
-            return _relay(response, pod, body.get("stream", False))
+            pod.inflight -= 1
+            router.index.unrecord(pod.name, added)  # it never got those blocks
         return error_response(502, f"no engine answered ({last_error})", "bad_gateway")
 
     @app.post("/v1/completions")
@@ -282,6 +295,33 @@ def build_router_app(router: Router) -> FastAPI:
         return await proxy("/v1/chat/completions", request)
 
     return app
+
+
+class _ClientLeft(Exception):
+    pass
+
+
+async def _send_unless_client_leaves(client: httpx.AsyncClient, upstream, request: Request):
+    """Wait for the engine's response headers, unless the client disconnects first (then the
+    upstream request is cancelled, and the engine sees its client leave)."""
+    send = asyncio.ensure_future(client.send(upstream, stream=True))
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({send, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if send.done():
+            return send.result()
+        raise _ClientLeft
+    finally:
+        gone.cancel()
+        if not send.done():
+            send.cancel()
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await send
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _forward_headers(request_headers: dict, api_key: str | None) -> dict:

@@ -23,7 +23,6 @@ class KVEventSubscriber:
         on_events: Callable[[str, list[KVEvent]], None],
         on_reset: Callable[[str], None],
         replay_endpoint: str | None = None,
-        topic: str = "kv-events",
     ) -> None:
         import zmq
 
@@ -33,7 +32,8 @@ class KVEventSubscriber:
         self._context = zmq.Context()
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        # Every topic: vLLM's default topic differs from ours; the frames are the same.
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(endpoint)
         self._replay = None
         if replay_endpoint:
@@ -43,12 +43,14 @@ class KVEventSubscriber:
             self._replay.connect(replay_endpoint)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-sub-{pod}", daemon=True)
-        self._thread.start()
 
-    def catch_up(self, timeout_ms: int = 1000) -> None:
-        """Ask the replay socket for everything it still buffers (a router joining late)."""
-        if self._replay is not None:
-            self._fetch_replay(0, None, timeout_ms)
+    def start(self, catch_up_ms: int = 0) -> KVEventSubscriber:
+        """Start following; first replay what the publisher still buffers (a router joining
+        late), on this thread, before the follower thread owns the sockets."""
+        if catch_up_ms and self._replay is not None:
+            self._fetch_replay(0, None, catch_up_ms)
+        self._thread.start()
+        return self
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
@@ -57,17 +59,23 @@ class KVEventSubscriber:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if not self._sub.poll(50):
-                continue
-            _, raw_seq, payload = self._sub.recv_multipart()
-            seq = seq_from_bytes(raw_seq)
-            if seq <= self.last_seq:
-                logger.info("pod %s: KV event sequence restarted; purging it", self.pod)
-                self.on_reset(self.pod)
-                self.last_seq = -1
-            elif self.last_seq >= 0 and seq > self.last_seq + 1 and self._replay is not None:
-                self._fetch_replay(self.last_seq + 1, seq - 1, 500)
-            self._deliver(seq, payload)
+            try:
+                self._poll_once()
+            except Exception as e:  # keep following the pod whatever one batch did
+                logger.warning("pod %s: KV event subscriber error: %r", self.pod, e)
+
+    def _poll_once(self) -> None:
+        if not self._sub.poll(50):
+            return
+        _, raw_seq, payload = self._sub.recv_multipart()
+        seq = seq_from_bytes(raw_seq)
+        if seq <= self.last_seq:
+            logger.info("pod %s: KV event sequence restarted; purging it", self.pod)
+            self.on_reset(self.pod)
+            self.last_seq = -1
+        elif self.last_seq >= 0 and seq > self.last_seq + 1 and self._replay is not None:
+            self._fetch_replay(self.last_seq + 1, seq - 1, 500)
+        self._deliver(seq, payload)
 
     def _fetch_replay(self, start: int, end: int | None, timeout_ms: int) -> None:
         self._replay.send_multipart([b"", seq_bytes(start)])

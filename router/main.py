@@ -126,8 +126,7 @@ def run_router(args: argparse.Namespace) -> int:
             host, _, port = endpoint.rpartition(":")
             replay = f"{host}:{int(port) + 1}"
             sub = KVEventSubscriber(pod.name, endpoint, index.apply, index.remove_pod, replay)
-            sub.catch_up(timeout_ms=200)
-            subscribers.append(sub)
+            subscribers.append(sub.start(catch_up_ms=200))
     router = Router(
         registry,
         index,

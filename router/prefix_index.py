@@ -9,6 +9,7 @@ land on one pod before its events or next scrape arrive.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -31,11 +32,17 @@ class PrefixIndex:
         self._blocks: dict[str, OrderedDict[BlockHash, None]] = {}
         self._capacity: dict[str, int] = {}
         self._speculative: dict[BlockHash, dict[str, float]] = {}
+        # KV-event subscriber threads update it while the event loop reads it.
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ updates
 
     def apply(self, pod: str, events: Iterable[KVEvent]) -> None:
         """Precise mode: fold a pod's KV events into the index."""
+        with self._lock:
+            self._apply(pod, events)
+
+    def _apply(self, pod: str, events: Iterable[KVEvent]) -> None:
         for event in events:
             if isinstance(event, BlockStored):
                 for h in event.block_hashes:
@@ -47,41 +54,66 @@ class PrefixIndex:
             elif isinstance(event, AllBlocksCleared):
                 self._clear_blocks(pod)
 
-    def record(self, pod: str, hashes: Sequence[BlockHash], now: float) -> None:
-        """A request with these blocks was just sent to `pod`."""
-        if self.mode == "approximate":
+    def record(self, pod: str, hashes: Sequence[BlockHash], now: float) -> list[BlockHash]:
+        """A request with these blocks was just sent to `pod`; returns the hashes this added
+        (for `unrecord` if the pod then fails)."""
+        with self._lock:
+            if self.mode == "approximate":
+                held = self._blocks.get(pod, {})
+                added = [h for h in hashes if h not in held]
+                for h in hashes:
+                    self._add(pod, h)
+                self._evict_over_capacity(pod)
+                return added
+            expiry = now + self.speculative_ttl
+            added = []
             for h in hashes:
-                self._add(pod, h)
-            self._evict_over_capacity(pod)
-            return
-        expiry = now + self.speculative_ttl
-        for h in hashes:
-            self._speculative.setdefault(h, {})[pod] = expiry
+                pods = self._speculative.setdefault(h, {})
+                if pod not in pods:
+                    added.append(h)
+                pods[pod] = expiry
+            return added
+
+    def unrecord(self, pod: str, added: Sequence[BlockHash]) -> None:
+        """Take back what `record` added: the request never reached the pod."""
+        with self._lock:
+            for h in added:
+                if self.mode == "approximate":
+                    self._remove(pod, h)
+                else:
+                    self._unspeculate(pod, h)
 
     def set_capacity(self, pod: str, num_blocks: int) -> None:
-        self._capacity[pod] = max(num_blocks, 1)
-        self._evict_over_capacity(pod)
+        with self._lock:
+            self._capacity[pod] = max(num_blocks, 1)
+            self._evict_over_capacity(pod)
 
     def remove_pod(self, pod: str) -> None:
         """Forget a pod (gone, restarted, reset): nothing of it may be predicted any more."""
-        self._clear_blocks(pod)
-        self._capacity.pop(pod, None)
-        for h in [h for h, pods in self._speculative.items() if pod in pods]:
-            self._unspeculate(pod, h)
+        with self._lock:
+            self._clear_blocks(pod)
+            self._capacity.pop(pod, None)
+            for h in [h for h, pods in self._speculative.items() if pod in pods]:
+                self._unspeculate(pod, h)
 
     def expire(self, now: float) -> None:
         """Drop speculative entries past their TTL (call now and then)."""
-        for h in list(self._speculative):
-            pods = self._speculative[h]
-            for pod in [p for p, expiry in pods.items() if expiry <= now]:
-                del pods[pod]
-            if not pods:
-                del self._speculative[h]
+        with self._lock:
+            for h in list(self._speculative):
+                pods = self._speculative[h]
+                for pod in [p for p, expiry in pods.items() if expiry <= now]:
+                    del pods[pod]
+                if not pods:
+                    del self._speculative[h]
 
     # ------------------------------------------------------------------ queries
 
     def match(self, hashes: Sequence[BlockHash], now: float) -> dict[str, int]:
         """Per pod, how many leading blocks of `hashes` it holds (pods with none are absent)."""
+        with self._lock:
+            return self._match(hashes, now)
+
+    def _match(self, hashes: Sequence[BlockHash], now: float) -> dict[str, int]:
         result: dict[str, int] = {}
         candidates: set[str] | None = None
         for i, h in enumerate(hashes):

@@ -64,14 +64,16 @@ def _wait(predicate, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def _subscribe(publisher, index: PrefixIndex, pod: str = "pod-a") -> KVEventSubscriber:
+def _subscribe(
+    publisher, index: PrefixIndex, pod: str = "pod-a", catch_up_ms: int = 0
+) -> KVEventSubscriber:
     return KVEventSubscriber(
         pod,
         publisher.endpoint,
         index.apply,
         index.remove_pod,
         replay_endpoint=publisher.replay_endpoint,
-    )
+    ).start(catch_up_ms)
 
 
 @pytest.fixture
@@ -108,8 +110,7 @@ def test_router_index_mirrors_a_real_engine_cache(tiny_checkpoints, publisher):
     assert index.num_blocks("pod-a") == len(cached)
     # A router that joins late catches up from the replay buffer.
     late_index = PrefixIndex("precise")
-    late = _subscribe(publisher, late_index, "pod-a")
-    late.catch_up()
+    late = _subscribe(publisher, late_index, "pod-a", catch_up_ms=1000)
     assert late_index.num_blocks("pod-a") == len(cached)
     # Longest-prefix lookups with the shared hash function agree with the engine's cache.
     for prompt in prompts:

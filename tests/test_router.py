@@ -140,3 +140,56 @@ def test_requests_keep_succeeding_when_an_engine_dies(tiny_checkpoints):
             while metric_value(router, "pagefleet_router:ejections_total") < 1:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
+
+
+def test_router_refuses_bad_bodies_and_passes_keys_upstream(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    with running_server(path, "--api-key", "engine-key") as (engine, _):
+        flags = (
+            "--endpoints",
+            engine,
+            "--tokenizer",
+            path,
+            "--upstream-api-key",
+            "engine-key",
+            "--api-key",
+            "router-key",
+        )
+        with running_router(*flags) as (router, _):
+            auth = {"Authorization": "Bearer router-key"}
+            assert httpx.get(f"{router}/v1/models").status_code == 401
+            models = httpx.get(f"{router}/v1/models", headers=auth)
+            assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+            for body in ({"messages": ["hi"]}, {"messages": "x"}, {"prompt": 5}, [1, 2]):
+                url = "/v1/chat/completions" if "messages" in str(body) else "/v1/completions"
+                r = httpx.post(f"{router}{url}", json=body, headers=auth)
+                assert r.status_code == 400, (body, r.text)
+                assert r.json()["error"]["code"] == 400
+            ok = httpx.post(
+                f"{router}/v1/completions",
+                headers=auth,
+                timeout=60,
+                json={"prompt": "hello", "max_tokens": 3},
+            )
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_client_leaving_a_non_streaming_request_aborts_it_on_the_engine(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    with running_server(
+        path,
+        "--simulate",
+        "--simulate-profile",
+        '{"decode_s_per_seq": 0.05}',
+        "--max-model-len",
+        "1024",
+    ) as (engine, _), running_router("--endpoints", engine, "--tokenizer", path) as (router, _):
+        body = {"prompt": "slow one", "max_tokens": 900, "ignore_eos": True}
+        for _ in range(2):
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(f"{router}/v1/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 5
+        while metric_value(engine, "vllm:num_requests_running") > 0:
+            assert time.monotonic() < deadline, "the engine kept generating for nobody"
+            time.sleep(0.1)
+        assert metric_value(router, "pagefleet_router:inflight", {"pod": engine[7:]}) == 0

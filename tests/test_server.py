@@ -148,6 +148,23 @@ def test_completion_logprobs_and_models_tokenize_version(server):
     assert httpx.get(f"{server}/version").json()["version"]
 
 
+def test_a_reused_request_id_does_not_collide(server):
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await asyncio.gather(
+                *(
+                    c.post(
+                        f"{server}/v1/completions",
+                        headers={"X-Request-Id": "trace-1"},
+                        json={"prompt": "same id", "max_tokens": 8},
+                    )
+                    for _ in range(3)
+                )
+            )
+
+    assert [r.status_code for r in asyncio.run(main())] == [200, 200, 200]
+
+
 def test_request_id_is_honoured_and_echoed(server):
     r = httpx.post(
         f"{server}/v1/completions",

@@ -70,7 +70,7 @@ def test_simulated_server_serves_metrics_and_kv_events(tiny_checkpoints):
             f"tcp://127.0.0.1:{port}",
             lambda pod, evs: (seen.extend(evs), index.apply(pod, evs)),
             index.remove_pod,
-        )
+        ).start()
         try:
             time.sleep(0.3)
             body = {"prompt": list(range(10, 74)), "max_tokens": 8}

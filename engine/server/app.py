@@ -208,7 +208,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         """Submit now (so the next capacity check counts it); outputs come from the returned
         generator, with metrics observed on the way."""
         try:
-            stream = engine.generate(token_ids, params, rid)
+            # Unique inside the engine even when clients reuse an X-Request-Id.
+            stream = engine.generate(token_ids, params, f"{rid}.{uuid.uuid4().hex[:8]}")
         except ValueError as e:
             raise APIError(400, str(e)) from None
         return observe(stream, params)
@@ -422,6 +423,9 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
                 yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
         except APIError as e:  # after the first byte: a clean error event, then the end
             yield f"data: {json.dumps(error_body(e.message, e.type, e.status, e.param))}\n\n"
+        except Exception as e:  # the engine failed mid-stream
+            body = error_body(f"internal error: {e}", "internal_error", 500)
+            yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(
