@@ -65,6 +65,8 @@ class Router:
         self.config, self.tokenizer, self.clock = config, tokenizer, clock
         self.rng = random.Random(seed)
         self._expired_at = 0.0
+        # Optional: a factory(callback) -> discovery with start()/stop(), for dynamic pods.
+        self.discovery = None
         self.metrics = CollectorRegistry()
         m = self.metrics
         self.m_requests = Counter(
@@ -199,9 +201,18 @@ def build_router_app(router: Router) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        loop = asyncio.get_running_loop()
+        discovery = None
+        if router.discovery is not None:
+            # Discovery runs on its own thread; pod sets are applied on this loop.
+            discovery = router.discovery(
+                lambda pods: loop.call_soon_threadsafe(router.registry.set_pods, pods)
+            ).start()
         scraper = asyncio.ensure_future(router.registry.run(client))
         yield
         scraper.cancel()
+        if discovery is not None:
+            discovery.stop()
         await client.aclose()
 
     app = FastAPI(title="pagefleet router", lifespan=lifespan)

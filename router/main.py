@@ -14,9 +14,26 @@ def add_router_parser(sub) -> None:
     p = sub.add_parser("router", help="cache-aware OpenAI-compatible router in front of engines")
     p.add_argument(
         "--endpoints",
-        required=True,
+        default=None,
         help="engine base URLs, comma separated (http://a:8000,http://b:8000); "
         "a '@prefill' or '@decode' suffix sets a pod's role",
+    )
+    p.add_argument(
+        "--kubernetes-namespace",
+        default=None,
+        help="discover engines as ready Pods in this namespace (instead of "
+        "--endpoints), watched through the Kubernetes API",
+    )
+    p.add_argument(
+        "--selector",
+        default="pagefleet.io/model",
+        help="label selector of engine Pods, key=value[,key=value]",
+    )
+    p.add_argument("--engine-port", type=int, default=8000, help="engines' HTTP port (8000)")
+    p.add_argument(
+        "--kubernetes-api",
+        default=None,
+        help="API server URL (default: in-cluster config, else ~/.kube/config)",
     )
     p.add_argument("--host", default="0.0.0.0", help="address to bind (0.0.0.0)")
     p.add_argument("--port", type=int, default=8080, help="port to bind (8080)")
@@ -85,6 +102,31 @@ def static_pods(endpoints: str) -> list[Pod]:
     return pods
 
 
+def make_discovery(args: argparse.Namespace):
+    """Kubernetes discovery through the official client; the callback is attached later."""
+    from kubernetes import client, config
+
+    from pagefleet.router.discovery import KubernetesDiscovery
+
+    if args.kubernetes_api:
+        configuration = client.Configuration()
+        configuration.host = args.kubernetes_api.rstrip("/")
+        api_client = client.ApiClient(configuration)
+    else:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        api_client = client.ApiClient()
+    return lambda on_change: KubernetesDiscovery(
+        client.CoreV1Api(api_client),
+        args.kubernetes_namespace,
+        args.selector,
+        args.engine_port,
+        on_change,
+    )
+
+
 def run_router(args: argparse.Namespace) -> int:
     import uvicorn
     import yaml
@@ -98,7 +140,9 @@ def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    pods = static_pods(args.endpoints)
+    if bool(args.endpoints) == bool(args.kubernetes_namespace):
+        raise ValueError("give exactly one of --endpoints and --kubernetes-namespace")
+    pods = static_pods(args.endpoints) if args.endpoints else []
     config = {}
     if args.config:
         with open(args.config) as f:
@@ -142,6 +186,10 @@ def run_router(args: argparse.Namespace) -> int:
         tokenizer,
         seed=args.seed,
     )
+    if args.kubernetes_namespace:
+        if args.prefix_index == "precise":
+            raise ValueError("--prefix-index precise needs --endpoints (KV event endpoints)")
+        router.discovery = make_discovery(args)
     app = build_router_app(router)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

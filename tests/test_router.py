@@ -176,14 +176,17 @@ def test_router_refuses_bad_bodies_and_passes_keys_upstream(tiny_checkpoints):
 
 def test_a_client_leaving_a_non_streaming_request_aborts_it_on_the_engine(tiny_checkpoints):
     path = tiny_checkpoints["llama"]
-    with running_server(
-        path,
-        "--simulate",
-        "--simulate-profile",
-        '{"decode_s_per_seq": 0.05}',
-        "--max-model-len",
-        "1024",
-    ) as (engine, _), running_router("--endpoints", engine, "--tokenizer", path) as (router, _):
+    with (
+        running_server(
+            path,
+            "--simulate",
+            "--simulate-profile",
+            '{"decode_s_per_seq": 0.05}',
+            "--max-model-len",
+            "1024",
+        ) as (engine, _),
+        running_router("--endpoints", engine, "--tokenizer", path) as (router, _),
+    ):
         body = {"prompt": "slow one", "max_tokens": 900, "ignore_eos": True}
         for _ in range(2):
             with pytest.raises(httpx.TimeoutException):

@@ -1,0 +1,135 @@
+"""Kubernetes discovery of engine pods against kmock's KubernetesEmulator (a real HTTP API
+server emulation, driven through the official kubernetes client)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from pagefleet.router.discovery import KubernetesDiscovery, parse_selector
+from server_utils import running_router, running_server
+
+
+@contextmanager
+def kubernetes_emulator():
+    """kmock's KubernetesEmulator on 127.0.0.1, on its own event-loop thread."""
+    import kmock
+
+    state: dict = {}
+    ready = threading.Event()
+
+    def serve() -> None:
+        async def main() -> None:
+            async with kmock.KubernetesEmulator() as emu, kmock.Server(emu) as server:
+                emu.resources["v1/pods"] = kmock.ResourceInfo(namespaced=True, kind="Pod")
+                emu.resources["v1/namespaces"] = kmock.ResourceInfo(namespaced=False)
+                state["url"] = str(server.url).rstrip("/")
+                ready.set()
+                while not state.get("stop"):
+                    await asyncio.sleep(0.02)
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(10), "the emulator did not start"
+    try:
+        yield state["url"]
+    finally:
+        state["stop"] = True
+        thread.join(10)
+
+
+def core_api(url: str):
+    from kubernetes import client
+
+    configuration = client.Configuration()
+    configuration.host = url
+    return client.CoreV1Api(client.ApiClient(configuration))
+
+
+def pod(name: str, ready: bool = True, ip: str = "127.0.0.1", **labels) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": "serving",
+            "labels": {"pagefleet.io/model": "m", **labels},
+        },
+        "status": {
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_selector_parsing():
+    assert parse_selector("pagefleet.io/model=m, pagefleet.io/role") == {
+        "pagefleet.io/model": "m",
+        "pagefleet.io/role": None,
+    }
+    with pytest.raises(ValueError):
+        parse_selector("=x")
+
+
+def test_ready_matching_pods_are_discovered_and_removed():
+    with kubernetes_emulator() as url:
+        api = core_api(url)
+        api.create_namespaced_pod("serving", pod("engine-a", **{"pagefleet.io/role": "decode"}))
+        seen: list = []
+        discovery = KubernetesDiscovery(
+            api, "serving", "pagefleet.io/model=m", 8000, seen.append
+        ).start()
+        try:
+            wait_for(lambda: seen and [p.name for p in seen[-1]] == ["engine-a"])
+            assert seen[-1][0].url == "http://127.0.0.1:8000" and seen[-1][0].role == "decode"
+            api.create_namespaced_pod("serving", pod("engine-b", ip="10.1.2.3"))
+            api.create_namespaced_pod("serving", pod("starting", ready=False))
+            other = pod("other-model")
+            other["metadata"]["labels"]["pagefleet.io/model"] = "x"
+            api.create_namespaced_pod("serving", other)
+            wait_for(lambda: [p.name for p in seen[-1]] == ["engine-a", "engine-b"])
+            api.delete_namespaced_pod("engine-a", "serving")
+            wait_for(lambda: [p.name for p in seen[-1]] == ["engine-b"])
+        finally:
+            discovery.stop()
+
+
+def test_router_finds_its_engine_through_kubernetes(tiny_checkpoints):
+    with running_server(tiny_checkpoints["llama"]) as (engine, _), kubernetes_emulator() as url:
+        port = engine.rsplit(":", 1)[1]
+        core_api(url).create_namespaced_pod("serving", pod("engine-0"))
+        flags = (
+            "--kubernetes-namespace",
+            "serving",
+            "--kubernetes-api",
+            url,
+            "--selector",
+            "pagefleet.io/model=m",
+            "--engine-port",
+            port,
+        )
+        with running_router(*flags) as (router, _):
+            wait_for(
+                lambda: (
+                    httpx.post(
+                        f"{router}/v1/completions",
+                        timeout=30,
+                        json={"prompt": "hello", "max_tokens": 2},
+                    ).status_code
+                    == 200
+                )
+            )
