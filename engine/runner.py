@@ -117,16 +117,16 @@ class ModelRunner:
 
         prefills: list[PrefillChunk] = []
         chunk_slots: list[torch.Tensor] = []
+        chunk_positions: list[torch.Tensor] = []
         row = len(singles)
         for req, n in chunks:
             start = req.num_computed_tokens
             input_ids.extend(req.all_token_ids[start : start + n])
             pos = torch.arange(start, start + n)
-            positions_t = pos
+            chunk_positions.append(pos)
             block_ids = torch.tensor(req.block_ids[: (start + n + bs - 1) // bs])
             chunk_slots.append(block_ids[pos // bs] * bs + pos % bs)
             prefills.append(PrefillChunk(row, n, start, block_ids.to(self.device)))
-            positions.extend(positions_t.tolist())
             self._note_rows(req, row, start, n, sample_rows, sample_requests, prompt_rows)
             row += n
 
@@ -146,12 +146,13 @@ class ModelRunner:
             write_rows=write_rows,
             num_single=num_single,
             single_groups=self._single_groups(tables, single_lens),
-            single_context_lens=single_lens.to(dev),
             prefills=prefills,
         )
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            positions=torch.cat([torch.tensor(positions, dtype=torch.int64), *chunk_positions]).to(
+                dev
+            ),
             meta=meta,
             sample_rows=sample_rows,
             sample_requests=sample_requests,

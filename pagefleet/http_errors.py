@@ -1,9 +1,11 @@
-"""OpenAI-shaped error bodies and the bearer-key check, shared by the engine and the router."""
+"""HTTP pieces the engine and the router share: OpenAI-shaped errors, the bearer-key check,
+and waiting for a client to disconnect."""
 
 from __future__ import annotations
 
 import hmac
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
 
 
@@ -33,3 +35,9 @@ def check_api_key(
     if not api_key or path in open_paths or bearer_ok(authorization, api_key):
         return None
     return error_response(401, "invalid or missing API key", "authentication_error")
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Return once the client has gone (call after the body was read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

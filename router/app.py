@@ -31,7 +31,7 @@ from prometheus_client import (
 )
 
 from pagefleet.block_hash import hash_blocks
-from pagefleet.http_errors import check_api_key, error_response
+from pagefleet.http_errors import check_api_key, error_response, wait_disconnect
 from pagefleet.router.pods import PodRegistry
 from pagefleet.router.prefix_index import PrefixIndex
 from pagefleet.router.scoring import Pipeline, RoutingRequest
@@ -316,7 +316,7 @@ async def _send_unless_client_leaves(client: httpx.AsyncClient, upstream, reques
     """Wait for the engine's response headers, unless the client disconnects first (then the
     upstream request is cancelled, and the engine sees its client leave)."""
     send = asyncio.ensure_future(client.send(upstream, stream=True))
-    gone = asyncio.ensure_future(_wait_disconnect(request))
+    gone = asyncio.ensure_future(wait_disconnect(request))
     try:
         await asyncio.wait({send, gone}, return_when=asyncio.FIRST_COMPLETED)
         if send.done():
@@ -328,11 +328,6 @@ async def _send_unless_client_leaves(client: httpx.AsyncClient, upstream, reques
             send.cancel()
             with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
                 await send
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _forward_headers(request_headers: dict, api_key: str | None) -> dict:

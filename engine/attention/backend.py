@@ -41,7 +41,6 @@ class AttentionMetadata:
     write_rows: torch.Tensor | None  # rows to write, or None for all rows
     num_single: int  # leading rows that attend alone (query length 1)
     single_groups: list[SingleGroup]
-    single_context_lens: torch.Tensor  # [num_single] int64
     prefills: list[PrefillChunk]
 
 

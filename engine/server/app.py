@@ -31,7 +31,7 @@ from pagefleet.engine.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagefleet.http_errors import check_api_key, error_body, error_response
+from pagefleet.http_errors import check_api_key, error_body, error_response, wait_disconnect
 
 
 @dataclass
@@ -238,7 +238,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
             return final
 
         tasks = [asyncio.ensure_future(last(g)) for g in gens]
-        gone = asyncio.ensure_future(_wait_disconnect(request))
+        gone = asyncio.ensure_future(wait_disconnect(request))
         pending = {*tasks, gone}
         try:
             while True:
@@ -407,13 +407,6 @@ async def _cancel_and_close(tasks, gens) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
     for g in gens:
         await g.aclose()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
