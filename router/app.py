@@ -34,6 +34,7 @@ from pagefleet.block_hash import hash_blocks
 from pagefleet.http_errors import check_api_key, error_response, wait_disconnect
 from pagefleet.router.pods import PodRegistry
 from pagefleet.router.prefix_index import PrefixIndex
+from pagefleet.router.prompt_cache import PromptCache
 from pagefleet.router.scoring import Pipeline, RoutingRequest
 
 logger = logging.getLogger("pagefleet.router")
@@ -63,6 +64,7 @@ class Router:
     ) -> None:
         self.registry, self.index, self.pipeline = registry, index, pipeline
         self.config, self.tokenizer, self.clock = config, tokenizer, clock
+        self.prompt_cache = PromptCache(tokenizer) if tokenizer is not None else None
         self.rng = random.Random(seed)
         self._expired_at = 0.0
         # Optional: a factory(callback) -> discovery with start()/stop(), for dynamic pods.
@@ -105,42 +107,54 @@ class Router:
 
     # ------------------------------------------------------------------ routing
 
-    def prompt_tokens(self, path: str, body: dict) -> list[int]:
+    def prompt_hashes(self, path: str, body: dict, block_size: int) -> list:
+        """The prompt's chained block hashes, tokenized as the engine will tokenize it."""
         if path.endswith("/chat/completions"):
             messages = body.get("messages") or []
-            if self.tokenizer is not None:
+            if self.prompt_cache is not None:
                 conv = [
                     {"role": m.get("role", "user"), "content": _text(m.get("content"))}
                     for m in messages
                 ]
-                ids = self.tokenizer.apply_chat_template(
-                    conv, tokenize=True, add_generation_prompt=True
+                text = self.tokenizer.apply_chat_template(
+                    conv,
+                    tokenize=False,
+                    add_generation_prompt=body.get("add_generation_prompt", True),
                 )
-                return list(ids if isinstance(ids, list) else ids["input_ids"])
+                # apply_chat_template(tokenize=True) adds no special tokens of its own.
+                return self.prompt_cache.encode(text, False, block_size)[1]
             text = "".join(f"{m.get('role')}:{_text(m.get('content'))}\n" for m in messages)
         else:
             prompt = body.get("prompt", "")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-                return list(prompt)
+                return hash_blocks(prompt, block_size)
             text = prompt if isinstance(prompt, str) else "".join(map(str, prompt))
-            if self.tokenizer is not None:
-                return self.tokenizer.encode(text)
+            if self.prompt_cache is not None:
+                return self.prompt_cache.encode(text, True, block_size)[1]
         # Fallback: one pseudo-token per character chunk, stable across processes.
-        return [
+        chunks = [
             int.from_bytes(text[i : i + CHARS_PER_TOKEN].encode()[:4].ljust(4, b"\0"), "little")
             for i in range(0, len(text), CHARS_PER_TOKEN)
         ]
+        return hash_blocks(chunks, block_size)
 
     def rank(self, path: str, body: dict):
         started = time.perf_counter()
         now = self.clock()
         pods = self.registry.pods(now)
-        block_size = next(iter(self.registry.status.values())).block_size if pods else 16
-        hashes = hash_blocks(self.prompt_tokens(path, body), block_size)
+        # Engines of one model normally share a block size; if not, each pod is matched on
+        # hashes of its own block size.
+        sizes = sorted({self.registry.block_size(p.name) for p in pods} or {16})
+        by_size = {bs: self.prompt_hashes(path, body, bs) for bs in sizes}
+        matches: dict[str, int] = {}
+        for bs, hashes in by_size.items():
+            found = self.index.match(hashes, now)
+            for p in pods:
+                if self.registry.block_size(p.name) == bs and p.name in found:
+                    # counted in blocks of the smallest size, so fractions compare
+                    matches[p.name] = found[p.name] * bs // sizes[0]
         request = RoutingRequest(
-            model=body.get("model") or "",
-            block_hashes=hashes,
-            prefix_matches=self.index.match(hashes, now),
+            model=body.get("model") or "", block_hashes=by_size[sizes[0]], prefix_matches=matches
         )
         ranked = self.pipeline.rank(request, pods)
         if len(ranked) > 1 and ranked[0][0] - ranked[1][0] <= 1e-9:
@@ -148,18 +162,18 @@ class Router:
             self.rng.shuffle(best)  # random tie-break
             ranked = best + ranked[len(best) :]
         self.m_decision.observe(time.perf_counter() - started)
-        return ranked, hashes, request
+        return ranked, by_size, request
 
-    def commit(self, pod_name: str, hashes, request: RoutingRequest, parts: dict) -> list:
+    def commit(self, pod_name: str, by_size: dict, request: RoutingRequest, parts: dict) -> list:
         """Record the decision before the answer: later requests see it at once. Returns what
         the index newly recorded, to take back if the pod fails."""
         now = self.clock()
         if now - self._expired_at > 1.0:
             self.index.expire(now)
             self._expired_at = now
-        added = self.index.record(pod_name, hashes, now)
+        added = self.index.record(pod_name, by_size[self.registry.block_size(pod_name)], now)
         self.m_requests.labels(pod_name).inc()
-        self.m_blocks.inc(len(hashes))
+        self.m_blocks.inc(len(request.block_hashes))
         self.m_hit_blocks.inc(request.prefix_matches.get(pod_name, 0))
         for scorer, value in parts.items():
             self.m_contrib.labels(scorer).inc(value)
@@ -265,7 +279,7 @@ def build_router_app(router: Router) -> FastAPI:
                 404, f"model {body.get('model')!r} does not exist", "not_found_error"
             )
         try:
-            ranked, hashes, routing = router.rank(path, body)
+            ranked, by_size, routing = router.rank(path, body)
         except (TypeError, AttributeError, ValueError, KeyError) as e:
             # The engine would refuse it too; say so here rather than with a 500.
             return error_response(400, f"invalid request body: {e}")
@@ -276,7 +290,7 @@ def build_router_app(router: Router) -> FastAPI:
         for attempt, (_, pod, parts) in enumerate(ranked[: config.max_attempts]):
             if attempt:
                 router.m_retries.inc()
-            added = router.commit(pod.name, hashes, routing, parts)
+            added = router.commit(pod.name, by_size, routing, parts)
             pod.inflight += 1
             upstream = client.build_request(
                 "POST", f"{pod.url}{path}", content=raw, headers=headers

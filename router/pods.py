@@ -1,8 +1,9 @@
 """What the router knows about each engine pod, kept fresh by scraping `/metrics`.
 
 A scrape every 50-100 ms reads vLLM's gauges; data older than `stale_after` counts as
-unknown (the pod keeps serving but scores as idle-unknown); `eject_after` consecutive
-failures eject a pod until its `/health` passes again.
+unknown (the pod keeps serving and scores as the fleet's mean load); `eject_after` consecutive
+failures eject a pod until its `/health` passes again. A changed `process_start_time_seconds`
+means the pod restarted: its prefix-index entries are dropped at once.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class PodStatus:
     failures: int = 0
     ejected: bool = False
     block_size: int = 16
+    started: float | None = None  # the engine process's start time, to notice restarts
     models_seen: set[str] = field(default_factory=set)
 
 
@@ -48,6 +50,8 @@ def parse_metrics(text: str) -> dict[str, float | dict]:
                     if key == "kv_usage"
                     else (float(out[key]) + sample.value)
                 )
+            elif sample.name == "process_start_time_seconds":
+                out["started"] = sample.value
             elif sample.name == "vllm:cache_config_info":
                 out["cache"] = dict(sample.labels)
     return out
@@ -80,14 +84,28 @@ class PodRegistry:
             if name not in self.status:
                 self.status[name] = PodStatus(pod)
 
+    def block_size(self, name: str) -> int:
+        st = self.status.get(name)
+        return st.block_size if st is not None else 16
+
     def pods(self, now: float) -> list[Pod]:
-        """Pods with their freshest load (stale load reads as idle; ejected as unhealthy)."""
+        """Pods with their freshest load. A pod whose data is stale reads as the fleet's mean
+        load (unknown, neither idle nor busy); an ejected pod reads as unhealthy."""
+        fresh = [st.pod for st in self.status.values() if now - st.scraped_at <= self.stale_after]
+        mean = {
+            key: (sum(getattr(p, key) for p in fresh) / len(fresh)) if fresh else 0.0
+            for key in ("waiting", "running", "kv_usage")
+        }
         result = []
         for st in self.status.values():
             pod = st.pod
             pod.healthy = not st.ejected
             if now - st.scraped_at > self.stale_after:
-                pod.waiting = pod.running = pod.kv_usage = 0.0
+                pod.waiting, pod.running, pod.kv_usage = (
+                    mean["waiting"],
+                    mean["running"],
+                    mean["kv_usage"],
+                )
             result.append(pod)
         return result
 
@@ -120,6 +138,12 @@ class PodRegistry:
             return
         st.failures = 0
         st.scraped_at = time.monotonic()
+        started = values.get("started")
+        if started is not None and st.started is not None and started != st.started:
+            logger.info("pod %s restarted; its cached blocks are gone", pod.name)
+            if self.on_lost:
+                self.on_lost(pod.name)
+        st.started = started if started is not None else st.started
         pod.waiting, pod.running = float(values["waiting"]), float(values["running"])
         pod.kv_usage = float(values["kv_usage"])
         cache = values.get("cache")

@@ -17,6 +17,7 @@ from pagefleet.block_hash import BlockHash
 from pagefleet.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 MODES = ("precise", "approximate")
+_NOBODY: frozenset[str] = frozenset()
 
 
 class PrefixIndex:
@@ -114,11 +115,16 @@ class PrefixIndex:
             return self._match(hashes, now)
 
     def _match(self, hashes: Sequence[BlockHash], now: float) -> dict[str, int]:
+        # The hot path of every decision (thousands of blocks for long prompts): the common
+        # case, every remaining candidate holds the block, costs one lookup and a subset test.
         result: dict[str, int] = {}
+        holders_of, speculative = self._holders, self._speculative
         candidates: set[str] | None = None
         for i, h in enumerate(hashes):
-            holders = self._holders.get(h, set())
-            spec = self._speculative.get(h)
+            holders = holders_of.get(h, _NOBODY)
+            if candidates is not None and candidates <= holders:
+                continue
+            spec = speculative.get(h)
             if spec:
                 holders = holders | {p for p, expiry in spec.items() if expiry > now}
             if candidates is None:

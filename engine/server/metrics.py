@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagefleet.engine.llm_engine import LLMEngine, StepStats
@@ -145,6 +145,8 @@ class EngineMetrics:
         self.model_name = model_name
         labels = ["model_name"]
         reg = self.registry
+        # process_start_time_seconds tells the router a pod restarted (its cache is empty).
+        ProcessCollector(registry=reg)
 
         def hist(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
