@@ -102,10 +102,8 @@ def main() -> None:
     cold = timed(router, [words(random.Random(100 + k), args.tokens) for k in range(args.cold)])
     print(f"{args.pods} pods, prompts of ~{length} tokens, precise index, default scorers")
     for name, values in (("continuing", warm), ("cold", cold)):
-        print(
-            f"  {name:<10} {len(values):4d} decisions  p50 {statistics.median(values) * 1e3:7.3f} ms"
-            f"   p99 {pct(values, 99) * 1e3:7.3f} ms"
-        )
+        p50, p99 = statistics.median(values) * 1e3, pct(values, 99) * 1e3
+        print(f"  {name:<10} {len(values):4d} decisions  p50 {p50:7.3f} ms   p99 {p99:7.3f} ms")
     cache = router.prompt_cache
     print(f"prompt cache: {cache.hits}/{cache.lookups} lookups reused earlier text")
     p99 = pct(warm, 99)

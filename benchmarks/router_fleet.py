@@ -47,7 +47,9 @@ PROFILE = {
     "decode_s_per_kv_token": 1e-7,
     "num_gpu_blocks": 800,
 }
-POLICIES = ("round-robin", "queue-only", "approximate-prefix", "precise-prefix")
+POLICIES = ("round-robin", "queue-only", "approximate-prefix", "precise-prefix", "precise-kv-cost")
+# Scorer weights per router policy (None: the router's defaults).
+POLICY_SCORERS = {"queue-only": {"queue": 1.0}, "precise-kv-cost": {"kv-cost": 1.0}}
 
 
 def free_port() -> int:
@@ -129,11 +131,11 @@ def engines(n: int, events: bool):
 def router(urls: list[str], kv: list[str], policy: str, tmp: Path):
     port = free_port()
     flags = ["--endpoints", ",".join(urls), "--host", "127.0.0.1", "--port", str(port)]
-    if policy == "queue-only":
-        cfg = tmp / "queue.yaml"
-        cfg.write_text("scorers:\n  queue: 1.0\n")
+    if policy in POLICY_SCORERS:
+        cfg = tmp / f"{policy}.yaml"
+        cfg.write_text(json.dumps({"scorers": POLICY_SCORERS[policy]}))
         flags += ["--config", str(cfg)]
-    if policy == "precise-prefix":
+    if policy.startswith("precise"):
         flags += ["--prefix-index", "precise", "--kv-events-endpoints", ",".join(kv)]
     proc = subprocess.Popen(
         [PAGEFLEET, "router", *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -219,7 +221,7 @@ async def sample_running(urls, stop: asyncio.Event, samples: list):
                         if line.startswith("vllm:num_requests_running{"):
                             values.append(float(line.rsplit(" ", 1)[1]))
             if len(values) == len(urls) and sum(values) >= len(values):
-                samples.append((max(values), sum(values) / len(values)))
+                samples.append(values)
             await asyncio.sleep(0.25)
 
 
@@ -285,12 +287,22 @@ def run_policy(policy: str, users, args, tmp: Path) -> dict:
         "ttft_p90": pct(ttfts, 90),
         "ttft_p99": pct(ttfts, 99),
         "output_tok_s": sum(r[2] for r in results) / span,
-        # Load-weighted: sum of the busiest pod's running over sum of the mean pod's, over
-        # samples with at least one running request per pod on average.
-        "max_over_mean_running": sum(m for m, _ in samples) / max(sum(a for _, a in samples), 1e-9),
+        # Over samples with at least one running request per pod on average: instantaneous
+        # (sum of the busiest pod's running over sum of the mean pod's, load-weighted) and
+        # over the run (the busiest pod's average running over the average pod's).
+        "max_over_mean_running": sum(max(s) for s in samples)
+        / max(sum(sum(s) / len(s) for s in samples), 1e-9),
+        "run_max_over_mean_running": _run_balance(samples),
         "requests": len(results),
         "ttfts": ttfts,
     }
+
+
+def _run_balance(samples: list[list[float]]) -> float:
+    if not samples:
+        return float("nan")
+    per_pod = [sum(col) / len(samples) for col in zip(*samples, strict=True)]
+    return max(per_pod) / max(sum(per_pod) / len(per_pod), 1e-9)
 
 
 def plot(rows, path: Path) -> None:
@@ -342,7 +354,8 @@ def main() -> None:
                 f"({row['hit_rate'] / row['oracle_hit_rate']:6.1%} of oracle "
                 f"{row['oracle_hit_rate']:.1%})  TTFT p50/p90/p99 {row['ttft_p50']:.3f}/"
                 f"{row['ttft_p90']:.3f}/{row['ttft_p99']:.3f} s  {row['output_tok_s']:7.1f} tok/s  "
-                f"max/mean running {row['max_over_mean_running']:.2f}",
+                f"max/mean running {row['max_over_mean_running']:.2f} (instant) "
+                f"{row['run_max_over_mean_running']:.2f} (run)",
                 flush=True,
             )
     base = next((r for r in rows if r["policy"] == "round-robin"), None)

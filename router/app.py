@@ -287,11 +287,12 @@ def build_router_app(router: Router) -> FastAPI:
             return error_response(503, "no engine can serve this request", "service_unavailable")
         headers = _forward_headers(dict(request.headers), config.upstream_api_key)
         last_error = "no attempt"
+        blocks = len(routing.block_hashes)
         for attempt, (_, pod, parts) in enumerate(ranked[: config.max_attempts]):
             if attempt:
                 router.m_retries.inc()
             added = router.commit(pod.name, by_size, routing, parts)
-            pod.inflight += 1
+            pod.begin(blocks)
             upstream = client.build_request(
                 "POST", f"{pod.url}{path}", content=raw, headers=headers
             )
@@ -300,14 +301,14 @@ def build_router_app(router: Router) -> FastAPI:
             except httpx.HTTPError as e:
                 response, last_error = None, f"{pod.name}: {e!r}"
             except _ClientLeft:
-                pod.inflight -= 1  # closing the upstream connection aborts it on the engine
+                pod.end(blocks)  # closing the upstream connection aborts it on the engine
                 return Response(status_code=499)
             if response is not None and response.status_code < 500:
-                return _relay(response, pod, body.get("stream", False))
+                return _relay(response, pod, blocks, body.get("stream", False))
             if response is not None:
                 await response.aclose()
                 last_error = f"{pod.name}: HTTP {response.status_code}"
-            pod.inflight -= 1
+            pod.end(blocks)
             router.index.unrecord(pod.name, added)  # it never got those blocks
         return error_response(502, f"no engine answered ({last_error})", "bad_gateway")
 
@@ -353,7 +354,7 @@ def _forward_headers(request_headers: dict, api_key: str | None) -> dict:
     return headers
 
 
-def _relay(response: httpx.Response, pod, streaming: bool) -> StreamingResponse:
+def _relay(response: httpx.Response, pod, blocks: int, streaming: bool) -> StreamingResponse:
     async def body():
         try:
             async for chunk in response.aiter_raw():
@@ -370,7 +371,7 @@ def _relay(response: httpx.Response, pod, streaming: bool) -> StreamingResponse:
                 }
                 yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
         finally:
-            pod.inflight -= 1
+            pod.end(blocks)
             await response.aclose()
 
     headers = {

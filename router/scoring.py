@@ -30,7 +30,17 @@ class Pod:
     running: float = 0.0
     kv_usage: float = 0.0
     inflight: int = 0
+    active_blocks: int = 0  # prompt blocks of the requests in flight (router's own count)
     num_gpu_blocks: int = 0
+
+    def begin(self, blocks: int) -> None:
+        """The router sent this pod a request of `blocks` prompt blocks."""
+        self.inflight += 1
+        self.active_blocks += blocks
+
+    def end(self, blocks: int) -> None:
+        self.inflight -= 1
+        self.active_blocks -= blocks
 
 
 @dataclass
@@ -95,12 +105,24 @@ def inflight_scorer(req: RoutingRequest, pods: list[Pod]) -> dict[str, float]:
     return _relative_load({p.name: float(p.inflight) for p in pods})
 
 
+def kv_cost_scorer(req: RoutingRequest, pods: list[Pod]) -> dict[str, float]:
+    """Work a pod would have with this request, in blocks: the prompt blocks it must prefill
+    plus the blocks of the requests it already has in flight (as Dynamo's KV router weighs
+    them). Cheapest pod 1, others (min + 1) / (cost + 1): a prefix hit wins until the pod's
+    backlog costs more than prefilling the prompt elsewhere, which spreads hot prefixes."""
+    total = len(req.block_hashes)
+    cost = {p.name: total - req.prefix_matches.get(p.name, 0) + p.active_blocks for p in pods}
+    low = min(cost.values(), default=0)
+    return {name: (low + 1) / (c + 1) for name, c in cost.items()}
+
+
 FILTERS: dict[str, Filter] = {"healthy": healthy_filter, "model": model_filter, "role": role_filter}
 SCORERS: dict[str, Scorer] = {
     "prefix": prefix_scorer,
     "queue": queue_scorer,
     "kv-usage": kv_usage_scorer,
     "inflight": inflight_scorer,
+    "kv-cost": kv_cost_scorer,
 }
 
 

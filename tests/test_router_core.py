@@ -152,3 +152,16 @@ def test_no_candidate_gives_no_decision_and_bad_configs_are_refused():
         Pipeline.from_config({"scorers": {"queue": -1}})
     with pytest.raises(ValueError, match="mode"):
         PrefixIndex("fuzzy")
+
+
+def test_kv_cost_prefers_a_hit_until_the_pods_backlog_outweighs_prefilling_elsewhere():
+    req = RoutingRequest("m", H, prefix_matches={"hot": len(H)})
+    hot, cold = Pod("hot", "u"), Pod("cold", "u")
+    pipeline = Pipeline(["healthy"], {"kv-cost": 1.0})
+    rng = random.Random(0)
+    assert pipeline.pick(req, [hot, cold], rng).pod.name == "hot"
+    hot.begin(blocks=len(H) + 1)  # its in-flight work now costs more than a full prefill
+    assert pipeline.pick(req, [hot, cold], rng).pod.name == "cold"
+    hot.end(blocks=len(H) + 1)
+    assert (hot.inflight, hot.active_blocks) == (0, 0)
+    assert pipeline.pick(req, [hot, cold], rng).pod.name == "hot"
