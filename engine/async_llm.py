@@ -22,6 +22,7 @@ from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.kv_events import KVEventListener
 
 _STOP = object()
+_TICK = ("tick",)  # wakes the loop for KV-transfer work
 
 
 class RequestStream:
@@ -78,6 +79,8 @@ class AsyncLLM:
         from pagefleet.engine.model.loader import load_tokenizer
 
         self.tokenizer = load_tokenizer(engine.args.model)
+        if engine.connector is not None:  # a finished pull or a release wakes an idle loop
+            engine.connector.wake = lambda: self._commands.put(_TICK)
         self._thread.start()
 
     @classmethod
@@ -125,6 +128,7 @@ class AsyncLLM:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._commands.put(_STOP)
         self._thread.join(timeout)
+        self.engine.close()
 
     @property
     def is_running(self) -> bool:
@@ -136,7 +140,8 @@ class AsyncLLM:
         try:
             while True:
                 block = not self.engine.has_unfinished_requests()
-                if not self._drain(block):
+                # Held blocks expire by time: an idle loop still wakes now and then.
+                if not self._drain(block, 0.25 if self.engine.holds_blocks else None):
                     return
                 for output in self.engine.step():
                     self._deliver(output.request_id, output)
@@ -148,10 +153,10 @@ class AsyncLLM:
                 self._deliver(request_id, RuntimeError(f"engine loop failed: {e!r}"))
             raise
 
-    def _drain(self, block: bool) -> bool:
+    def _drain(self, block: bool, timeout: float | None = None) -> bool:
         """Apply queued commands (waiting for one if idle); False when asked to stop."""
         try:
-            command = self._commands.get(block=block)
+            command = self._commands.get(block=block, timeout=timeout if block else None)
         except queue.Empty:
             return True
         while True:
@@ -164,6 +169,8 @@ class AsyncLLM:
                 return True
 
     def _apply(self, command: tuple[Any, ...]) -> None:
+        if command is _TICK:
+            return  # the step that follows does the work
         if command[0] == "abort":
             output = self.engine.abort_request(command[1])
             if output is not None:  # a consumer still reading gets the final, aborted output

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
+from pagefleet.engine.attention.backend import select_backend
 from pagefleet.engine.config import CacheConfig, EngineArgs, SchedulerConfig
 from pagefleet.engine.detokenizer import Detokenizer
 from pagefleet.engine.model.loader import load_model, load_tokenizer, read_config, resolve_dtype
@@ -74,6 +74,7 @@ class _Group:
     pending: list[_Sequence] = field(default_factory=list)  # siblings waiting for the prompt
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int | None = None  # prompt tokens the first sample found cached
+    kv_transfer_params: dict | None = None  # set when a prefill engine holds the blocks
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
 
     @property
@@ -121,6 +122,7 @@ class LLMEngine:
             CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
             kv_event_listener,
         )
+        self.connector = self._kv_connector(hf_config)
         self.sampler = Sampler(args.seed, self.device)
         self.eos_token_ids = _eos_ids(hf_config, self.tokenizer, args.model)
         self.groups: dict[str, _Group] = {}
@@ -130,6 +132,41 @@ class LLMEngine:
         self.step_observers: list[Callable[[StepStats], None]] = []
 
     # ------------------------------------------------------------------ set-up
+
+    def _kv_connector(self, hf_config: dict):
+        if not self.args.kv_transfer_config:
+            return None
+        import uuid
+
+        from pagefleet.engine.kv_transfer.connector import KVConnector, KVTransferConfig
+        from pagefleet.engine.kv_transfer.layout import CompatRecord
+
+        config = KVTransferConfig.parse(
+            self.args.kv_transfer_config, hold_timeout=self.args.kv_hold_timeout
+        )
+        if self.args.simulate is not None:
+            raise ValueError("--kv-transfer-config needs real weights (not --simulate)")
+        pool = self.runner.kv_pool
+        compat = CompatRecord.from_pool_shape(
+            self.args.served_model_name or hf_config.get("_name_or_path") or self.args.model,
+            str(self.dtype).removeprefix("torch."),
+            self.runner.kv_cache_dtype,
+            pool.shape,
+        )
+        connector = KVConnector(config, pool, compat, uuid.uuid4().hex[:12])
+        logger.info(
+            "KV transfer: %s %s, engine id %s%s",
+            config.kv_connector,
+            config.kv_role,
+            connector.engine_id,
+            f", serving blocks on {config.kv_ip}:{connector.port}" if connector.port else "",
+        )
+        return connector
+
+    def close(self) -> None:
+        """Stop the KV transfer service and its workers (the engine is unusable after)."""
+        if self.connector is not None:
+            self.connector.close()
 
     def _load_model_runner(self) -> tuple[ModelRunner, int]:
         args = self.args
@@ -148,8 +185,10 @@ class LLMEngine:
             else resolve_dtype(args.kv_cache_dtype, self.device)
         )
         num_blocks = self._size_kv_pool(model, kv_dtype)
-        backend = _attention_backend(args.attention_backend, self.device)
+        backend = select_backend(args.attention_backend, self.device)
         runner = ModelRunner(model, args.block_size, num_blocks, backend, self.device, kv_dtype)
+        if self.device.type == "cuda" and not args.enforce_eager:
+            runner.capture_decode_graphs(args.max_num_seqs, self.max_model_len)
         return runner, num_blocks
 
     @staticmethod
@@ -202,7 +241,7 @@ class LLMEngine:
             model,
             self.args.block_size,
             -(-self.args.max_num_batched_tokens // self.args.block_size),
-            _attention_backend(self.args.attention_backend, self.device),
+            select_backend(self.args.attention_backend, self.device),
             self.device,
             self.dtype,
         )
@@ -234,6 +273,7 @@ class LLMEngine:
         for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
             if k is not None and k > MAX_LOGPROBS:
                 raise ValueError(f"{name}={k} is more than the maximum, {MAX_LOGPROBS}")
+        hold, source = self._kv_transfer_role(params)
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -262,6 +302,7 @@ class LLMEngine:
                 block_size=self.args.block_size,
                 arrival_time=group.arrival_time,
             )
+            req.hold_blocks, req.remote_source = hold, source
             self.scheduler.check_request(req)
             detok = Detokenizer(
                 self.tokenizer,
@@ -285,6 +326,30 @@ class LLMEngine:
             self._group_of[seq.request.request_id] = request_id
         return request_id
 
+    def _kv_transfer_role(self, params: SamplingParams):
+        """(hold blocks when done?, remote source to pull from) for this request."""
+        kv = params.kv_transfer_params
+        if not kv or not (kv.get("do_remote_decode") or kv.get("do_remote_prefill")):
+            return False, None
+        config = self.connector.config if self.connector is not None else None
+        if params.n != 1:
+            raise ValueError("kv_transfer_params needs n=1")
+        if kv.get("do_remote_decode"):
+            if config is None or not config.produces:
+                raise ValueError(
+                    "do_remote_decode: this engine is not a KV producer (--kv-transfer-config "
+                    'with "kv_role": "kv_producer" or "kv_both")'
+                )
+            return True, None
+        if config is None or not config.consumes:
+            raise ValueError(
+                "do_remote_prefill: this engine is not a KV consumer (--kv-transfer-config "
+                'with "kv_role": "kv_consumer" or "kv_both")'
+            )
+        from pagefleet.engine.kv_transfer.connector import RemoteSource
+
+        return False, RemoteSource.from_params(kv)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         group = self.groups.pop(request_id, None)
         if group is None:
@@ -305,14 +370,43 @@ class LLMEngine:
             self.sampler.forget(seq.request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
+        return bool(self.groups) or bool(self.scheduler.loading)
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Blocks held for decode engines: the loop must keep ticking to release them."""
+        return bool(self.scheduler.held)
+
+    def _kv_transfer_tick(self) -> None:
+        """Apply finished pulls and due releases (engine thread, before scheduling)."""
+        connector, sched = self.connector, self.scheduler
+        for result in connector.finished_loads():
+            req = sched.finish_remote_load(result.request_id, result.ok)
+            stats = connector.stats
+            stats.transfers += 1
+            stats.bytes += result.num_bytes
+            stats.durations.append(result.seconds)
+            if not result.ok:
+                stats.failures += 1
+                if req is not None and not req.status.finished:
+                    stats.fallbacks += 1
+        for request_id in connector.due_releases(time.monotonic()):
+            sched.release_held(request_id)
 
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:
         """Run one forward pass; returns the outputs of the requests it advanced."""
+        if self.connector is not None:
+            self._kv_transfer_tick()
         out = self.scheduler.schedule()
-        if out.is_empty:
+        for req in out.kv_loads:
+            first = req.num_cached_blocks  # blocks found in our own prefix cache stay
+            n = -(-req.num_prompt_tokens // self.scheduler.block_size)
+            self.connector.start_load(req.request_id, req.remote_source, req.block_ids[:n], first)
+        if not out.scheduled:
+            if self.scheduler.loading:  # only transfers in flight: wait for one, don't spin
+                self.connector.wait_for_results(0.005)
             return []
         now = time.time()
         num_prompt = 0
@@ -337,6 +431,11 @@ class LLMEngine:
             if group is None:
                 continue
             self._record_token(group, req, token, logprobs)
+            if req.hold_blocks and req.request_id in self.scheduler.held:
+                n = -(-req.num_prompt_tokens // self.scheduler.block_size)
+                group.kv_transfer_params = self.connector.hold(
+                    req.request_id, req.block_ids[:n], time.monotonic()
+                )
             touched[group.request_id] = group
         now = time.time()
         outputs = []
@@ -414,6 +513,7 @@ class LLMEngine:
             finished=group.finished,
             num_cached_tokens=group.num_cached_tokens or 0,
             metrics=dataclasses.replace(group.metrics),
+            kv_transfer_params=group.kv_transfer_params,
         )
 
 
@@ -421,12 +521,6 @@ def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def _attention_backend(name: str | None, device: torch.device):
-    if name in (None, "torch"):
-        return TorchAttentionBackend()
-    raise ValueError(f"attention backend {name!r} is not available (--attention-backend): torch")
 
 
 def _eos_ids(hf_config: dict, tokenizer, model_path: str) -> frozenset[int]:

@@ -52,3 +52,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # A prefill engine's answer to do_remote_decode: where a decode engine reads the blocks.
+    kv_transfer_params: dict | None = None

@@ -12,6 +12,7 @@ from pagefleet.engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # blocks allocated, pulling from prefill
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -39,12 +40,14 @@ class Request:
         "block_size",
         "block_table",
         "extra_keys",
+        "hold_blocks",
         "max_len",
         "num_cached_blocks",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "remote_source",
         "request_id",
         "resumed_step",
         "sampling_params",
@@ -87,6 +90,11 @@ class Request:
         )
         self.num_preemptions = 0
         self.resumed_step = -2
+        # Disaggregation: a prefill pod keeps a finished request's blocks for a decode pod
+        # (`hold_blocks`); a decode pod pulls the prompt's blocks from `remote_source` (any
+        # object the engine's KV connector understands) before computing the rest.
+        self.hold_blocks = False
+        self.remote_source: object | None = None
         stop = set(sampling_params.stop_token_ids)
         if eos_token_id is not None and not sampling_params.ignore_eos:
             stop.update([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)

@@ -25,6 +25,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per sampled token (plus the sampled one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Disaggregation (vLLM's kv_transfer_params): {"do_remote_decode": true} on a prefill
+    # engine; a prefill engine's returned params (do_remote_prefill ...) on a decode engine.
+    kv_transfer_params: dict | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         # Accept a single stop string and lists, as vLLM does.

@@ -32,11 +32,14 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     # Requests that lost their blocks this step (the runner drops any state it keeps for them).
     preempted: list[Request] = field(default_factory=list)
+    # Requests admitted with blocks allocated whose prompt KV must now be pulled from a
+    # prefill pod (the engine starts the transfers; they run while steps go on).
+    kv_loads: list[Request] = field(default_factory=list)
     num_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.kv_loads
 
 
 class Scheduler:
@@ -47,6 +50,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Disaggregation: decode-side requests pulling their prompt's KV, and prefill-side
+        # finished requests whose blocks are held for a decode pod to read.
+        self.loading: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}
         self.step_id = 0
         self.num_preemptions = 0
 
@@ -111,6 +118,10 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # A transfer may still be writing its blocks: they are freed when it ends.
+            request.status = status
+            return request
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -118,6 +129,37 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = status
         return request
+
+    def finish_remote_load(self, request_id: str, ok: bool) -> Request | None:
+        """A decode-side transfer ended. On success the prompt counts as computed except its
+        last token (recomputed for its logits, as after a full prefix hit); on failure the
+        request computes its prompt here (its blocks and local prefix hits are kept)."""
+        req = self.loading.pop(request_id, None)
+        if req is None:
+            return None
+        req.remote_source = None
+        if req.status.finished:  # aborted while loading
+            self.kv_cache.free(req)
+            return req
+        if ok:
+            req.num_computed_tokens = max(req.num_computed_tokens, req.num_tokens - 1)
+            if self.kv_cache.enable_prefix_caching:
+                self.kv_cache.cache_computed_blocks(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return req
+
+    def release_held(self, request_id: str) -> bool:
+        """A decode pod has the blocks (or gave up, or the hold timed out): free them."""
+        req = self.held.pop(request_id, None)
+        if req is None:
+            return False
+        self.kv_cache.free(req)
+        return True
+
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(r.block_table) for r in self.held.values())
 
     @property
     def num_running(self) -> int:
@@ -128,7 +170,7 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.loading)
 
     # ------------------------------------------------------------------ one step
 
@@ -171,10 +213,19 @@ class Scheduler:
         cfg = self.config
         kv = self.kv_cache
         waiting = self.waiting
-        while waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while waiting and budget > 0 and len(self.running) + len(self.loading) < cfg.max_num_seqs:
             req = waiting[0]
             hits = kv.find_cached_prefix(req)
             remaining = req.num_tokens - kv.num_computed_after_hit(req, hits)
+            if req.remote_source is not None:
+                # Blocks for the whole prompt now, no compute: the KV comes over the wire.
+                if not kv.allocate_slots(req, remaining, hits):
+                    break
+                waiting.popleft()
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.loading[req.request_id] = req
+                out.kv_loads.append(req)
+                continue
             n = min(remaining, budget, chunk_cap)
             if n < remaining:
                 if not cfg.enable_chunked_prefill or num_partial >= cfg.max_num_partial_prefills:
@@ -263,7 +314,10 @@ class Scheduler:
             finished.append(req)
         if finished:
             for req in finished:
-                kv.free(req)
+                if req.hold_blocks:
+                    self.held[req.request_id] = req
+                else:
+                    kv.free(req)
                 del self.requests[req.request_id]
             self.running = [r for r in self.running if r.status is running_status]
         return finished

@@ -349,6 +349,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
             "model": config.served_model_name,
             "choices": choices,
             "usage": _usage(prompts, finals),
+            **_kv_transfer_params(finals),
         }
 
     @app.post("/v1/chat/completions")
@@ -386,10 +387,17 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
             "model": config.served_model_name,
             "choices": choices,
             "usage": _usage([prompt], [final]),
+            **_kv_transfer_params([final]),
         }
 
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     return app
+
+
+def _kv_transfer_params(finals) -> dict:
+    """A prefill engine's answer carries where the decode engine reads the blocks (vLLM)."""
+    params = next((f.kv_transfer_params for f in finals if f.kv_transfer_params), None)
+    return {"kv_transfer_params": params} if params else {}
 
 
 def _params(req, max_tokens: int, logprobs: int | None) -> SamplingParams:

@@ -137,6 +137,25 @@ class _EngineCollector:
             kv.prefix_cache_hits,
         )
         yield counter("vllm:num_preemptions", "Preemptions by recompute.", sched.num_preemptions)
+        yield gauge(
+            "pagefleet:kv_transfer_held_blocks",
+            "KV blocks a prefill engine holds for decode engines to read.",
+            sched.num_held_blocks,
+        )
+        connector = self.engine.connector
+        if connector is not None:
+            stats = connector.stats
+            for metric, doc, value in (
+                ("bytes", "KV bytes pulled from prefill engines.", stats.bytes),
+                ("transfers", "KV pulls finished (either way).", stats.transfers),
+                ("failures", "KV pulls that failed.", stats.failures),
+                (
+                    "fallbacks",
+                    "Requests that computed their prompt after a failed pull.",
+                    stats.fallbacks,
+                ),
+            ):
+                yield counter(f"pagefleet:kv_transfer_{metric}", doc, value)
 
 
 class EngineMetrics:
@@ -182,6 +201,11 @@ class EngineMetrics:
             ["model_name", "finished_reason"],
             registry=reg,
         )
+        self.transfer_seconds = hist(
+            "pagefleet:kv_transfer_duration_seconds",
+            "Time to pull one request's KV blocks (handshake, transfer, release).",
+            _ITL_BUCKETS,
+        )
         reg.register(_EngineCollector(engine, model_name))
         engine.step_observers.append(self.observe_step)
         # For the periodic log line.
@@ -191,6 +215,11 @@ class EngineMetrics:
         self.engine = engine
 
     def observe_step(self, stats: StepStats) -> None:
+        connector = self.engine.connector
+        if connector is not None and connector.stats.durations:
+            durations, connector.stats.durations = connector.stats.durations, []
+            for seconds in durations:
+                self.transfer_seconds.observe(seconds)
         self.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_generation_tokens)

@@ -38,6 +38,7 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # disaggregated prefill/decode (vLLM)
     user: str | None = None
 
     @model_validator(mode="after")
@@ -69,6 +70,7 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 

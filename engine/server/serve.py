@@ -91,6 +91,17 @@ def add_serve_parser(sub) -> None:
         help="KV cache dtype (auto: the model's)",
     )
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (auto)")
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "triton", "torch"],
+        help="paged-attention kernels (auto: triton on CUDA, torch on CPU)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: run decode steps eagerly (graphs are captured at start-up)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (0)")
     p.add_argument(
         "--api-key",
@@ -146,6 +157,20 @@ def add_serve_parser(sub) -> None:
         '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558"}',
     )
+    p.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help="disaggregated prefill/decode; vLLM's JSON, e.g. "
+        '{"kv_connector": "nixl", "kv_role": "kv_producer"} (kv_connector nixl or tcp; kv_role '
+        "kv_producer, kv_consumer or kv_both; optional kv_ip (address peers use, 127.0.0.1), "
+        "kv_port (14579), kv_bind_host, transfer_timeout (30 s))",
+    )
+    p.add_argument(
+        "--kv-hold-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a prefill engine holds a request's blocks for its decode engine (120)",
+    )
     p.set_defaults(func=run_serve)
 
 
@@ -167,8 +192,12 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization,
         device=args.device,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         served_model_name=args.served_model_name,
         simulate=_simulation(args),
+        kv_transfer_config=args.kv_transfer_config,
+        kv_hold_timeout=args.kv_hold_timeout,
     )
 
 
