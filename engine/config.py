@@ -103,13 +103,23 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.92
     device: str = "auto"  # auto = cuda if available, else cpu
-    attention_backend: str | None = None  # torch (CPU default) | triton (CUDA default, later)
+    attention_backend: str = "auto"  # auto = triton on CUDA, torch on CPU
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
     served_model_name: str | None = None
     # Run the real scheduler and cache with a time model instead of the weights.
     simulate: SimulationProfile | None = None
+    # Disaggregated prefill/decode: vLLM's --kv-transfer-config JSON (parsed by the engine).
+    kv_transfer_config: str | None = None
+    kv_hold_timeout: float = 120.0  # seconds a prefill engine keeps blocks for a decode engine
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "must be > 0")
+        _require(
+            self.attention_backend in ("auto", "torch", "triton"),
+            "attention_backend",
+            self.attention_backend,
+            "must be auto, torch or triton",
+        )
         _require(
             0 < self.gpu_memory_utilization <= 1,
             "gpu_memory_utilization",

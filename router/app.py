@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import random
@@ -32,6 +33,7 @@ from prometheus_client import (
 
 from pagefleet.block_hash import hash_blocks
 from pagefleet.http_errors import check_api_key, error_response, wait_disconnect
+from pagefleet.router.pd import decode_body, release_prefill_soon, run_prefill, should_disaggregate
 from pagefleet.router.pods import PodRegistry
 from pagefleet.router.prefix_index import PrefixIndex
 from pagefleet.router.prompt_cache import PromptCache
@@ -49,6 +51,8 @@ class RouterConfig:
     max_attempts: int = 3
     connect_timeout: float = 2.0
     read_timeout: float = 600.0
+    pd_threshold_tokens: int = 512  # disaggregate when this much of the prompt is uncached
+    prefill_timeout: float = 60.0  # a prefill pod slower than this: decode prefills itself
 
 
 class Router:
@@ -97,6 +101,12 @@ class Router:
         self.m_retries = Counter(
             "pagefleet_router:retries", "Requests retried on another pod.", registry=m
         )
+        self.m_pd = Counter(
+            "pagefleet_router:pd_decisions",
+            "Prefill/decode decisions: disaggregated, decode_only, prefill_failed, no_prefill_pod.",
+            ["outcome"],
+            registry=m,
+        )
         m.register(_RegistryCollector(registry))
         if tokenizer is None:
             logger.warning(
@@ -138,7 +148,7 @@ class Router:
         ]
         return hash_blocks(chunks, block_size)
 
-    def rank(self, path: str, body: dict):
+    def rank(self, path: str, body: dict, role: str | None = None):
         started = time.perf_counter()
         now = self.clock()
         pods = self.registry.pods(now)
@@ -154,7 +164,10 @@ class Router:
                     # counted in blocks of the smallest size, so fractions compare
                     matches[p.name] = found[p.name] * bs // sizes[0]
         request = RoutingRequest(
-            model=body.get("model") or "", block_hashes=by_size[sizes[0]], prefix_matches=matches
+            model=body.get("model") or "",
+            block_hashes=by_size[sizes[0]],
+            role=role,
+            prefix_matches=matches,
         )
         ranked = self.pipeline.rank(request, pods)
         if len(ranked) > 1 and ranked[0][0] - ranked[1][0] <= 1e-9:
@@ -278,14 +291,73 @@ def build_router_app(router: Router) -> FastAPI:
             return error_response(
                 404, f"model {body.get('model')!r} does not exist", "not_found_error"
             )
+        role = "decode" if router.registry.has_role("decode") else None
         try:
-            ranked, by_size, routing = router.rank(path, body)
+            ranked, by_size, routing = router.rank(path, body, role)
         except (TypeError, AttributeError, ValueError, KeyError) as e:
             # The engine would refuse it too; say so here rather than with a 500.
             return error_response(400, f"invalid request body: {e}")
         if not ranked:
             return error_response(503, "no engine can serve this request", "service_unavailable")
         headers = _forward_headers(dict(request.headers), config.upstream_api_key)
+        pd_params = None
+        if role == "decode" and router.registry.has_role("prefill"):
+            outcome = await maybe_prefill(path, body, headers, request, routing, by_size, ranked)
+            if outcome is _CLIENT_LEFT:
+                return Response(status_code=499)
+            if outcome is not None:
+                pd_params = outcome
+                raw = json.dumps(decode_body(body, pd_params)).encode()
+        response = await forward(path, body, raw, headers, request, routing, by_size, ranked)
+        if pd_params is not None and response.status_code != 200:
+            # No decode pod took the blocks (a 200 means one did, and it releases them).
+            await release_prefill_soon(pd_params)
+        return response
+
+    async def maybe_prefill(path, body, headers, request, routing, by_size, ranked):
+        """Run the prefill pod's part if the request is worth it; returns its
+        kv_transfer_params, None (the decode pod prefills) or _CLIENT_LEFT."""
+        decode_pod = ranked[0][1]
+        cached = routing.prefix_matches.get(decode_pod.name, 0)
+        size = min(by_size)
+        if not should_disaggregate(
+            len(routing.block_hashes), cached, size, config.pd_threshold_tokens
+        ):
+            router.m_pd.labels("decode_only").inc()
+            return None
+        prefill_pods = [p for p in router.registry.pods(router.clock()) if p.role == "prefill"]
+        ranked_p = router.pipeline.rank(dataclasses.replace(routing, role="prefill"), prefill_pods)
+        if not ranked_p:
+            router.m_pd.labels("no_prefill_pod").inc()
+            return None
+        _, pod, parts = ranked_p[0]
+        blocks = len(routing.block_hashes)
+        router.commit(pod.name, by_size, routing, parts)
+        pod.begin(blocks)
+        task = asyncio.ensure_future(
+            run_prefill(client, pod.url, path, body, headers, config.prefill_timeout)
+        )
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            pod.end(blocks)
+        if not task.done():  # the client left: closing the connection aborts the prefill
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return _CLIENT_LEFT
+        result = task.result()
+        if result.kv_transfer_params is None:
+            router.m_pd.labels("prefill_failed").inc()
+            logger.warning("%s; the decode pod prefills locally", result.error)
+            return None
+        router.m_pd.labels("disaggregated").inc()
+        return result.kv_transfer_params
+
+    async def forward(path, body, raw, headers, request, routing, by_size, ranked):
+        """Send to the best pod, the next on a failure before the first byte."""
         last_error = "no attempt"
         blocks = len(routing.block_hashes)
         for attempt, (_, pod, parts) in enumerate(ranked[: config.max_attempts]):
@@ -325,6 +397,9 @@ def build_router_app(router: Router) -> FastAPI:
 
 class _ClientLeft(Exception):
     pass
+
+
+_CLIENT_LEFT = object()
 
 
 async def _send_unless_client_leaves(client: httpx.AsyncClient, upstream, request: Request):

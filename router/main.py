@@ -65,6 +65,19 @@ def add_router_parser(sub) -> None:
     )
     p.add_argument("--scrape-interval", type=float, default=0.075, help="seconds (0.075)")
     p.add_argument(
+        "--pd-threshold-tokens",
+        type=int,
+        default=None,
+        help="with prefill and decode pods: use a prefill pod when at least this many prompt "
+        "tokens are not cached on the chosen decode pod (512; YAML pd_threshold_tokens)",
+    )
+    p.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for a prefill pod before the decode pod prefills itself (60)",
+    )
+    p.add_argument(
         "--max-attempts",
         type=int,
         default=3,
@@ -127,6 +140,15 @@ def make_discovery(args: argparse.Namespace):
     )
 
 
+def _pd_threshold(args: argparse.Namespace, config: dict) -> int:
+    value = args.pd_threshold_tokens
+    if value is None:
+        value = config.get("pd_threshold_tokens", 512)
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"pd_threshold_tokens must be an integer >= 0, not {value!r}")
+    return value
+
+
 def run_router(args: argparse.Namespace) -> int:
     import uvicorn
     import yaml
@@ -182,6 +204,8 @@ def run_router(args: argparse.Namespace) -> int:
             args.max_attempts,
             args.connect_timeout,
             args.read_timeout,
+            _pd_threshold(args, config),
+            args.prefill_timeout,
         ),
         tokenizer,
         seed=args.seed,

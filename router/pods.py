@@ -84,6 +84,9 @@ class PodRegistry:
             if name not in self.status:
                 self.status[name] = PodStatus(pod)
 
+    def has_role(self, role: str) -> bool:
+        return any(st.pod.role == role for st in self.status.values())
+
     def block_size(self, name: str) -> int:
         st = self.status.get(name)
         return st.block_size if st is not None else 16

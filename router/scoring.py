@@ -143,6 +143,12 @@ class Pipeline:
     def from_config(cls, config: dict | None = None) -> Pipeline:
         """From the router's YAML config: `{filters: [...], scorers: {name: weight}}`."""
         config = config or {}
+        unknown = set(config) - {"filters", "scorers", "pd_threshold_tokens"}
+        if unknown:
+            raise ValueError(
+                f"router config: unknown keys {sorted(unknown)}; "
+                "known: filters, scorers, pd_threshold_tokens"
+            )
         filters = config.get("filters", ["healthy", "model", "role"])
         weights = config.get("scorers", DEFAULT_WEIGHTS)
         if not isinstance(filters, list) or not isinstance(weights, dict):

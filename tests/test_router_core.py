@@ -165,3 +165,17 @@ def test_kv_cost_prefers_a_hit_until_the_pods_backlog_outweighs_prefilling_elsew
     hot.end(blocks=len(H) + 1)
     assert (hot.inflight, hot.active_blocks) == (0, 0)
     assert pipeline.pick(req, [hot, cold], rng).pod.name == "hot"
+
+
+def test_disaggregate_only_when_enough_of_the_prompt_is_uncached_on_the_decode_pod():
+    from pagefleet.router.pd import decode_body, prefill_body, should_disaggregate
+
+    assert should_disaggregate(
+        prompt_blocks=40, cached_blocks=8, block_size=16, threshold_tokens=512
+    )
+    assert not should_disaggregate(40, 9, 16, 512)  # 31 blocks = 496 tokens left
+    body = {"prompt": "x", "max_tokens": 50, "stream": True, "n": 1, "max_completion_tokens": 9}
+    p = prefill_body(body)
+    assert (p["max_tokens"], p["max_completion_tokens"]) == (1, 1)
+    assert "stream" not in p and p["kv_transfer_params"] == {"do_remote_decode": True}
+    assert decode_body(body, {"a": 1})["kv_transfer_params"] == {"a": 1} and body["stream"]

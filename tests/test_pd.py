@@ -1,0 +1,240 @@
+"""Disaggregated prefill/decode end to end: a prefill engine, a decode engine (separate
+processes) and the router; greedy output equals colocated output over NIXL and TCP, only
+missing blocks cross the wire, and every fault ends in a correct answer (or a clean abort)
+with no block left held on either side."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagefleet.engine.llm import LLM
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.router.pd import release_prefill
+from server_utils import free_port, metric_value, running_router, running_server
+
+MAX_LEN = 1024
+SHARED = list(range(3, 203))  # a 200-token shared prefix
+PROMPTS = (
+    [[5, 6, 7], list(range(10, 40))]  # short: the decode pod serves them alone
+    + [SHARED + [300 + i] * (i + 1) for i in range(8)]  # shared prefix, different tails
+    + [list(range(20 + i, 420 + i)) for i in range(4)]  # long, distinct
+    + [list(range(7, 90)), SHARED[:64], SHARED + SHARED[:37]]  # block-aligned and odd lengths
+)
+MAX_TOKENS = 8
+
+
+def kv_flags(connector: str, role: str, port: int = 0, **extra) -> list[str]:
+    config = {"kv_connector": connector, "kv_role": role, "kv_port": port or free_port(), **extra}
+    return ["--kv-transfer-config", json.dumps(config), "--max-model-len", str(MAX_LEN)]
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_checkpoints):
+    llm = LLM(tiny_checkpoints["llama"], max_model_len=MAX_LEN, dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([list(p) for p in PROMPTS], params, use_tqdm=False)
+    llm.engine.close()
+    return [o.outputs[0].text for o in outs]
+
+
+@contextlib.contextmanager
+def pd_fleet(path: str, connector: str, threshold: int = 48):
+    with (
+        running_server(path, *kv_flags(connector, "kv_producer")) as (prefill, p_proc),
+        running_server(path, *kv_flags(connector, "kv_consumer")) as (decode, _),
+        running_router(
+            "--endpoints",
+            f"{prefill}@prefill,{decode}@decode",
+            "--pd-threshold-tokens",
+            str(threshold),
+        ) as (router, _),
+    ):
+        yield prefill, decode, router, p_proc
+
+
+def complete(router: str, prompt: list[int], stream: bool = False, **extra) -> str:
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
+    if not stream:
+        r = httpx.post(f"{router}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    text = ""
+    with httpx.stream("POST", f"{router}/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def pd_decisions(router: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{router}/metrics", timeout=5).text
+    return {
+        s.labels["outcome"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "pagefleet_router:pd_decisions_total"
+    }
+
+
+def assert_nothing_held(prefill: str, decode: str, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        held = metric_value(prefill, "pagefleet:kv_transfer_held_blocks")
+        usage = [metric_value(b, "vllm:kv_cache_usage_perc") for b in (prefill, decode)]
+        running = metric_value(decode, "vllm:num_requests_running")
+        if held == 0 and usage == [0.0, 0.0] and running == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"held {held} blocks, usage {usage}, running {running}")
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("connector", ["nixl", "tcp"])
+def test_pd_output_equals_colocated_output(tiny_checkpoints, colocated, connector):
+    # Threshold 0: every request goes through the prefill pod, short ones and ones whose
+    # prefix the decode pod already caches (it then pulls only the rest).
+    with pd_fleet(tiny_checkpoints["llama"], connector, 0) as (prefill, decode, router, _):
+        for i, (prompt, expected) in enumerate(zip(PROMPTS, colocated, strict=True)):
+            got = complete(router, prompt, stream=i % 3 == 0)
+            assert got == expected, f"prompt {i} ({len(prompt)} tokens)"
+        disaggregated = metric_value(
+            router, "pagefleet_router:pd_decisions_total", {"outcome": "disaggregated"}
+        )
+        assert disaggregated == len(PROMPTS)
+        assert metric_value(decode, "pagefleet:kv_transfer_transfers_total") == len(PROMPTS)
+        assert metric_value(decode, "pagefleet:kv_transfer_failures_total") == 0
+        assert metric_value(decode, "pagefleet:kv_transfer_bytes_total") > 0
+        assert_nothing_held(prefill, decode)
+
+
+def test_only_blocks_missing_on_the_decode_pod_cross_the_wire(tiny_checkpoints, colocated):
+    path = tiny_checkpoints["llama"]
+    with pd_fleet(path, "tcp") as (prefill, decode, router, _):
+        first = list(range(11, 111))  # 100 tokens: 6 full blocks of 16 and a partial one
+        complete(router, first)
+        before = metric_value(decode, "pagefleet:kv_transfer_bytes_total")
+        second = first + list(range(200, 260))  # 160 tokens: 10 blocks
+        complete(router, second)
+        pulled = metric_value(decode, "pagefleet:kv_transfer_bytes_total") - before
+        config = json.loads((Path(path) / "config.json").read_text())
+        heads = config.get("num_key_value_heads", config["num_attention_heads"])
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        block_bytes = config["num_hidden_layers"] * 2 * heads * 16 * head_dim * 4
+        assert pulled == (10 - 6) * block_bytes  # the 6 full blocks of `first` stayed local
+        assert_nothing_held(prefill, decode)
+
+
+@contextlib.contextmanager
+def black_hole():
+    """A TCP port that accepts connections and never answers (a hung prefill pod)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    accepted, stop = [], threading.Event()
+
+    def accept():
+        server.settimeout(0.1)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                accepted.append(server.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        for conn in accepted:
+            conn.close()
+        server.close()
+
+
+def test_faults_end_in_correct_answers_and_nothing_held(tiny_checkpoints, colocated):
+    path = tiny_checkpoints["llama"]
+    long_i = 10
+    prompt, expected = PROMPTS[long_i], colocated[long_i]
+    with (
+        pd_fleet(path, "nixl") as (prefill, decode, router, p_proc),
+        running_server(
+            path,
+            *kv_flags("nixl", "kv_consumer", transfer_timeout=1.0),
+            "--served-model-name",
+            "other-model",  # an incompatible peer: the handshake refuses it
+        ) as (odd_decode, _),
+    ):
+        direct = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        direct |= {"ignore_eos": True}
+
+        def prefill_params() -> dict:
+            r = httpx.post(
+                f"{prefill}/v1/completions",
+                json={**direct, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+                timeout=60,
+            )
+            return r.json()["kv_transfer_params"]
+
+        def decode_with(base: str, params: dict, model: str = "tiny") -> list[int]:
+            body = {**direct, "model": model, "kv_transfer_params": params}
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        # 1. Incompatible handshake: refused, the decode engine recomputes, the hold is freed.
+        fallbacks = metric_value(odd_decode, "pagefleet:kv_transfer_fallbacks_total")
+        assert decode_with(odd_decode, prefill_params(), "other-model") == expected
+        assert metric_value(odd_decode, "pagefleet:kv_transfer_fallbacks_total") == fallbacks + 1
+        assert_nothing_held(prefill, odd_decode)
+
+        # 2. A prefill pod that never answers: the pull times out (1 s), local prefill.
+        with black_hole() as port:
+            params = prefill_params()
+            started = time.monotonic()
+            assert decode_with(odd_decode, {**params, "remote_port": port}, "other-model") == (
+                expected
+            )
+            assert time.monotonic() - started < 10
+        release_prefill(params)  # the real hold was never read: freed as the router does
+        assert_nothing_held(prefill, odd_decode)
+
+        # 3. Client disconnect while the request is on its way: clean abort, nothing held.
+        for _ in range(3):
+            with contextlib.suppress(httpx.TimeoutException):
+                httpx.post(
+                    f"{router}/v1/completions",
+                    json={**direct, "max_tokens": 200},
+                    timeout=httpx.Timeout(0.05, connect=5),
+                )
+        assert_nothing_held(prefill, decode, within=5.0)
+
+        # 4. The prefill pod dies holding blocks: the decode pod computes the prompt itself,
+        #    and requests through the router keep succeeding on the decode pod alone.
+        params = prefill_params()
+        p_proc.kill()
+        p_proc.wait(timeout=30)
+        assert decode_with(decode, params) == expected
+        other, other_expected = PROMPTS[long_i + 1], colocated[long_i + 1]
+        assert complete(router, other) == other_expected
+        decisions = pd_decisions(router)
+        # before or after the router ejects the dead pod
+        assert decisions.get("prefill_failed", 0) + decisions.get("no_prefill_pod", 0) >= 1, (
+            decisions
+        )
+        assert metric_value(decode, "vllm:kv_cache_usage_perc") == 0
