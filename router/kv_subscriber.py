@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from urllib.parse import urlparse
 
 from pagefleet.kv_events import END_OF_REPLAY, KVEvent, decode_batch, seq_bytes, seq_from_bytes
 
@@ -95,3 +96,45 @@ class KVEventSubscriber:
             return
         self.last_seq = max(self.last_seq, seq)
         self.on_events(self.pod, events)
+
+
+class SubscriberSet:
+    """One subscriber per discovered pod, at tcp://<pod host>:<port> (replay on port + 1),
+    started and stopped as discovery adds and removes pods (off the caller's thread: a start
+    waits for the replay catch-up, a stop for the thread)."""
+
+    def __init__(
+        self,
+        port: int,
+        on_events: Callable[[str, list[KVEvent]], None],
+        on_reset: Callable[[str], None],
+    ) -> None:
+        self.port, self.on_events, self.on_reset = port, on_events, on_reset
+        self._subs: dict[str, KVEventSubscriber] = {}
+        self._lock = threading.Lock()
+
+    def sync(self, pods) -> None:
+        wanted = {p.name: urlparse(p.url).hostname for p in pods}
+        threading.Thread(target=self._apply, args=(wanted,), daemon=True).start()
+
+    def _apply(self, wanted: dict[str, str]) -> None:
+        with self._lock:
+            for name in [n for n in self._subs if n not in wanted]:
+                self._subs.pop(name).stop()
+            for name, host in wanted.items():
+                if name not in self._subs:
+                    endpoint = f"tcp://{host}:{self.port}"
+                    replay = f"tcp://{host}:{self.port + 1}"
+                    sub = KVEventSubscriber(name, endpoint, self.on_events, self.on_reset, replay)
+                    self._subs[name] = sub.start(catch_up_ms=200)
+
+    @property
+    def pods(self) -> set[str]:
+        with self._lock:
+            return set(self._subs)
+
+    def stop(self) -> None:
+        with self._lock:
+            for sub in self._subs.values():
+                sub.stop()
+            self._subs.clear()

@@ -63,6 +63,13 @@ def add_router_parser(sub) -> None:
         help="YAML: {filters: [healthy, model, role], scorers: {prefix: 3, "
         "queue: 2, kv-usage: 2, inflight: 1}}",
     )
+    p.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=5557,
+        help="precise mode with Kubernetes discovery: each pod's KV-event port (5557; "
+        "replay on the next port)",
+    )
     p.add_argument("--scrape-interval", type=float, default=0.075, help="seconds (0.075)")
     p.add_argument(
         "--pd-threshold-tokens",
@@ -182,7 +189,13 @@ def run_router(args: argparse.Namespace) -> int:
 
         tokenizer = load_tokenizer(args.tokenizer)
     subscribers = []
-    if args.prefix_index == "precise":
+    if args.prefix_index == "precise" and args.kubernetes_namespace:
+        from pagefleet.router.kv_subscriber import SubscriberSet
+
+        discovered = SubscriberSet(args.kv_events_port, index.apply, index.remove_pod)
+        registry.on_pods = discovered.sync
+        subscribers.append(discovered)
+    elif args.prefix_index == "precise":
         if not args.kv_events_endpoints:
             raise ValueError("--prefix-index precise needs --kv-events-endpoints")
         endpoints = [e.strip() for e in args.kv_events_endpoints.split(",")]
@@ -211,8 +224,6 @@ def run_router(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     if args.kubernetes_namespace:
-        if args.prefix_index == "precise":
-            raise ValueError("--prefix-index precise needs --endpoints (KV event endpoints)")
         router.discovery = make_discovery(args)
     app = build_router_app(router)
     try:

@@ -70,6 +70,7 @@ class PodRegistry:
         self.status: dict[str, PodStatus] = {}
         self.on_capacity = None  # callable(pod name, num_gpu_blocks), set by the router
         self.on_lost = None  # callable(pod name): the pod is gone or ejected
+        self.on_pods = None  # callable(pods): discovery's new view (KV-event subscribers)
         self.ejections = 0
 
     def set_pods(self, pods: list[Pod]) -> None:
@@ -83,6 +84,8 @@ class PodRegistry:
         for name, pod in new.items():
             if name not in self.status:
                 self.status[name] = PodStatus(pod)
+        if self.on_pods:
+            self.on_pods(pods)
 
     def has_role(self, role: str) -> bool:
         return any(st.pod.role == role for st in self.status.values())

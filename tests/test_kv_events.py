@@ -145,3 +145,32 @@ def test_a_restarted_publisher_purges_the_pod(publisher):
     finally:
         sub.stop()
         again.shutdown()
+
+
+def test_discovered_pods_get_a_subscriber_each_and_lose_it_when_they_go():
+    from pagefleet.router.kv_subscriber import SubscriberSet
+    from pagefleet.router.scoring import Pod
+    from server_utils import free_port
+
+    port = free_port()
+    pub = ZmqEventPublisher(
+        KVEventsConfig(
+            enable_kv_cache_events=True,
+            endpoint=f"tcp://127.0.0.1:{port}",
+            replay_endpoint=f"tcp://127.0.0.1:{port + 1}",
+        )
+    )
+    index = PrefixIndex("precise")
+    subs = SubscriberSet(port, index.apply, index.remove_pod)
+    try:
+        subs.sync([Pod("engine-0", "http://127.0.0.1:8000")])
+        _wait(lambda: subs.pods == {"engine-0"})
+        time.sleep(0.3)  # the SUB socket joins
+        pub.add(BlockStored([b"h1", b"h2"], None, [1, 2], 1))
+        pub.flush()
+        _wait(lambda: index.num_blocks("engine-0") == 2)
+        subs.sync([])
+        _wait(lambda: not subs.pods)
+    finally:
+        subs.stop()
+        pub.shutdown()
