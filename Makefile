@@ -9,7 +9,7 @@ SOURCES := $(sort $(wildcard pagefleet/*.py engine/*.py engine/*/*.py router/*.p
              operator/*.py operator/*/*.py proto/*.py))
 SOURCE_LIST := build/.sources
 
-.PHONY: demo test lint bench clean FORCE
+.PHONY: up demo test lint bench clean helm FORCE
 
 $(SOURCE_LIST): FORCE
 	@mkdir -p build
@@ -23,12 +23,21 @@ $(STAMP): pyproject.toml $(SOURCE_LIST)
 
 venv: $(STAMP)
 
-## The main job on the embedded default: serve the tiny local demo checkpoint on 127.0.0.1.
+## The main job on the embedded default: a local fleet (router + colocated, prefill and decode
+## engines) of the tiny demo model on 127.0.0.1; Ctrl-C stops every process.
+up: $(STAMP)
+	$(BIN)/pagefleet up
+
+## One engine alone: serve the tiny local demo checkpoint on 127.0.0.1.
 demo: $(STAMP)
 	$(BIN)/pagefleet demo
 
+## The real helm binary for the chart tests (idempotent; no network once installed).
+helm: $(STAMP)
+	$(BIN)/python scripts/install_helm.py
+
 ## The whole test suite (lint included).
-test: $(STAMP)
+test: $(STAMP) helm
 	$(BIN)/ruff check .
 	$(BIN)/pytest
 

@@ -17,6 +17,7 @@ from pagefleet.engine.attention.backend import (
     PrefillChunk,
     SingleGroup,
 )
+from pagefleet.engine.cuda_graph import DecodeGraphs
 from pagefleet.engine.model.transformer import CausalLM
 from pagefleet.engine.outputs import TokenLogprobs
 from pagefleet.engine.request import Request
@@ -69,6 +70,29 @@ class ModelRunner:
         )
         self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(cfg.num_layers)]
         self.kv_cache_dtype = str(dtype).removeprefix("torch.")
+        self.decode_graphs: DecodeGraphs | None = None  # see capture_decode_graphs
+
+    def capture_decode_graphs(
+        self, max_num_seqs: int, max_model_len: int, use_graphs: bool = True
+    ) -> bool:
+        """Serve decode-only steps from CUDA graphs (use_graphs=False: the same static-buffer
+        path, run eagerly, for CPU tests). False when the backend cannot be captured."""
+        if not getattr(self.backend, "supports_cuda_graphs", False):
+            return False
+        graphs = DecodeGraphs(
+            self.model,
+            self.backend,
+            self.kv_caches,
+            max_num_seqs,
+            max_model_len,
+            self.block_size,
+            self.device,
+            use_graphs,
+        )
+        if use_graphs:
+            graphs.capture()
+        self.decode_graphs = graphs
+        return True
 
     @torch.inference_mode()
     def execute(
@@ -76,9 +100,13 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[Request], dict[str, tuple[int, list[TokenLogprobs]]]]:
         """Run one step; returns (logits of sampled rows, their requests, prompt logprobs)."""
         inputs = self.prepare(out)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.backend, self.kv_caches, inputs.meta
-        )
+        hidden = None
+        if self.decode_graphs is not None:
+            hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        if hidden is None:
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.backend, self.kv_caches, inputs.meta
+            )
         rows = torch.tensor(inputs.sample_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows]) if inputs.sample_rows else hidden[:0]
         prompt_logprobs = self._prompt_logprobs(hidden, inputs)

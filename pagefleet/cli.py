@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     from pagefleet.router.main import add_router_parser
 
     add_router_parser(sub)
+    from pagefleet.operator.main import add_operator_parser
+
+    add_operator_parser(sub)
+    from pagefleet.up import add_up_parser
+
+    add_up_parser(sub)
     from pagefleet.bench_serve import add_bench_parser
 
     add_bench_parser(sub)

@@ -301,7 +301,8 @@ def build_router_app(router: Router) -> FastAPI:
             return error_response(503, "no engine can serve this request", "service_unavailable")
         headers = _forward_headers(dict(request.headers), config.upstream_api_key)
         pd_params = None
-        if role == "decode" and router.registry.has_role("prefill"):
+        # Only a decode pod pulls blocks (a colocated pod may have no KV connector).
+        if ranked[0][1].role == "decode" and router.registry.has_role("prefill"):
             outcome = await maybe_prefill(path, body, headers, request, routing, by_size, ranked)
             if outcome is _CLIENT_LEFT:
                 return Response(status_code=499)

@@ -34,6 +34,23 @@ class SingleGroup:
 
 
 @dataclass
+class PagedBatch:
+    """The step as flat sequences, for kernels that take the whole batch in one launch (the
+    Triton backend). Sequence s owns query rows query_start[s]:query_start[s + 1] and attends to
+    its first seq_lens[s] tokens; programs of the attention kernel are listed as (sequence,
+    first query row within it). Padding sequences have seq_len 0 and slot -1."""
+
+    query_start: torch.Tensor  # [seqs + 1] int32
+    seq_lens: torch.Tensor  # [seqs] int32
+    block_tables: torch.Tensor  # [seqs, max_blocks] int32, padded with block 0
+    slots: torch.Tensor  # [rows] int64, -1 = do not write the row
+    work_seq: torch.Tensor  # [programs] int32
+    work_q: torch.Tensor  # [programs] int32
+    max_query_len: int
+    max_context: int  # an upper bound of seq_lens, known on the host
+
+
+@dataclass
 class AttentionMetadata:
     # Pool slot of each written row; rows in `skip_write_rows` are not written (their
     # keys/values are already in a shared cached block).
@@ -42,6 +59,9 @@ class AttentionMetadata:
     num_single: int  # leading rows that attend alone (query length 1)
     single_groups: list[SingleGroup]
     prefills: list[PrefillChunk]
+    # Set by whoever already has the batch in flat form (CUDA-graph decode); otherwise the
+    # Triton backend derives it from the fields above once per step.
+    paged: PagedBatch | None = None
 
 
 class KVCache(Protocol):
@@ -62,3 +82,27 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
+
+
+BACKENDS = ("torch", "triton")
+
+
+def default_backend_name(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def select_backend(name: str | None, device: torch.device) -> AttentionBackend:
+    """The backend for `--attention-backend` (None or "auto": triton on CUDA, torch on CPU)."""
+    name = default_backend_name(device) if name in (None, "auto") else name
+    if name == "torch":
+        from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from pagefleet.engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend.for_device(device)
+    raise ValueError(
+        f"attention backend {name!r} is not available (--attention-backend): "
+        f"one of {', '.join(BACKENDS)}"
+    )

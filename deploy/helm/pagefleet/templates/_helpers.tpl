@@ -1,0 +1,101 @@
+{{/* Names, labels and small shared pieces of the pagefleet chart. */}}
+
+{{- define "pagefleet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* <release>-<chart>, or <release> when it already holds the chart name; 52 characters leave
+room for the "-operator"/"-router" suffixes within 63. */}}
+{{- define "pagefleet.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 52 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pagefleet.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pagefleet.labels" -}}
+helm.sh/chart: {{ include "pagefleet.chart" . }}
+{{ include "pagefleet.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: pagefleet
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "pagefleet.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pagefleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "pagefleet.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "pagefleet.operator.fullname" -}}
+{{- printf "%s-operator" (include "pagefleet.fullname" .) -}}
+{{- end -}}
+
+{{- define "pagefleet.operator.serviceAccountName" -}}
+{{- if .Values.operator.serviceAccount.create -}}
+{{- default (include "pagefleet.operator.fullname" .) .Values.operator.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.operator.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The namespaces the operator watches when scope is "namespace" (a YAML list). */}}
+{{- define "pagefleet.operator.namespaces" -}}
+{{- toYaml (default (list .Release.Namespace) .Values.operator.watchNamespaces | uniq) -}}
+{{- end -}}
+
+{{- define "pagefleet.router.fullname" -}}
+{{- printf "%s-router" (include "pagefleet.fullname" .) -}}
+{{- end -}}
+
+{{- define "pagefleet.router.serviceAccountName" -}}
+{{- $r := .Values.router.standalone -}}
+{{- if $r.serviceAccount.create -}}
+{{- default (include "pagefleet.router.fullname" .) $r.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" $r.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pagefleet.modelCache.claimName" -}}
+{{- printf "%s-models" (include "pagefleet.fullname" .) -}}
+{{- end -}}
+
+{{- define "pagefleet.modelDeployment.name" -}}
+{{- default .Values.modelDeployment.model.name .Values.modelDeployment.name -}}
+{{- end -}}
+
+{{/* The pools the chosen mode takes (values hold all three so that switching mode needs no
+nulling of the other pools). */}}
+{{- define "pagefleet.modelDeployment.poolNames" -}}
+{{- if eq .Values.modelDeployment.mode "disaggregated" -}}
+{{- toYaml (list "prefill" "decode") -}}
+{{- else -}}
+{{- toYaml (list "colocated") -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Security contexts: values for every pod and container the chart renders. */}}
+{{- define "pagefleet.podSecurityContext" -}}
+{{- toYaml .Values.podSecurityContext -}}
+{{- end -}}
+
+{{- define "pagefleet.containerSecurityContext" -}}
+{{- toYaml .Values.containerSecurityContext -}}
+{{- end -}}

@@ -1,0 +1,226 @@
+"""A local fleet from `pagefleet up` (colocated + prefill + decode engines, router), used the way
+clients use it: the OpenAI SDK, hundreds of streams with some clients leaving, and engines or
+the router dying under it. Nothing may be lost or leaked."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from fleet_utils import fleet_up, idle, metric, pids_of, wait_until
+
+SHORT = ["What is a KV cache?", "Name a prime.", "block table", "Why page attention?"]
+LONG = " ".join(f"history{i % 29} of the chat so far" for i in range(45))  # ~650 tokens
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model, tmp_path_factory):
+    with fleet_up(tmp_path_factory.mktemp("fleet"), "--model", tiny_model) as children:
+        yield children
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    """Greedy outputs of one engine, offline: what every path through the fleet must give."""
+    from pagefleet.engine.llm import LLM
+    from pagefleet.engine.sampling_params import SamplingParams
+
+    llm = LLM(tiny_model, max_model_len=1024, kv_cache_memory=0.25)
+    tok = llm.get_tokenizer()
+    cache: dict = {}
+
+    def reference(prompt: str | list[dict], max_tokens: int) -> str:
+        key = (json.dumps(prompt), max_tokens)
+        if key not in cache:
+            if isinstance(prompt, list):
+                ids = tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
+                prompt = list(ids if isinstance(ids, list) else ids["input_ids"])
+            params = SamplingParams(temperature=0, max_tokens=max_tokens)
+            cache[key] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+        return cache[key]
+
+    return reference
+
+
+def test_openai_sdk_streams_through_the_router_as_one_engine_would(fleet, offline):
+    router = fleet["router"]["url"]
+    client = openai.OpenAI(base_url=f"{router}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["demo"]
+    disaggregated = 0.0
+    # Long prompts go through a prefill engine when the router picks the decode engine over
+    # the colocated one for them (by load, ties at random): a few variants make that sure.
+    longs = [f"v{k} {LONG}" for k in range(8)]  # distinct from the first token on
+    for content in [*SHORT, *longs]:
+        messages = [{"role": "user", "content": content}]
+        stream = client.chat.completions.create(
+            model="demo", messages=messages, stream=True, max_tokens=12, temperature=0
+        )
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert text == offline(messages, 12), content[:30]
+        disaggregated = metric(
+            router, "pagefleet_router:pd_decisions_total", outcome="disaggregated"
+        )
+        if content in longs and disaggregated:
+            break
+    # The long prompt was worth a prefill engine: its blocks crossed over to the decode engine.
+    assert disaggregated >= 1
+    assert metric(fleet["decode"]["url"], "pagefleet:kv_transfer_bytes_total") > 0
+
+
+async def _client(router: str, prompt: str, max_tokens: int, leave_after: int | None, out: list):
+    body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body["stream"] = True
+    text, chunks = "", 0
+    async with (
+        httpx.AsyncClient(timeout=300) as client,
+        client.stream("POST", f"{router}/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            text += json.loads(line[6:])["choices"][0]["text"]
+            chunks += 1
+            if leave_after is not None and chunks >= leave_after:
+                return  # the client leaves mid-stream: closing the connection
+    out.append((prompt, text))
+
+
+def test_200_concurrent_streams_with_20_percent_leaving_leak_nothing(fleet, offline):
+    router = fleet["router"]["url"]
+    rng = random.Random(0)
+    prompts = [*SHORT, *(f"question {i}: explain pages" for i in range(6)), LONG, LONG + " more"]
+    done: list = []
+    clients = []
+    for i in range(200):
+        leave = rng.randint(0, 6) if i % 5 == 0 else None
+        clients.append(_client(router, rng.choice(prompts), 16, leave, done))
+
+    async def run_all():
+        await asyncio.wait_for(asyncio.gather(*clients), timeout=400)
+
+    asyncio.run(run_all())
+    assert len(done) == 160
+    for prompt, text in done:
+        assert text == offline(prompt, 16), prompt[:30]
+    for name, child in fleet.items():
+        if name != "router":
+            wait_until(lambda c=child: idle(c["url"]), 10, f"{name} to be idle and hold nothing")
+
+
+async def _stream_until_done(router: str, prompt: str) -> str:
+    """'done', 'error' (an SSE error event or a cut stream) — never a hang."""
+    body = {"model": "demo", "prompt": prompt, "max_tokens": 300, "stream": True}
+    body |= {"temperature": 0, "ignore_eos": True}
+    try:
+        async with (
+            httpx.AsyncClient(timeout=120) as client,
+            client.stream("POST", f"{router}/v1/completions", json=body) as r,
+        ):
+            async for line in r.aiter_lines():
+                if line.startswith('data: {"error"'):
+                    return "error"
+                if line == "data: [DONE]":
+                    return "done"
+    except httpx.HTTPError:
+        pass
+    return "error"
+
+
+def test_engines_and_router_dying_under_load(fleet, offline):
+    router = fleet["router"]["url"]
+    decode, prefill = fleet["decode"]["url"], fleet["prefill"]["url"]
+
+    # 1. Kill the decode engine mid-stream: its clients get a clean error, the others finish.
+    async def streams_with_kill():
+        tasks = [
+            asyncio.ensure_future(_stream_until_done(router, f"long answer {i}")) for i in range(6)
+        ]
+        await asyncio.to_thread(
+            wait_until, lambda: metric(decode, "vllm:num_requests_running") > 0, 60, "decode"
+        )
+        os.kill(pids_of({"decode": fleet["decode"]})["decode"], signal.SIGKILL)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 180)
+
+    outcomes = asyncio.run(streams_with_kill())
+    assert "error" in outcomes and "done" in outcomes, outcomes
+    for prompt in SHORT:  # new requests succeed on the engines left
+        r = httpx.post(f"{router}/v1/completions", timeout=120, json=_body(prompt))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline(prompt, 8)
+
+    # ... and once the supervisor has restarted it, the router uses it again.
+    wait_until(lambda: _healthy(decode), 120, "decode to be restarted")
+    served = 0.0
+    deadline = time.monotonic() + 90
+    while served == 0 and time.monotonic() < deadline:
+        for i in range(4):
+            httpx.post(f"{router}/v1/completions", timeout=120, json=_body(f"again {i}"))
+        served = metric(decode, "vllm:request_success_total")
+    assert served > 0
+
+    # 2. Kill the prefill engine: long prompts fall back to prefilling on the decode side.
+    os.kill(pids_of({"prefill": fleet["prefill"]})["prefill"], signal.SIGKILL)
+    skipped = 0.0
+    for k in range(8):  # until one lands on the decode engine (the colocated one may win)
+        prompt = f"w{k} {LONG}"
+        r = httpx.post(f"{router}/v1/completions", timeout=120, json=_body(prompt))
+        assert r.json()["choices"][0]["text"] == offline(prompt, 8)
+        skipped = sum(
+            metric(router, "pagefleet_router:pd_decisions_total", outcome=o)
+            for o in ("prefill_failed", "no_prefill_pod")
+        )
+        if skipped:
+            break
+    assert skipped >= 1
+    wait_until(lambda: _healthy(prefill), 120, "prefill to be restarted")
+
+    # 3. Kill the router: clients retry until the restarted router answers; engines leak nothing.
+    os.kill(pids_of({"router": fleet["router"]})["router"], signal.SIGKILL)
+    wait_until(lambda: _healthy(router), 120, "the router to be restarted")
+    r = httpx.post(f"{router}/v1/completions", timeout=120, json=_body(SHORT[0]))
+    assert r.json()["choices"][0]["text"] == offline(SHORT[0], 8)
+    for name, child in fleet.items():
+        if name != "router":
+            wait_until(lambda c=child: idle(c["url"]), 15, f"{name} to be idle")
+
+
+def _body(prompt: str) -> dict:
+    return {"model": "demo", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_simulated_fleet_of_8_routes_shared_prefixes_to_one_engine(tmp_path, tiny_model):
+    with fleet_up(tmp_path, "--simulate", "--engines", "8", "--model", tiny_model) as children:
+        router = children["router"]["url"]
+        engines = [c["url"] for n, c in children.items() if n != "router"]
+        assert len(engines) == 8
+        rng = random.Random(1)
+        groups = [[rng.randrange(10, 500) for _ in range(480)] for _ in range(4)]
+        for turn in range(5):
+            for g, prefix in enumerate(groups):
+                prompt = prefix + [rng.randrange(10, 500) for _ in range(24)]
+                body = {"model": "demo", "prompt": prompt, "max_tokens": 2}
+                assert httpx.post(f"{router}/v1/completions", json=body, timeout=60).is_success
+                if turn == 0 and g == len(groups) - 1:
+                    time.sleep(0.5)  # the first turn's KV events reach the router
+        hits = sum(metric(e, "vllm:prefix_cache_hits_total") for e in engines)
+        queries = sum(metric(e, "vllm:prefix_cache_queries_total") for e in engines)
+        # After each group's first request, its 480-token prefix (30 blocks) must be found:
+        # 4 groups x 4 later turns x 480 tokens of 4 x 5 x 504 queried.
+        assert hits >= 0.95 * 4 * 4 * 480, (hits, queries)
+        used = sum(1 for e in engines if metric(e, "vllm:prefix_cache_queries_total") > 0)
+        assert used >= 2  # groups spread over engines rather than piling onto one

@@ -1,0 +1,499 @@
+"""Pure reconcile: a ModelDeployment (as stored) -> the Kubernetes objects it should own.
+No I/O; the kopf handlers apply the result and golden tests pin it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from pagefleet.operator.crd import POOL_NAMES
+from pagefleet.operator.names import GROUP, KIND, LABEL_MODEL, LABEL_ROLE, VERSION
+from pagefleet.operator.spec import EngineArg, Pool, Spec, SpecError, parse_spec
+
+HTTP_PORT = 8000
+KV_EVENTS_PORT = 5557
+KV_REPLAY_PORT = 5558
+KV_TRANSFER_PORT = 14579
+ROUTER_PORT = 8080
+MODEL_MOUNT = "/models"
+LABEL_INSTANCE = "pagefleet.io/deployment"
+LABEL_POOL = "pagefleet.io/pool"
+ROUTER_CONFIG_FILE = "/etc/pagefleet/router.yaml"
+KV_EVENTS_CONFIG = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
+# vLLM's NixlConnector roles: prefill produces KV blocks, decode consumes them.
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# KEDA (2.13+) stops scaling a ScaledObject with this annotation set to "true".
+KEDA_PAUSED = "autoscaling.keda.sh/paused"
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    default_image: str | None = None
+    prometheus_url: str | None = None  # needed by KEDA triggers
+    # Replicas the builtin autoscaler chose, per pool name; absent pools start at spec.replicas.
+    replicas: dict[str, int] = field(default_factory=dict)
+
+
+def desired_objects(md: dict[str, Any], options: RenderOptions | None = None) -> list[dict]:
+    """Every object the ModelDeployment owns, in apply order. Raises SpecError on a bad spec."""
+    options = options or RenderOptions()
+    spec = parse_spec(md.get("spec"), options.default_image)
+    meta = md["metadata"]
+    ctx = _Context(meta["name"], meta["namespace"], _owner(md), spec)
+    objects: list[dict] = []
+    for pool in spec.pools:
+        objects.append(engine_deployment(ctx, pool, _pool_replicas(pool, options)))
+        objects.append(engine_service(ctx, pool))
+        if pool.autoscaling.mode == "keda":
+            objects.append(scaled_object(ctx, pool, options.prometheus_url))
+    objects.extend(router_objects(ctx))
+    # A JSON round trip: no object shares a dict with another (callers may mutate them).
+    return json.loads(json.dumps(objects))
+
+
+def retired_objects(md: dict[str, Any]) -> list[dict]:
+    """Patches that retire what an earlier spec made and this one no longer wants, with no
+    delete rights needed: engine Deployments of removed pools go to 0 replicas, ScaledObjects of
+    pools no longer on KEDA are paused (so KEDA stops fighting the operator's replicas).
+    Callers apply each only to an existing object this ModelDeployment controls."""
+    spec = parse_spec(md.get("spec"))
+    meta = md["metadata"]
+    current = {p.name: p for p in spec.pools}
+    patches = []
+    for pool in POOL_NAMES:
+        name = pool_object_name(meta["name"], pool)
+        where = {"name": name, "namespace": meta["namespace"]}
+        if pool not in current:
+            patches.append(
+                {
+                    "apiVersion": "apps/v1",
+                    "kind": "Deployment",
+                    "metadata": where,
+                    "spec": {"replicas": 0},
+                }
+            )
+        if pool not in current or current[pool].autoscaling.mode != "keda":
+            patches.append(
+                {
+                    "apiVersion": "keda.sh/v1alpha1",
+                    "kind": "ScaledObject",
+                    "metadata": {**where, "annotations": {KEDA_PAUSED: "true"}},
+                }
+            )
+    return patches
+
+
+@dataclass(frozen=True)
+class _Context:
+    name: str
+    namespace: str
+    owner: dict[str, Any]
+    spec: Spec
+
+
+def _owner(md: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": md["metadata"]["name"],
+        "uid": md["metadata"]["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _pool_replicas(pool: Pool, options: RenderOptions) -> int | None:
+    """None for KEDA pools: their HPA owns spec.replicas and the operator must not fight it."""
+    mode = pool.autoscaling.mode
+    if mode == "keda":
+        return None
+    if mode == "builtin":
+        chosen = options.replicas.get(pool.name, pool.replicas)
+        return max(pool.autoscaling.min_replicas, min(pool.autoscaling.max_replicas, chosen))
+    return pool.replicas
+
+
+def pool_object_name(md_name: str, pool: str) -> str:
+    return f"{md_name}-{pool}"
+
+
+def pool_selector(md_name: str, pool: str) -> dict[str, str]:
+    return {LABEL_INSTANCE: md_name, LABEL_POOL: pool}
+
+
+def _metadata(ctx: _Context, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": ctx.namespace,
+        "labels": labels,
+        "ownerReferences": [ctx.owner],
+    }
+
+
+def _common_labels(ctx: _Context, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "pagefleet",
+        "app.kubernetes.io/instance": ctx.name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": "pagefleet-operator",
+        LABEL_INSTANCE: ctx.name,
+    }
+
+
+def engine_flags(args: dict[str, EngineArg]) -> list[str]:
+    """vLLM-style flags: `--key value`, bools as `--key` / `--no-key`."""
+    flags: list[str] = []
+    for key, value in args.items():
+        if value is True:
+            flags.append(f"--{key}")
+        elif value is False:
+            flags.append(f"--no-{key}")
+        else:
+            flags.extend([f"--{key}", str(value)])
+    return flags
+
+
+def _model_path(spec: Spec) -> str:
+    model = spec.model
+    if model.source == "pvc" and model.path:
+        return f"{MODEL_MOUNT}/{model.path.strip('/')}"
+    return MODEL_MOUNT
+
+
+def engine_command(spec: Spec, pool: Pool) -> list[str]:
+    command = [
+        "pagefleet",
+        "serve",
+        _model_path(spec),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(HTTP_PORT),
+        "--served-model-name",
+        spec.model.name,
+        "--kv-events-config",
+        json.dumps(KV_EVENTS_CONFIG, separators=(",", ":")),
+    ]
+    # The pool's engineArgs override the deployment-wide ones, key by key.
+    command += engine_flags({**spec.engine_args, **pool.engine_args})
+    if pool.role in KV_ROLES:
+        transfer = {
+            "kv_connector": spec.kv_connector,
+            "kv_role": KV_ROLES[pool.role],
+        }
+        command += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    return command
+
+
+def _model_volume(spec: Spec) -> tuple[dict, list[dict]]:
+    """The volume holding the checkpoint and any init container that fills it."""
+    model = spec.model
+    if model.source == "pvc":
+        claim = {"claimName": model.claim_name, "readOnly": True}
+        return {"name": "model", "persistentVolumeClaim": claim}, []
+    if model.source == "hostPath":
+        return {"name": "model", "hostPath": {"path": model.path, "type": "Directory"}}, []
+    copy = {
+        "name": "copy-model",
+        "image": model.image,
+        # The weights image only has to hold files (and a shell): copy them into the pod.
+        "command": ["sh", "-c", 'cp -a "$SOURCE"/. /models/'],
+        "env": [{"name": "SOURCE", "value": model.path or "/model"}],
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}],
+        "securityContext": _container_security(),
+    }
+    return {"name": "model", "emptyDir": {}}, [copy]
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "fsGroup": 1000,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _http_probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def engine_deployment(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
+    spec = ctx.spec
+    selector = pool_selector(ctx.name, pool.name)
+    labels = {
+        **_common_labels(ctx, "engine"),
+        **selector,
+        LABEL_MODEL: spec.model.name,
+        LABEL_ROLE: pool.role,
+    }
+    volume, init_containers = _model_volume(spec)
+    ports = [
+        {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+        {"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
+        {"name": "kv-replay", "containerPort": KV_REPLAY_PORT, "protocol": "TCP"},
+    ]
+    if pool.role in KV_ROLES:
+        ports.append({"name": "kv-transfer", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"})
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": spec.image,
+        "command": engine_command(spec, pool),
+        "ports": ports,
+        "env": [
+            {"name": "HF_HUB_OFFLINE", "value": "1"},
+            {"name": "HOME", "value": "/tmp"},
+        ],
+        "readinessProbe": _http_probe("/health", "http", 5, 3),
+        "livenessProbe": _http_probe("/health", "http", 10, 6),
+        # Loading weights and warming up can take long: up to 30 minutes before liveness.
+        "startupProbe": _http_probe("/health", "http", 10, 180),
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": spec.model.source != "image"},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "shm", "mountPath": "/dev/shm"},
+        ],
+    }
+    if pool.resources:
+        container["resources"] = pool.resources
+    pod_spec: dict[str, Any] = {
+        "securityContext": _pod_security(),
+        "containers": [container],
+        "volumes": [
+            volume,
+            {"name": "tmp", "emptyDir": {}},
+            # PyTorch and NIXL use shared memory; the runtime's 64 MiB default is too small.
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+        ],
+        "terminationGracePeriodSeconds": 60,
+    }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
+    if pool.node_selector:
+        pod_spec["nodeSelector"] = pool.node_selector
+    if pool.tolerations:
+        pod_spec["tolerations"] = pool.tolerations
+    deployment_spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector},
+        "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+    }
+    if replicas is not None:
+        deployment_spec = {"replicas": replicas, **deployment_spec}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(ctx, pool_object_name(ctx.name, pool.name), labels),
+        "spec": deployment_spec,
+    }
+
+
+def engine_service(ctx: _Context, pool: Pool) -> dict:
+    """Headless: clients (the router) address engine pods one by one."""
+    selector = pool_selector(ctx.name, pool.name)
+    ports = [
+        {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+        {"name": "kv-events", "port": KV_EVENTS_PORT, "targetPort": "kv-events", "protocol": "TCP"},
+    ]
+    if pool.role in KV_ROLES:
+        ports.append(
+            {
+                "name": "kv-transfer",
+                "port": KV_TRANSFER_PORT,
+                "targetPort": "kv-transfer",
+                "protocol": "TCP",
+            }
+        )
+    labels = {**_common_labels(ctx, "engine"), **selector}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(ctx, pool_object_name(ctx.name, pool.name), labels),
+        "spec": {"clusterIP": "None", "selector": selector, "ports": ports},
+    }
+
+
+def waiting_query(ctx_namespace: str, md_name: str, pool: str, model: str) -> str:
+    """PromQL: the pool's total queue (pods are named after their Deployment)."""
+    matchers = (
+        f'namespace="{ctx_namespace}",pod=~"{pool_object_name(md_name, pool)}-.*",'
+        f'model_name="{model}"'
+    )
+    return f"sum(vllm:num_requests_waiting{{{matchers}}})"
+
+
+def scaled_object(ctx: _Context, pool: Pool, prometheus_url: str | None) -> dict:
+    if not prometheus_url:
+        raise SpecError(
+            f"spec.pools.{pool.name}.autoscaling.mode keda needs the operator's --prometheus-url"
+        )
+    a = pool.autoscaling
+    name = pool_object_name(ctx.name, pool.name)
+    behavior = {
+        "scaleUp": {
+            "stabilizationWindowSeconds": a.scale_up_stabilization_s,
+            "policies": [{"type": "Pods", "value": a.max_scale_up_step, "periodSeconds": 15}],
+        },
+        "scaleDown": {"stabilizationWindowSeconds": a.scale_down_stabilization_s},
+    }
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": {
+            **_metadata(ctx, name, _common_labels(ctx, "autoscaler")),
+            # Explicit, so that a ScaledObject paused by retired_objects() resumes.
+            "annotations": {KEDA_PAUSED: "false"},
+        },
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicaCount": a.min_replicas,
+            "maxReplicaCount": a.max_replicas,
+            "cooldownPeriod": a.scale_down_stabilization_s,
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": behavior}},
+            "triggers": [
+                {
+                    "type": "prometheus",
+                    # AverageValue: KEDA's HPA computes ceil(sum / threshold) replicas.
+                    "metricType": "AverageValue",
+                    "metadata": {
+                        "serverAddress": prometheus_url,
+                        "query": waiting_query(
+                            ctx.namespace, ctx.name, pool.name, ctx.spec.model.name
+                        ),
+                        "threshold": f"{a.target_waiting_per_replica:g}",
+                    },
+                }
+            ],
+        },
+    }
+
+
+def router_config(spec: Spec) -> str:
+    config = {
+        "filters": ["healthy", "model", "role"],
+        "scorers": spec.router.scorer_weights,
+        "pd_threshold_tokens": spec.router.pd_threshold_tokens,
+    }
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def router_objects(ctx: _Context) -> list[dict]:
+    """ConfigMap, RBAC to watch pods, Deployment and Service of the router."""
+    spec = ctx.spec
+    name = f"{ctx.name}-router"
+    labels = _common_labels(ctx, "router")
+    selector = {LABEL_INSTANCE: ctx.name, "app.kubernetes.io/component": "router"}
+    config_text = router_config(spec)
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(ctx, name, labels),
+        "data": {"router.yaml": config_text},
+    }
+    account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _metadata(ctx, name, labels),
+    }
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _metadata(ctx, name, labels),
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _metadata(ctx, name, labels),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ctx.namespace}],
+    }
+    command = [
+        "pagefleet",
+        "router",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ROUTER_PORT),
+        "--kubernetes-namespace",
+        ctx.namespace,
+        "--selector",
+        f"{LABEL_MODEL}={spec.model.name}",
+        "--engine-port",
+        str(HTTP_PORT),
+        "--model",
+        spec.model.name,
+        "--config",
+        ROUTER_CONFIG_FILE,
+    ]
+    # A config change must roll the router: the pods read the file once at start.
+    config_hash = hashlib.sha256(config_text.encode()).hexdigest()[:16]
+    container = {
+        "name": "router",
+        "image": spec.image,
+        "command": command,
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "readinessProbe": _http_probe("/health", "http", 5, 3),
+        "livenessProbe": _http_probe("/health", "http", 10, 6),
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "config", "mountPath": "/etc/pagefleet", "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(ctx, name, labels),
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {
+                    "labels": {**labels, **selector},
+                    "annotations": {"pagefleet.io/config-hash": config_hash},
+                },
+                "spec": {
+                    "serviceAccountName": name,
+                    "securityContext": _pod_security(),
+                    "containers": [container],
+                    "volumes": [
+                        {"name": "config", "configMap": {"name": name}},
+                        {"name": "tmp", "emptyDir": {}},
+                    ],
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(ctx, name, labels),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector,
+            "ports": [
+                {"name": "http", "port": ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+    return [config_map, account, role, binding, deployment, service]

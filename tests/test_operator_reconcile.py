@@ -1,0 +1,238 @@
+"""Pure reconcile and the CRD: golden manifests, strict kubernetes-validate for 1.30 and 1.35,
+example CRs against the CRD's own schema, the chart's CRD file equal to operator/crd.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from pagefleet.cli import main
+from pagefleet.operator.crd import crd, openapi_schema, render_crd
+from pagefleet.operator.reconcile import RenderOptions, desired_objects, engine_flags
+from pagefleet.operator.spec import SpecError, parse_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "modeldeployments"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "operator"
+CRD_FILE = ROOT / "deploy" / "helm" / "pagefleet" / "crds" / "modeldeployments.pagefleet.io.yaml"
+KUBERNETES_VERSIONS = ("1.30.0", "1.35.0")
+PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
+# Which example renders into which golden file.
+GOLDEN_CASES = {
+    "colocated": "colocated.yaml",
+    "disaggregated": "disaggregated.yaml",
+    "keda": "keda.yaml",
+}
+
+
+def load_example(name: str) -> dict:
+    md = yaml.safe_load((EXAMPLES / name).read_text())
+    md["metadata"].setdefault("uid", f"00000000-0000-0000-0000-{len(name):012d}")
+    return md
+
+
+def render(name: str) -> list[dict]:
+    options = RenderOptions(
+        default_image="ghcr.io/pagefleet/pagefleet:test", prometheus_url=PROMETHEUS
+    )
+    return desired_objects(load_example(name), options)
+
+
+@pytest.mark.parametrize("case", sorted(GOLDEN_CASES))
+def test_golden_manifests(case):
+    """Rendered objects equal the reviewed golden file (PAGEFLEET_UPDATE_GOLDEN=1 rewrites)."""
+    rendered = yaml.safe_dump_all(render(GOLDEN_CASES[case]), sort_keys=True)
+    path = GOLDEN / f"{case}.yaml"
+    if os.environ.get("PAGEFLEET_UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(rendered)
+    assert rendered == path.read_text(), f"{path} differs; review, then regenerate"
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("case", sorted(GOLDEN_CASES))
+def test_rendered_objects_validate_strictly(case, version):
+    objects = render(GOLDEN_CASES[case])
+    kinds = {o["kind"] for o in objects}
+    assert {"Deployment", "Service", "ConfigMap", "Role", "RoleBinding"} <= kinds
+    for obj in objects:
+        if obj["apiVersion"].startswith("keda.sh/"):
+            continue  # KEDA's CRD schemas are not bundled with kubernetes-validate
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_crd_validates_strictly(version):
+    kubernetes_validate.validate(crd(), version, strict=True)
+
+
+def test_strict_validation_catches_a_broken_manifest():
+    """The validator above is not a rubber stamp: a typo'd field fails it."""
+    deployment = copy.deepcopy(render("colocated.yaml")[0])
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, "1.30.0", strict=True)
+
+
+def test_engine_pods_follow_the_shared_contract():
+    objects = render("disaggregated.yaml")
+    deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+    prefill = deployments["llama-pd-prefill"]
+    decode = deployments["llama-pd-decode"]
+    router = deployments["llama-pd-router"]
+    pod = prefill["spec"]["template"]
+    assert pod["metadata"]["labels"]["pagefleet.io/model"] == "llama-3-8b"
+    assert pod["metadata"]["labels"]["pagefleet.io/role"] == "prefill"
+    assert decode["spec"]["template"]["metadata"]["labels"]["pagefleet.io/role"] == "decode"
+    command = pod["spec"]["containers"][0]["command"]
+    assert command[:3] == ["pagefleet", "serve", "/models/llama-3-8b"]
+    assert command[command.index("--served-model-name") + 1] == "llama-3-8b"
+    # Deployment-wide args, then the pool's; bools as --x / --no-x.
+    assert command[command.index("--max-model-len") + 1] == "8192"
+    assert "--no-enable-chunked-prefill" in command
+    transfer = json.loads(command[command.index("--kv-transfer-config") + 1])
+    assert transfer == {"kv_connector": "nixl", "kv_role": "kv_producer"}
+    decode_cmd = decode["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert json.loads(decode_cmd[decode_cmd.index("--kv-transfer-config") + 1])["kv_role"] == (
+        "kv_consumer"
+    )
+    events = json.loads(command[command.index("--kv-events-config") + 1])
+    assert events["endpoint"] == "tcp://*:5557" and events["enable_kv_cache_events"] is True
+    container = pod["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": 8000, "kv-events": 5557, "kv-replay": 5558, "kv-transfer": 14579}
+    # builtin autoscaling starts at spec replicas, clamped into [min, max].
+    assert decode["spec"]["replicas"] == 2
+    router_cmd = router["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert router_cmd[router_cmd.index("--selector") + 1] == "pagefleet.io/model=llama-3-8b"
+    config_map = next(o for o in objects if o["kind"] == "ConfigMap")
+    config = yaml.safe_load(config_map["data"]["router.yaml"])
+    assert config["pd_threshold_tokens"] == 512 and config["scorers"]["prefix"] == 3
+    for obj in objects:
+        assert obj["metadata"]["ownerReferences"][0]["kind"] == "ModelDeployment"
+
+
+def test_autoscaler_replicas_and_keda_ownership():
+    md = load_example("disaggregated.yaml")
+    objects = desired_objects(md, RenderOptions(replicas={"decode": 6, "prefill": 9}))
+    by_name = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+    assert by_name["llama-pd-decode"]["spec"]["replicas"] == 6
+    assert by_name["llama-pd-prefill"]["spec"]["replicas"] == 1  # autoscaling none: spec wins
+    too_many = desired_objects(md, RenderOptions(replicas={"decode": 50}))
+    assert (
+        next(o for o in too_many if o["metadata"]["name"] == "llama-pd-decode")["spec"]["replicas"]
+        == 8
+    )  # clamped to maxReplicas
+    keda = render("keda.yaml")
+    scaled = next(o for o in keda if o["kind"] == "ScaledObject")
+    trigger = scaled["spec"]["triggers"][0]
+    assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "8"
+    assert trigger["metadata"]["query"].startswith("sum(vllm:num_requests_waiting{")
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (1, 10)
+    assert scaled["spec"]["cooldownPeriod"] == 600
+    deployment = next(o for o in keda if o["kind"] == "Deployment")
+    assert "replicas" not in deployment["spec"]  # KEDA's HPA owns it
+    with pytest.raises(SpecError, match="prometheus-url"):
+        desired_objects(load_example("keda.yaml"))
+
+
+def test_engine_flags_shape():
+    assert engine_flags({"max-num-seqs": 8, "enforce-eager": True, "x": False, "d": 0.5}) == [
+        "--max-num-seqs",
+        "8",
+        "--enforce-eager",
+        "--no-x",
+        "--d",
+        "0.5",
+    ]
+
+
+def strict_fields(schema: dict) -> dict:
+    """The API server's strict field validation (kubectl's default) as JSON Schema: objects
+    with declared properties accept nothing else, unless they preserve unknown fields."""
+    schema = copy.deepcopy(schema)
+
+    def visit(node: dict) -> None:
+        if "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+            node["additionalProperties"] = False
+        for child in node.get("properties", {}).values():
+            visit(child)
+        for key in ("items", "additionalProperties"):
+            if isinstance(node.get(key), dict):
+                visit(node[key])
+
+    visit(schema)
+    schema["properties"]["metadata"] = {"type": "object"}
+    return schema
+
+
+def schema_errors(md: dict) -> list[str]:
+    validator = jsonschema.Draft4Validator(strict_fields(openapi_schema()))
+    return [e.message for e in validator.iter_errors(md)]
+
+
+def examples(prefix: str = "") -> list[str]:
+    return sorted(p.name for p in EXAMPLES.glob(f"{prefix}*.yaml"))
+
+
+@pytest.mark.parametrize("name", [n for n in examples() if not n.startswith("invalid-")])
+def test_valid_examples_pass_the_crd_schema_and_the_operator(name):
+    md = load_example(name)
+    assert schema_errors(md) == []
+    parse_spec(md["spec"])
+
+
+@pytest.mark.parametrize("name", examples("invalid-"))
+def test_invalid_examples_are_rejected(name):
+    """Each invalid example names the error it must get: `expect:` from the schema itself,
+    `expect-cel:` from one of the CRD's x-kubernetes-validations rules (which jsonschema
+    cannot run; the operator's parse_spec enforces the same rule and says the same)."""
+    text = (EXAMPLES / name).read_text()
+    header = text.splitlines()[0]
+    kind, _, expected = header.lstrip("# ").partition(": ")
+    md = yaml.safe_load(text)
+    if kind == "expect":
+        errors = schema_errors(md)
+        assert any(expected in e for e in errors), errors
+    else:
+        assert kind == "expect-cel"
+        rules = json.dumps(crd())
+        assert json.dumps(expected) in rules, "the CRD has no CEL rule with this message"
+        assert schema_errors(md) == []  # only the CEL rule catches it
+    with pytest.raises(SpecError) as caught:
+        parse_spec(md["spec"])
+    if kind == "expect-cel":
+        assert expected in str(caught.value)
+
+
+def test_there_are_invalid_examples_of_each_kind():
+    heads = [(EXAMPLES / n).read_text().split(":")[0] for n in examples("invalid-")]
+    assert "# expect" in heads and "# expect-cel" in heads
+
+
+def test_chart_crd_file_is_the_rendered_crd():
+    assert CRD_FILE.read_text() == render_crd(), "regenerate: pagefleet operator crd > " + str(
+        CRD_FILE.relative_to(ROOT)
+    )
+
+
+def test_operator_crd_subcommand_prints_it(capsys):
+    assert main(["operator", "crd"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed == crd()
+    assert printed["spec"]["versions"][0]["subresources"]["scale"]["specReplicasPath"] == (
+        ".spec.pools.colocated.replicas"
+    )

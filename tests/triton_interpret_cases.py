@@ -1,0 +1,151 @@
+"""Work run by tests/test_triton_attention.py in a separate process with TRITON_INTERPRET=1.
+
+Triton picks interpreter or compiler when a kernel is decorated, i.e. when the kernel module is
+first imported, so this module imports nothing of Triton at the top: `enable_interpreter` runs
+first in the worker process, then the cases import the kernels. Cases return tensors and token
+ids; the assertions stay in the test module.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+
+def enable_interpreter() -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(1)
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One attention step: per request (tokens cached before the step, tokens computed now)."""
+
+    requests: list[tuple[int, int]]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 16
+    block_size: int = 16
+    num_blocks: int = 64
+    # Requests whose single row is a full prefix hit: its keys are already cached, not written.
+    prefix_hit: list[int] = field(default_factory=list)
+    kv_dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+
+def _runner(spec: StepSpec):
+    """A model runner over a one-layer model shaped by the spec (prepare() builds metadata)."""
+    from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
+    from pagefleet.engine.model.transformer import CausalLM, ModelConfig
+    from pagefleet.engine.runner import ModelRunner
+
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=32,
+        hidden_size=spec.num_heads * spec.head_dim,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        rope={"rope_type": "default", "rope_theta": 10000.0},
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    model = CausalLM(cfg, 4096)
+    return ModelRunner(
+        model,
+        spec.block_size,
+        spec.num_blocks,
+        TorchAttentionBackend(),
+        torch.device("cpu"),
+        spec.kv_dtype,
+    )
+
+
+def build_step(spec: StepSpec):
+    """Requests in the state the spec describes (random, distinct blocks) and their step."""
+    from pagefleet.engine.request import Request
+    from pagefleet.engine.sampling_params import SamplingParams
+    from pagefleet.engine.scheduler import SchedulerOutput
+
+    rng = random.Random(spec.seed)
+    bs = spec.block_size
+    free = list(range(spec.num_blocks))
+    rng.shuffle(free)
+    scheduled = []
+    for i, (cached, new) in enumerate(spec.requests):
+        total = cached + new
+        req = Request(
+            f"r{i}", [rng.randrange(32) for _ in range(total)], SamplingParams(), block_size=bs
+        )
+        req.num_computed_tokens = cached
+        if i in spec.prefix_hit:
+            req.num_cached_tokens = total  # the recomputed last token is already cached
+        req.block_ids = [free.pop() for _ in range(-(-total // bs))]
+        scheduled.append((req, new))
+    return SchedulerOutput(scheduled=scheduled, num_tokens=sum(n for _, n in spec.requests))
+
+
+def attention_case(spec: StepSpec, num_splits: int | None = None) -> dict[str, torch.Tensor]:
+    """The Triton and torch backends on the same step from the same random pool: outputs and
+    the pools after their writes."""
+    from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
+    from pagefleet.engine.attention.triton_backend import TritonAttentionBackend
+
+    runner = _runner(spec)
+    meta = runner.prepare(build_step(spec)).meta
+    gen = torch.Generator().manual_seed(spec.seed)
+    rows = sum(n for _, n in spec.requests)
+    q = torch.randn(rows, spec.num_heads, spec.head_dim, generator=gen)
+    k = torch.randn(rows, spec.num_kv_heads, spec.head_dim, generator=gen)
+    v = torch.randn(rows, spec.num_kv_heads, spec.head_dim, generator=gen)
+    # New keys/values exactly representable in the pool's dtype: the interpreter rounds
+    # float32 -> bfloat16 toward zero where GPUs (and torch) round to nearest even.
+    k, v = k.to(spec.kv_dtype).float(), v.to(spec.kv_dtype).float()
+    pool = torch.randn(runner.kv_pool.shape, generator=gen).to(spec.kv_dtype)
+    ref_pool, ours_pool = pool.clone(), pool.clone()
+    scale = spec.head_dim**-0.5
+    ref = TorchAttentionBackend().forward(q, k, v, ref_pool[0, 0], ref_pool[0, 1], meta, scale)
+    backend = TritonAttentionBackend(num_sms=1, num_splits=num_splits)
+    ours = backend.forward(q, k, v, ours_pool[0, 0], ours_pool[0, 1], meta, scale)
+    return {"ours": ours, "ref": ref, "ours_pool": ours_pool, "ref_pool": ref_pool}
+
+
+def greedy_case(
+    path: str, prompts: list[list[int]], max_tokens: int, static_decode: bool = False, **engine_args
+) -> tuple[list[list[int]], int]:
+    """Greedy token ids of the offline engine with the Triton backend, and how many steps the
+    decode-graph path served (static_decode: that path, run eagerly, as on CPU it must)."""
+    from pagefleet.engine import LLM, SamplingParams
+
+    llm = LLM(path, attention_backend="triton", **engine_args)
+    runner = llm.engine.runner
+    served = []
+    if static_decode:
+        runner.capture_decode_graphs(
+            engine_args["max_num_seqs"], engine_args["max_model_len"], use_graphs=False
+        )
+        graphs = runner.decode_graphs
+        run = graphs.run
+
+        def counting_run(*args):
+            hidden = run(*args)
+            served.append(hidden is not None)
+            return hidden
+
+        graphs.run = counting_run
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs], sum(served)
