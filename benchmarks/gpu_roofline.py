@@ -154,6 +154,13 @@ def time_call(fn: Callable[[], object], device: torch.device, iters: int, warmup
     return begin.elapsed_time(end) / 1e3 / iters
 
 
+def release_memory(device: torch.device) -> None:
+    """Free what the last step held (engines keep reference cycles) before the next allocates."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------- 1. the device
 
 
@@ -460,33 +467,12 @@ def kernel_benchmark(
 
 
 def run_hf_generate(path: str, requests, batch_size: int, device, dtype) -> dict:
-    """HF `generate` on static left-padded batches (greedy, no EOS)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    """offline_throughput.py's HF baseline on this device, then its memory given back."""
+    from offline_throughput import run_hf
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
-    useful = 0
-    start = time.perf_counter()
-    for i in range(0, len(requests), batch_size):
-        batch = requests[i : i + batch_size]
-        width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=device)
-        mask = torch.tensor(
-            [[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device
-        )
-        with torch.no_grad():
-            model.generate(
-                ids,
-                attention_mask=mask,
-                generation_config=config,
-                max_new_tokens=max(m for _, m in batch),
-            )
-        useful += sum(m for _, m in batch)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    del model
-    return {"wall_s": wall, "tokens": useful, "tok_s": useful / wall, "batch_size": batch_size}
+    result = run_hf(path, requests, batch_size, device, dtype)
+    release_memory(device)
+    return result
 
 
 def scaled_workload(name: str, scale: int, vocab: int, limit: tuple[int, int] | None = None):
@@ -524,15 +510,14 @@ def end_to_end(
         engine_args = {"attention_backend": "triton", "device": "cpu", "max_num_seqs": 8}
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        path = str(
-            write_tiny_checkpoint(Path(tmp) / "e2e", "LlamaForCausalLM", **shape.hf_config())
-        )
+        # A real model's init scale, so 16 bf16 layers of random weights stay finite.
+        config = shape.hf_config() | {"initializer_range": 0.02}
+        path = str(write_tiny_checkpoint(Path(tmp) / "e2e", "LlamaForCausalLM", **config))
         print(f"  wrote a random checkpoint in {time.perf_counter() - start:.0f} s", flush=True)
         for name in ("a", "b"):
             requests = scaled_workload(name, scale, shape.vocab_size, limit)[:max_requests]
             ours = run_engine(path, requests, **engine_args)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            release_memory(device)  # the engine's KV pool, before HF loads its copy
             cut = requests[:hf_cut]
             hf_runs = [run_hf_generate(path, cut, b, device, dtype) for b in hf_batches]
             hf = max(hf_runs, key=lambda r: r["tok_s"])
@@ -711,11 +696,10 @@ def run(plan: Plan, device: torch.device) -> dict:
         plan.eager_batches,
         memory_fraction=0.85,
     )
-    gc.collect()  # the 8B model, its KV pool and graphs go before the next steps allocate
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_memory(device)  # the 8B model, its KV pool and graphs
     print("[4] paged-attention kernel alone (one layer)", flush=True)
     kernel = kernel_benchmark(shape, device, plan.dtype, plan.kernel_cases, bandwidth, plan.iters)
+    release_memory(device)
     print("[5] end-to-end offline throughput vs HF generate", flush=True)
     e2e = end_to_end(
         plan.e2e_shape,

@@ -132,18 +132,24 @@ def run_engine(path: str, requests, **engine_args) -> dict:
     return {"wall_s": wall, "tokens": useful, "tok_s": useful / wall, "forward_s": forward[0]}
 
 
-def run_hf(path: str, requests, batch_size: int) -> dict:
+def run_hf(
+    path: str, requests, batch_size: int, device=None, dtype: torch.dtype = torch.float32
+) -> dict:
+    """HF `generate` on static left-padded batches (greedy, no EOS)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    device = torch.device(device or "cpu")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
     useful = 0
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
         batch = requests[i : i + batch_size]
         width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=device)
+        mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device
+        )
         with torch.no_grad():
             model.generate(
                 ids,
@@ -152,6 +158,8 @@ def run_hf(path: str, requests, batch_size: int) -> dict:
                 max_new_tokens=max(m for _, m in batch),
             )
         useful += sum(m for _, m in batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     wall = time.perf_counter() - start
     return {"wall_s": wall, "tokens": useful, "tok_s": useful / wall, "batch_size": batch_size}
 

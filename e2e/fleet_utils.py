@@ -13,9 +13,20 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny random checkpoint (made on the spot, never downloaded)."""
+    from pagefleet.engine.model.tiny import write_tiny_checkpoint
+
+    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("e2e") / "llama", "LlamaForCausalLM"))
 
 
 def free_port() -> int:

@@ -15,9 +15,10 @@ import httpx
 import openai
 import pytest
 
-from fleet_utils import fleet_up, idle, metric, pids_of, wait_until
+from fleet_utils import fleet_up, idle, metric, pids_of, tiny_model, wait_until
 
 SHORT = ["What is a KV cache?", "Name a prime.", "block table", "Why page attention?"]
+__all__ = ["tiny_model"]  # a fixture, imported for pytest
 LONG = " ".join(f"history{i % 29} of the chat so far" for i in range(45))  # ~650 tokens
 
 

@@ -284,7 +284,9 @@ class KVConnector:
             peer = client.handshake(self.compat, self.engine_id)
             nixl_peer = None
             if self.nixl is not None and peer.nixl_agent_name:
-                nixl_peer = self.nixl.add_peer(peer.nixl_metadata, peer.pool, peer.compat)
+                nixl_peer = self.nixl.add_peer(
+                    peer.nixl_metadata, peer.pool, peer.compat, agent_name=peer.nixl_agent_name
+                )
         except BaseException:
             client.close()
             raise

@@ -1,0 +1,55 @@
+"""`pagefleet up`'s plan: which processes a local fleet runs, with which flags."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from pagefleet.cli import build_parser
+from pagefleet.up import FleetOptions, plan_fleet
+
+
+def plan(**kw):
+    ports = itertools.count(9000, 10)
+    return plan_fleet(FleetOptions(model="/m", **kw), "pagefleet", lambda: next(ports))
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_default_fleet_is_colocated_prefill_decode_and_a_precise_router():
+    specs = plan()
+    assert [(s.name, s.role) for s in specs] == [
+        ("engine-0", "both"),
+        ("prefill", "prefill"),
+        ("decode", "decode"),
+        ("router", "router"),
+    ]
+    engines, router = specs[:3], specs[3].argv
+    roles = [json.loads(flag(e.argv, "--kv-transfer-config"))["kv_role"] for e in engines[1:]]
+    assert roles == ["kv_producer", "kv_consumer"]
+    assert "--kv-transfer-config" not in engines[0].argv
+    assert flag(router, "--endpoints").split(",") == [
+        engines[0].url,
+        f"{engines[1].url}@prefill",
+        f"{engines[2].url}@decode",
+    ]
+    events = [json.loads(flag(e.argv, "--kv-events-config"))["endpoint"] for e in engines]
+    assert flag(router, "--kv-events-endpoints").split(",") == events
+    assert flag(router, "--prefix-index") == "precise" and flag(router, "--port") == "8000"
+    # Every engine command parses as `pagefleet serve` would parse it.
+    for e in engines:
+        build_parser().parse_args(e.argv[1:])
+    build_parser().parse_args(router[1:])
+
+
+def test_simulated_fleets_have_no_kv_transfer_and_bad_sizes_are_refused():
+    specs = plan(simulate=True, disaggregated=False, engines=8)
+    assert len(specs) == 9 and all("--simulate" in s.argv for s in specs[:8])
+    with pytest.raises(ValueError, match="--simulate"):
+        plan(simulate=True, disaggregated=True)
+    with pytest.raises(ValueError, match="--engines"):
+        plan(engines=0, disaggregated=False)
