@@ -3,46 +3,20 @@ server emulation, driven through the official kubernetes client)."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
 
+from kube_emulator import kubernetes_emulator
 from pagefleet.router.discovery import KubernetesDiscovery, parse_selector
 from server_utils import running_router, running_server
 
 
-@contextmanager
-def kubernetes_emulator():
-    """kmock's KubernetesEmulator on 127.0.0.1, on its own event-loop thread."""
-    import kmock
-
-    state: dict = {}
-    ready = threading.Event()
-
-    def serve() -> None:
-        async def main() -> None:
-            async with kmock.KubernetesEmulator() as emu, kmock.Server(emu) as server:
-                emu.resources["v1/pods"] = kmock.ResourceInfo(namespaced=True, kind="Pod")
-                emu.resources["v1/namespaces"] = kmock.ResourceInfo(namespaced=False)
-                state["url"] = str(server.url).rstrip("/")
-                ready.set()
-                while not state.get("stop"):
-                    await asyncio.sleep(0.02)
-
-        asyncio.run(main())
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert ready.wait(10), "the emulator did not start"
-    try:
-        yield state["url"]
-    finally:
-        state["stop"] = True
-        thread.join(10)
+def pods_emulator():
+    return kubernetes_emulator(
+        {"v1/pods": ("Pod", True, ()), "v1/namespaces": ("Namespace", False, ())}
+    )
 
 
 def core_api(url: str):
@@ -86,7 +60,7 @@ def test_selector_parsing():
 
 
 def test_ready_matching_pods_are_discovered_and_removed():
-    with kubernetes_emulator() as url:
+    with pods_emulator() as url:
         api = core_api(url)
         api.create_namespaced_pod("serving", pod("engine-a", **{"pagefleet.io/role": "decode"}))
         seen: list = []
@@ -109,7 +83,7 @@ def test_ready_matching_pods_are_discovered_and_removed():
 
 
 def test_router_finds_its_engine_through_kubernetes(tiny_checkpoints):
-    with running_server(tiny_checkpoints["llama"]) as (engine, _), kubernetes_emulator() as url:
+    with running_server(tiny_checkpoints["llama"]) as (engine, _), pods_emulator() as url:
         port = engine.rsplit(":", 1)[1]
         core_api(url).create_namespaced_pod("serving", pod("engine-0"))
         flags = (

@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import kopf
 
+from kube_emulator import kubernetes_emulator
 from pagefleet.operator.handlers import (
     KubeClient,
     OperatorConfig,
@@ -39,39 +40,10 @@ RESOURCES = {
     "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, ()),
     "keda.sh/v1alpha1/scaledobjects": ("ScaledObject", True, ()),
 }
-VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
 
 
-@contextmanager
-def emulator() -> Iterator[str]:
-    """KubernetesEmulator on 127.0.0.1 in its own event-loop thread, with our resources."""
-    import kmock
-
-    state: dict = {}
-    ready = threading.Event()
-
-    def serve() -> None:
-        async def main() -> None:
-            async with kmock.KubernetesEmulator() as emu, kmock.Server(emu) as server:
-                for key, (kind, namespaced, subresources) in RESOURCES.items():
-                    emu.resources[key] = kmock.ResourceInfo(
-                        namespaced=namespaced, kind=kind, verbs=VERBS, subresources=subresources
-                    )
-                state["url"] = str(server.url).rstrip("/")
-                ready.set()
-                while not state.get("stop"):
-                    await asyncio.sleep(0.02)
-
-        asyncio.run(main())
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert ready.wait(10), "the emulator did not start"
-    try:
-        yield state["url"]
-    finally:
-        state["stop"] = True
-        thread.join(10)
+def emulator():
+    return kubernetes_emulator(RESOURCES)
 
 
 @contextmanager

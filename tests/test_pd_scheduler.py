@@ -5,7 +5,6 @@ held until released; nothing is freed while a transfer may still write into it."
 from __future__ import annotations
 
 from conftest import check_invariants, make_request, make_scheduler
-
 from pagefleet.engine.request import RequestStatus
 
 PROMPT = list(range(1, 19))  # 18 tokens: 5 blocks of 4, the last one partial
@@ -56,7 +55,7 @@ def test_a_failed_pull_falls_back_to_computing_the_prompt_locally():
 
 def test_local_prefix_hits_shrink_what_is_pulled():
     sched = make_scheduler(num_blocks=16)
-    warm = make_request("warm", PROMPT[:12] + [50], max_tokens=1)
+    warm = make_request("warm", [*PROMPT[:12], 50], max_tokens=1)
     sched.add_request(warm)
     step(sched)
     remote = make_request("d", PROMPT, max_tokens=2)
