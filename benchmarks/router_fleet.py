@@ -49,7 +49,11 @@ PROFILE = {
 }
 POLICIES = ("round-robin", "queue-only", "approximate-prefix", "precise-prefix", "precise-kv-cost")
 # Scorer weights per router policy (None: the router's defaults).
-POLICY_SCORERS = {"queue-only": {"queue": 1.0}, "precise-kv-cost": {"kv-cost": 1.0}}
+POLICY_SCORERS = {
+    "queue-only": {"queue": 1.0},
+    "precise-kv-cost": {"kv-cost": 1.0},
+    "precise-mixed": {"prefix": 3.0, "kv-cost": 3.0, "queue": 2.0, "kv-usage": 2.0},
+}
 
 
 def free_port() -> int:
@@ -253,7 +257,7 @@ def pct(values, p):
 
 
 def run_policy(policy: str, users, args, tmp: Path) -> dict:
-    with engines(args.engines, events=policy == "precise-prefix") as (urls, kv):
+    with engines(args.engines, events=policy.startswith("precise")) as (urls, kv):
         before = [scrape(u) for u in urls]
         ctx = router(urls, kv, policy, tmp) if policy != "round-robin" else contextlib.nullcontext()
         with ctx as router_url:

@@ -105,13 +105,22 @@ def inflight_scorer(req: RoutingRequest, pods: list[Pod]) -> dict[str, float]:
     return _relative_load({p.name: float(p.inflight) for p in pods})
 
 
+# In-flight blocks cost less than blocks to prefill: most of an in-flight request's prompt is
+# already computed, and what it still costs (decode reads) is spread over its remaining steps.
+# Chosen with benchmarks/router_fleet.py (see docs/benchmarks.md).
+ACTIVE_BLOCK_COST = 0.25
+
+
 def kv_cost_scorer(req: RoutingRequest, pods: list[Pod]) -> dict[str, float]:
     """Work a pod would have with this request, in blocks: the prompt blocks it must prefill
     plus the blocks of the requests it already has in flight (as Dynamo's KV router weighs
     them). Cheapest pod 1, others (min + 1) / (cost + 1): a prefix hit wins until the pod's
     backlog costs more than prefilling the prompt elsewhere, which spreads hot prefixes."""
     total = len(req.block_hashes)
-    cost = {p.name: total - req.prefix_matches.get(p.name, 0) + p.active_blocks for p in pods}
+    cost = {
+        p.name: total - req.prefix_matches.get(p.name, 0) + ACTIVE_BLOCK_COST * p.active_blocks
+        for p in pods
+    }
     low = min(cost.values(), default=0)
     return {name: (low + 1) / (c + 1) for name, c in cost.items()}
 
