@@ -16,6 +16,7 @@ The peer is this script re-run with --peer (a separate process, as a prefill eng
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import subprocess
@@ -278,7 +279,13 @@ def format_row(row: TransferRow) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["transfer"], default="transfer")
+    parser.add_argument(
+        "--part",
+        choices=["transfer", "latency"],
+        default="transfer",
+        help="transfer: throughput vs memcpy and bare NIXL; latency: colocated vs "
+        "disaggregated TTFT/ITL (benchmarks/pd_latency.py, which takes its own flags)",
+    )
     parser.add_argument("--num-layers", type=int, default=KVShape.num_layers)
     parser.add_argument("--num-kv-heads", type=int, default=KVShape.num_kv_heads)
     parser.add_argument("--head-dim", type=int, default=KVShape.head_dim)
@@ -289,7 +296,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--peer-blocks", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.part == "latency":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import pd_latency
+
+        sys.argv = [sys.argv[0], *rest]
+        pd_latency.main()
+        return 0
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     shape = KVShape(args.num_layers, args.num_kv_heads, args.head_dim, args.block_size, args.dtype)
     if args.peer:
         serve_peer(shape, args.peer_blocks)
