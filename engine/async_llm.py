@@ -71,7 +71,9 @@ class AsyncLLM:
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()
+        # Re-entrant: a RequestStream's finalizer (garbage collection can run it at any
+        # allocation, on whichever thread holds this lock) releases its stream under it.
+        self._lock = threading.RLock()
         self._thread = threading.Thread(target=self._run, name="pagefleet-engine", daemon=True)
         self._error: BaseException | None = None
         # The server tokenizes on the event loop while the engine thread detokenizes: HF fast

@@ -281,6 +281,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         arrival = arrival_time or time.time()
         group = _Group(
             request_id, text, token_ids, params, arrival, metrics=RequestMetrics(arrival)

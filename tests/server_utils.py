@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +27,7 @@ def wait_healthy(proc: subprocess.Popen, base: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[1]} exited {proc.returncode}: {proc.stdout.read()}")
+            raise RuntimeError(f"{proc.args[1]} exited {proc.returncode}: {_log_of(proc)}")
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                 return
@@ -37,27 +38,36 @@ def wait_healthy(proc: subprocess.Popen, base: str, timeout: float) -> None:
         time.sleep(0.2)
 
 
+def _log_of(proc: subprocess.Popen) -> str:
+    return Path(proc.log_path).read_text(errors="replace")[-4000:]
+
+
 @contextmanager
 def running(command: str, *flags: str, timeout: float = 60.0):
     """`pagefleet COMMAND` on a free loopback port; yields (base URL, process) once healthy,
-    and kills it afterwards."""
+    and kills it afterwards. Its output goes to a file (`proc.log_path`): a pipe nobody reads
+    would fill up and block the server on its next log line."""
     port = free_port()
-    proc = subprocess.Popen(
-        [PAGEFLEET, command, "--host", "127.0.0.1", "--port", str(port), *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, base, timeout)
-        yield base, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        proc.stdout.close()
+    with tempfile.NamedTemporaryFile("w", prefix=f"pagefleet-{command}-", suffix=".log") as log:
+        proc = subprocess.Popen(
+            [PAGEFLEET, command, "--host", "127.0.0.1", "--port", str(port), *flags],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        proc.log_path = log.name
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(proc, base, timeout)
+            yield base, proc
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+            output = Path(log.name).read_text(errors="replace")
+            if "Traceback" in output:  # shown with the test's report if it fails
+                print(f"--- {command} log with a traceback:\n{output[-6000:]}")
 
 
 def running_server(model: str, *flags: str, timeout: float = 60.0):

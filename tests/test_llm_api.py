@@ -58,6 +58,10 @@ def test_bad_requests_raise_value_errors(llm):
         llm.generate([[10**6]], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], GREEDY, use_tqdm=False)
+    # An out-of-vocabulary stop id would index past the logits when min_tokens masks it.
+    bad_stop = SamplingParams(temperature=0, max_tokens=4, min_tokens=2, stop_token_ids=[-1833])
+    with pytest.raises(ValueError, match="stop_token_ids must be in"):
+        llm.generate([[1, 2, 3]], bad_stop, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
 
 

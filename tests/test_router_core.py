@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 from pagefleet.block_hash import hash_blocks
 from pagefleet.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from pagefleet.router.prefix_index import PrefixIndex
-from pagefleet.router.scoring import DEFAULT_WEIGHTS, Pipeline, Pod, RoutingRequest
+from pagefleet.router.scoring import (
+    ACTIVE_BLOCK_COST,
+    DEFAULT_WEIGHTS,
+    Pipeline,
+    Pod,
+    RoutingRequest,
+)
 
 H = hash_blocks(list(range(64)), 8)  # 8 chained block hashes
 
@@ -160,9 +166,10 @@ def test_kv_cost_prefers_a_hit_until_the_pods_backlog_outweighs_prefilling_elsew
     pipeline = Pipeline(["healthy"], {"kv-cost": 1.0})
     rng = random.Random(0)
     assert pipeline.pick(req, [hot, cold], rng).pod.name == "hot"
-    hot.begin(blocks=len(H) + 1)  # its in-flight work now costs more than a full prefill
+    backlog = int((len(H) + 1) / ACTIVE_BLOCK_COST)  # in-flight work worth more than a prefill
+    hot.begin(blocks=backlog)
     assert pipeline.pick(req, [hot, cold], rng).pod.name == "cold"
-    hot.end(blocks=len(H) + 1)
+    hot.end(blocks=backlog)
     assert (hot.inflight, hot.active_blocks) == (0, 0)
     assert pipeline.pick(req, [hot, cold], rng).pod.name == "hot"
 
