@@ -72,13 +72,18 @@ def simulate_queue(
     steps = []
     for i, queue in enumerate(waiting):
         now = i * period
-        ready = pods.ready(now)
-        current = len(pods.ready_at)
-        history = trim((*history, Observation(now, queue, 0.0, ready, current)), spec, now)
-        decision = controller(history, PoolReplicas(current, ready), spec, now)
+        history, decision, ready = _evaluate(pods, history, queue, now, spec, controller)
         pods.scale(decision.replicas, now)
         steps.append(Step(now, queue, decision.replicas, ready, decision.reason))
     return steps
+
+
+def _evaluate(pods: _Pods, history: tuple, queue: float, now: float, spec, controller):
+    """One autoscaler evaluation: observe the pool, decide; returns (history, decision, ready)."""
+    ready = pods.ready(now)
+    current = len(pods.ready_at)
+    history = trim((*history, Observation(now, queue, 0.0, ready, current)), spec, now)
+    return history, controller(history, PoolReplicas(current, ready), spec, now), ready
 
 
 def simulate_load(
@@ -98,10 +103,7 @@ def simulate_load(
     steps = []
     for i, rate in enumerate(arrivals):
         now = i * period
-        ready = pods.ready(now)
-        current = len(pods.ready_at)
-        history = trim((*history, Observation(now, backlog, 0.0, ready, current)), spec, now)
-        decision = controller(history, PoolReplicas(current, ready), spec, now)
+        history, decision, ready = _evaluate(pods, history, backlog, now, spec, controller)
         steps.append(Step(now, backlog, decision.replicas, ready, decision.reason))
         pods.scale(decision.replicas, now)
         backlog = max(0.0, backlog + (rate - service_rate * pods.ready(now)) * period)
