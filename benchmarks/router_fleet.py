@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ import httpx
 
 from pagefleet.block_hash import hash_blocks
 from pagefleet.cache import demo_checkpoint
+from pagefleet.up import free_port
 
 PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
 BLOCK = 16
@@ -54,12 +54,6 @@ POLICY_SCORERS = {
     "precise-kv-cost": {"kv-cost": 1.0},
     "precise-mixed": {"prefix": 3.0, "kv-cost": 3.0, "queue": 2.0, "kv-usage": 2.0},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_trace(args, rng: random.Random) -> list[dict]:

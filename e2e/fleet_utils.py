@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from pagefleet.up import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -27,12 +28,6 @@ def tiny_model(tmp_path_factory) -> str:
     from pagefleet.engine.model.tiny import write_tiny_checkpoint
 
     return str(write_tiny_checkpoint(tmp_path_factory.mktemp("e2e") / "llama", "LlamaForCausalLM"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def alive(pid: int) -> bool:

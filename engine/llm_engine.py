@@ -130,6 +130,8 @@ class LLMEngine:
         self._ids = itertools.count()
         # Called on the engine's thread after every step that ran (metrics, logging).
         self.step_observers: list[Callable[[StepStats], None]] = []
+        # Called on the engine's thread with each finished KV pull (LoadResult).
+        self.transfer_observers: list[Callable] = []
 
     # ------------------------------------------------------------------ set-up
 
@@ -387,7 +389,8 @@ class LLMEngine:
             stats = connector.stats
             stats.transfers += 1
             stats.bytes += result.num_bytes
-            stats.durations.append(result.seconds)
+            for observer in self.transfer_observers:
+                observer(result)
             if not result.ok:
                 stats.failures += 1
                 if req is not None and not req.status.finished:
@@ -404,8 +407,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         for req in out.kv_loads:
             first = req.num_cached_blocks  # blocks found in our own prefix cache stay
-            n = -(-req.num_prompt_tokens // self.scheduler.block_size)
-            self.connector.start_load(req.request_id, req.remote_source, req.block_ids[:n], first)
+            blocks = req.block_ids[: req.num_prompt_blocks]
+            self.connector.start_load(req.request_id, req.remote_source, blocks, first)
         if not out.scheduled:
             if self.scheduler.loading:  # only transfers in flight: wait for one, don't spin
                 self.connector.wait_for_results(0.005)
@@ -434,9 +437,8 @@ class LLMEngine:
                 continue
             self._record_token(group, req, token, logprobs)
             if req.hold_blocks and req.request_id in self.scheduler.held:
-                n = -(-req.num_prompt_tokens // self.scheduler.block_size)
                 group.kv_transfer_params = self.connector.hold(
-                    req.request_id, req.block_ids[:n], time.monotonic()
+                    req.request_id, req.block_ids[: req.num_prompt_blocks], time.monotonic()
                 )
             touched[group.request_id] = group
         now = time.time()

@@ -105,6 +105,11 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def num_prompt_blocks(self) -> int:
+        """Blocks that hold the prompt's keys and values (the last one may be partial)."""
+        return -(-self.num_prompt_tokens // self.block_size)
+
+    @property
     def prompt_token_ids(self) -> list[int]:
         return self.all_token_ids[: self.num_prompt_tokens]
 

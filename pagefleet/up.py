@@ -60,16 +60,17 @@ class FleetOptions:
     engine_args: list[str] = field(default_factory=list)
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (tests, benchmarks and `pagefleet up` pick ports so)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def _free_port_pair(host: str) -> int:
+def free_port_pair(host: str = "127.0.0.1") -> int:
     """A port whose next port is free too (KV events + their replay socket)."""
     for _ in range(100):
-        port = _free_port(host)
+        port = free_port(host)
         with socket.socket() as s:
             try:
                 s.bind((host, port + 1))
@@ -85,7 +86,7 @@ def plan_fleet(opts: FleetOptions, pagefleet: str, free_pair=None) -> list[Child
         raise ValueError("--simulate has no KV to transfer: use --no-disaggregated with it")
     if opts.engines < 0 or (opts.engines == 0 and not opts.disaggregated):
         raise ValueError("--engines must be >= 1 (or >= 0 with --disaggregated)")
-    free_pair = free_pair or (lambda: _free_port_pair(opts.host))
+    free_pair = free_pair or (lambda: free_port_pair(opts.host))
     roles = ["both"] * opts.engines + (["prefill", "decode"] if opts.disaggregated else [])
     engines, events = [], []
     for i, role in enumerate(roles):
@@ -136,7 +137,6 @@ class Supervisor:
     def __init__(self, specs: list[ChildSpec], log_dir: Path, out=sys.stdout) -> None:
         self.specs, self.log_dir, self.out = specs, log_dir, out
         self.procs: dict[str, subprocess.Popen] = {}
-        self.restarts: dict[str, int] = {}
         self._stopping = False
 
     def start(self, spec: ChildSpec) -> None:
@@ -187,7 +187,6 @@ class Supervisor:
             proc = self.procs.get(spec.name)
             if self._stopping or proc is None or proc.poll() is None:
                 continue
-            self.restarts[spec.name] = self.restarts.get(spec.name, 0) + 1
             print(
                 f"pagefleet up: {spec.name} exited with status {proc.returncode} "
                 f"(see {spec.log}); restarting",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,13 +13,9 @@ from pathlib import Path
 
 import httpx
 
+from pagefleet.up import free_port, free_port_pair  # noqa: F401 - shared with tests
+
 PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(proc: subprocess.Popen, base: str, timeout: float) -> None:

@@ -150,9 +150,9 @@ def test_a_restarted_publisher_purges_the_pod(publisher):
 def test_discovered_pods_get_a_subscriber_each_and_lose_it_when_they_go():
     from pagefleet.router.kv_subscriber import SubscriberSet
     from pagefleet.router.scoring import Pod
-    from server_utils import free_port
+    from server_utils import free_port_pair
 
-    port = free_port()
+    port = free_port_pair()
     pub = ZmqEventPublisher(
         KVEventsConfig(
             enable_kv_cache_events=True,

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pagefleet.router.main import static_pods
-from server_utils import free_port, metric_value, running_router, running_server
+from server_utils import free_port_pair, metric_value, running_router, running_server
 
 LONG = " ".join(f"word{i % 37} cache block" for i in range(90))  # ~250 tokens
 
@@ -34,9 +34,7 @@ def fleet(path: str, n: int = 3, events: bool = False):
         for _ in range(n):
             flags = ["--max-model-len", "1024"]
             if events:
-                port = free_port()
-                while free_port() == port + 1:
-                    pass
+                port = free_port_pair()  # events, and replay on the next port
                 event_ports.append(port)
                 flags += [
                     "--kv-events-config",

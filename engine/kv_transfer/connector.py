@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -103,7 +103,6 @@ class RemoteSource:
 class LoadResult:
     request_id: str
     ok: bool
-    num_blocks: int = 0
     num_bytes: int = 0
     seconds: float = 0.0
     error: str | None = None
@@ -117,7 +116,6 @@ class TransferStats:
     transfers: int = 0
     failures: int = 0
     fallbacks: int = 0
-    durations: list[float] = field(default_factory=list)  # drained by the metrics histogram
 
 
 class KVConnector:
@@ -130,6 +128,7 @@ class KVConnector:
         self._held: dict[str, tuple[list[int], float]] = {}  # request -> (blocks, deadline)
         self._releases: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
+        self._result_ready = threading.Event()
         self._peers: dict[tuple[str, int], tuple[KVTransferClient, PeerInfo, object]] = {}
         self._peers_lock = threading.Lock()
         self._workers = ThreadPoolExecutor(8, thread_name_prefix="kv-pull")
@@ -190,10 +189,6 @@ class KVConnector:
                 break
         return [rid for rid in due if self._held.pop(rid, None) is not None]
 
-    @property
-    def num_held(self) -> int:
-        return len(self._held)
-
     # ------------------------------------------------------------------ decode side
 
     def start_load(
@@ -203,13 +198,14 @@ class KVConnector:
         n = len(local_block_ids)
         if len(source.block_ids) < n:
             error = f"prefill pod sent {len(source.block_ids)} block ids, the prompt needs {n}"
-            self._results.put(LoadResult(request_id, False, error=error))
+            self._finish(LoadResult(request_id, False, error=error))
             self._workers.submit(self._release_remote, source)
             return
         pairs = [(source.block_ids[i], local_block_ids[i]) for i in range(first, n)]
         self._workers.submit(self._load, request_id, source, pairs)
 
     def finished_loads(self) -> list[LoadResult]:
+        self._result_ready.clear()  # before draining: a result landing now sets it again
         done = []
         while True:
             try:
@@ -219,15 +215,11 @@ class KVConnector:
 
     def wait_for_results(self, timeout: float) -> None:
         """Sleep until a pull ends (or `timeout`): the engine has nothing else to do."""
-        try:
-            result = self._results.get(timeout=timeout)
-        except queue.Empty:
-            return
-        self._results.put(result)
+        self._result_ready.wait(timeout)
 
     def _load(self, request_id: str, source: RemoteSource, pairs: list[tuple[int, int]]) -> None:
         started = time.monotonic()
-        result = LoadResult(request_id, False, num_blocks=len(pairs))
+        result = LoadResult(request_id, False)
         try:
             if pairs:
                 result.num_bytes = self._pull(source, pairs)
@@ -243,8 +235,12 @@ class KVConnector:
         finally:
             result.seconds = time.monotonic() - started
             self._release_remote(source)
-            self._results.put(result)
-            self.wake()
+            self._finish(result)
+
+    def _finish(self, result: LoadResult) -> None:
+        self._results.put(result)
+        self._result_ready.set()
+        self.wake()
 
     def _pull(self, source: RemoteSource, pairs: list[tuple[int, int]]) -> int:
         client, peer, nixl_peer = self._peer(source)
@@ -305,7 +301,12 @@ class KVConnector:
 
     def _release_remote(self, source: RemoteSource) -> None:
         """Tell the prefill pod to free its blocks; if it can't hear us, its timeout will."""
+        with self._peers_lock:
+            known = self._peers.get((source.host, source.port))
         try:
+            if known is not None:  # the channel of the handshake: no new connection
+                known[0].release(source.request_id)
+                return
             with KVTransferClient(source.host, source.port, timeout=2.0) as client:
                 client.release(source.request_id)
         except TransferError as e:

@@ -206,6 +206,9 @@ class EngineMetrics:
             "Time to pull one request's KV blocks (handshake, transfer, release).",
             _ITL_BUCKETS,
         )
+        engine.transfer_observers.append(
+            lambda result: self.transfer_seconds.observe(result.seconds)
+        )
         reg.register(_EngineCollector(engine, model_name))
         engine.step_observers.append(self.observe_step)
         # For the periodic log line.
@@ -215,11 +218,6 @@ class EngineMetrics:
         self.engine = engine
 
     def observe_step(self, stats: StepStats) -> None:
-        connector = self.engine.connector
-        if connector is not None and connector.stats.durations:
-            durations, connector.stats.durations = connector.stats.durations, []
-            for seconds in durations:
-                self.transfer_seconds.observe(seconds)
         self.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_generation_tokens)
