@@ -12,7 +12,15 @@ import yaml
 
 from pagefleet.operator.crd import POOL_NAMES
 from pagefleet.operator.names import GROUP, KIND, LABEL_MODEL, LABEL_ROLE, VERSION
-from pagefleet.operator.spec import EngineArg, Pool, Spec, SpecError, parse_spec
+from pagefleet.operator.spec import (
+    JSON_ENGINE_ARGS,
+    EngineArg,
+    Pool,
+    Spec,
+    SpecError,
+    json_object,
+    parse_spec,
+)
 
 HTTP_PORT = 8000
 KV_EVENTS_PORT = 5557
@@ -23,7 +31,15 @@ MODEL_MOUNT = "/models"
 LABEL_INSTANCE = "pagefleet.io/deployment"
 LABEL_POOL = "pagefleet.io/pool"
 ROUTER_CONFIG_FILE = "/etc/pagefleet/router.yaml"
-KV_EVENTS_CONFIG = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
+KV_EVENTS_CONFIG = {
+    "enable_kv_cache_events": True,
+    "publisher": "zmq",
+    "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+    # A router that starts (or restarts) late replays what it missed here: it dials port + 1.
+    "replay_endpoint": f"tcp://*:{KV_REPLAY_PORT}",
+}
+# The engine container's own pod IP (downward API); the kubelet expands $(POD_IP) in commands.
+POD_IP_ENV = "POD_IP"
 # vLLM's NixlConnector roles: prefill produces KV blocks, decode consumes them.
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # KEDA (2.13+) stops scaling a ScaledObject with this annotation set to "true".
@@ -164,7 +180,38 @@ def _model_path(spec: Spec) -> str:
     return MODEL_MOUNT
 
 
+def kv_transfer_config(spec: Spec, pool: Pool) -> dict[str, Any]:
+    """A prefill or decode pod's KV-transfer settings. Each pod advertises its own IP, and
+    binds there too (kv_bind_host defaults to kv_ip): the one address its peers dial, which
+    also works on IPv6-only clusters, where 0.0.0.0 would not listen on the pod's address."""
+    return {
+        "kv_connector": spec.kv_connector,
+        "kv_role": KV_ROLES[pool.role],
+        "kv_ip": f"$({POD_IP_ENV})",
+        "kv_port": KV_TRANSFER_PORT,  # the container's kv-transfer port, never the engine default
+    }
+
+
+def json_engine_args(spec: Spec, pool: Pool) -> dict[str, dict[str, Any]]:
+    """The JSON-valued flags: the operator's keys, then the deployment-wide engineArgs' keys,
+    then the pool's, each merged over the last (a user's kv_connector keeps the pod's kv_ip)."""
+    merged: dict[str, dict[str, Any]] = {"kv-events-config": dict(KV_EVENTS_CONFIG)}
+    if pool.role in KV_ROLES:
+        merged["kv-transfer-config"] = kv_transfer_config(spec, pool)
+    layers = (
+        ("spec.engineArgs", spec.engine_args),
+        (f"spec.pools.{pool.name}.engineArgs", pool.engine_args),
+    )
+    for where, args in layers:
+        for key in JSON_ENGINE_ARGS:
+            if key in args:
+                merged[key] = {**merged.get(key, {}), **json_object(args[key], f"{where}.{key}")}
+    return merged
+
+
 def engine_command(spec: Spec, pool: Pool) -> list[str]:
+    """The operator's flags first, the user's engineArgs after: argparse keeps the last value,
+    so any operator default can be overridden (the JSON-valued ones are merged instead)."""
     command = [
         "pagefleet",
         "serve",
@@ -175,18 +222,12 @@ def engine_command(spec: Spec, pool: Pool) -> list[str]:
         str(HTTP_PORT),
         "--served-model-name",
         spec.model.name,
-        "--kv-events-config",
-        json.dumps(KV_EVENTS_CONFIG, separators=(",", ":")),
     ]
+    for key, config in json_engine_args(spec, pool).items():
+        command += [f"--{key}", json.dumps(config, separators=(",", ":"))]
     # The pool's engineArgs override the deployment-wide ones, key by key.
-    command += engine_flags({**spec.engine_args, **pool.engine_args})
-    if pool.role in KV_ROLES:
-        transfer = {
-            "kv_connector": spec.kv_connector,
-            "kv_role": KV_ROLES[pool.role],
-        }
-        command += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
-    return command
+    user = {**spec.engine_args, **pool.engine_args}
+    return command + engine_flags({k: v for k, v in user.items() if k not in JSON_ENGINE_ARGS})
 
 
 def _model_volume(spec: Spec) -> tuple[dict, list[dict]]:
@@ -207,6 +248,23 @@ def _model_volume(spec: Spec) -> tuple[dict, list[dict]]:
         "securityContext": _container_security(),
     }
     return {"name": "model", "emptyDir": {}}, [copy]
+
+
+# The router reads only the tokenizer: from a weights image, copy its small files, not the weights.
+TOKENIZER_COPY = (
+    'cd "$SOURCE" && for f in *.json *.txt *.model *.tiktoken *.jinja; '
+    'do if [ -f "$f" ]; then cp "$f" /models/; fi; done'
+)
+
+
+def _tokenizer_volume(spec: Spec) -> tuple[dict, list[dict]]:
+    """The router's view of the checkpoint: the engines' volume (read-only), or for source
+    image an emptyDir its init container fills with the tokenizer's files."""
+    volume, init_containers = _model_volume(spec)
+    return volume, [
+        {**c, "name": "copy-tokenizer", "command": ["sh", "-c", TOKENIZER_COPY]}
+        for c in init_containers
+    ]
 
 
 def _container_security() -> dict[str, Any]:
@@ -262,6 +320,7 @@ def engine_deployment(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
         "env": [
             {"name": "HF_HUB_OFFLINE", "value": "1"},
             {"name": "HOME", "value": "/tmp"},
+            {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         ],
         "readinessProbe": _http_probe("/health", "http", 5, 3),
         "livenessProbe": _http_probe("/health", "http", 10, 6),
@@ -313,6 +372,7 @@ def engine_service(ctx: _Context, pool: Pool) -> dict:
     ports = [
         {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
         {"name": "kv-events", "port": KV_EVENTS_PORT, "targetPort": "kv-events", "protocol": "TCP"},
+        {"name": "kv-replay", "port": KV_REPLAY_PORT, "targetPort": "kv-replay", "protocol": "TCP"},
     ]
     if pool.role in KV_ROLES:
         ports.append(
@@ -444,22 +504,50 @@ def router_objects(ctx: _Context) -> list[dict]:
         spec.model.name,
         "--config",
         ROUTER_CONFIG_FILE,
+        # Follow the engines' KV events (replayed from port + 1 when the router starts, so a
+        # restarted router rebuilds its index), hashing prompts with the engines' tokenizer.
+        "--prefix-index",
+        "precise",
+        "--kv-events-port",
+        str(KV_EVENTS_PORT),
+        "--tokenizer",
+        _model_path(spec),
     ]
     # A config change must roll the router: the pods read the file once at start.
     config_hash = hashlib.sha256(config_text.encode()).hexdigest()[:16]
+    model_volume, init_containers = _tokenizer_volume(spec)
     container = {
         "name": "router",
         "image": spec.image,
         "command": command,
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "env": [
+            {"name": "HF_HUB_OFFLINE", "value": "1"},
+            {"name": "HOME", "value": "/tmp"},
+        ],
+        # Ready while an engine is healthy; alive while the process serves (/health would
+        # restart the router while engines load, in an outage and at zero replicas).
         "readinessProbe": _http_probe("/health", "http", 5, 3),
-        "livenessProbe": _http_probe("/health", "http", 10, 6),
+        "livenessProbe": _http_probe("/livez", "http", 10, 6),
         "securityContext": _container_security(),
         "volumeMounts": [
             {"name": "config", "mountPath": "/etc/pagefleet", "readOnly": True},
+            {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": name,
+        "securityContext": _pod_security(),
+        "containers": [container],
+        "volumes": [
+            {"name": "config", "configMap": {"name": name}},
+            model_volume,
+            {"name": "tmp", "emptyDir": {}},
+        ],
+    }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -472,15 +560,7 @@ def router_objects(ctx: _Context) -> list[dict]:
                     "labels": {**labels, **selector},
                     "annotations": {"pagefleet.io/config-hash": config_hash},
                 },
-                "spec": {
-                    "serviceAccountName": name,
-                    "securityContext": _pod_security(),
-                    "containers": [container],
-                    "volumes": [
-                        {"name": "config", "configMap": {"name": name}},
-                        {"name": "tmp", "emptyDir": {}},
-                    ],
-                },
+                "spec": pod_spec,
             },
         },
     }

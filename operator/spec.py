@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,9 @@ from pagefleet.operator.crd import (
 DEFAULT_IMAGE = f"ghcr.io/pagefleet/pagefleet:{__version__}"
 ROLE_OF_POOL = {"colocated": "both", "prefill": "prefill", "decode": "decode"}
 EngineArg = str | int | float | bool
+# Engine flags whose value is a JSON object: the operator sets some of their keys, and a user's
+# keys merge over them (rather than replacing the whole object).
+JSON_ENGINE_ARGS = ("kv-events-config", "kv-transfer-config")
 
 
 class SpecError(ValueError):
@@ -120,7 +124,20 @@ def parse_engine_args(raw: Any, where: str) -> dict[str, EngineArg]:
             raise SpecError(f'{where}: flag names come without "--", not {key!r}')
         if not isinstance(value, str | int | float | bool):
             raise SpecError(f"{where}.{key} must be a string, number or bool")
+        if key in JSON_ENGINE_ARGS:
+            json_object(value, f"{where}.{key}")
     return dict(args)
+
+
+def json_object(value: EngineArg, where: str) -> dict[str, Any]:
+    """A JSON-object engine arg (given as a string, e.g. '{"kv_connector": "tcp"}') as a dict."""
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else None
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise SpecError(f"{where} must be a JSON object in a string, not {value!r}")
+    return parsed
 
 
 def parse_autoscaling(raw: Any, where: str) -> Autoscaling:

@@ -250,9 +250,15 @@ def build_router_app(router: Router) -> FastAPI:
             request.headers.get("authorization", ""),
             config.api_key,
             request.url.path,
-            ("/health", "/metrics"),
+            ("/health", "/livez", "/metrics"),
         )
         return denied if denied is not None else await call_next(request)
+
+    @app.get("/livez")
+    async def livez():
+        # Liveness: this process serves. Never tied to the engines, or the kubelet would
+        # restart a working router while engines load, in an outage and at zero replicas.
+        return Response(status_code=200)
 
     @app.get("/health")
     async def health():

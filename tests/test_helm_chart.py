@@ -595,7 +595,12 @@ def test_disaggregated_pools_get_their_own_args_gpus_and_roles(rendered):
         config = json.loads(
             container["command"][container["command"].index("--kv-transfer-config") + 1]
         )
-        assert config == {"kv_connector": "nixl", "kv_role": role}
+        assert config == {
+            "kv_connector": "nixl",
+            "kv_role": role,
+            "kv_ip": "$(POD_IP)",
+            "kv_port": 14579,
+        }
         assert any(p["containerPort"] == 14579 for p in container["ports"])
         assert container["readinessProbe"]["httpGet"]["path"] == "/health"
 
@@ -782,7 +787,9 @@ def test_standalone_router_command_config_probes_and_rbac(rendered):
     mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
     assert Path(mount["mountPath"]) / "router.yaml" == Path(args.config)
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    assert container["livenessProbe"]["tcpSocket"] == {"port": "http"}
+    # Alive while the process serves HTTP (an open socket alone says nothing of a wedged event
+    # loop), never tied to the engines' health as /health is: that one is readiness.
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
     assert _rules(one(docs, "Role", "router")) == {
         ("", "pods", v) for v in ("get", "list", "watch")
     }
@@ -821,11 +828,15 @@ def test_network_policies_open_kv_ports_only_to_the_right_pods(rendered):
     }
     kv = policies[f"{RELEASE}-pagefleet-kv-transfer"]
     assert kv["podSelector"]["matchLabels"]["pagefleet.io/role"] == "prefill"
-    (rule,) = kv["ingress"]
-    assert {"port": 14579, "protocol": "TCP"} in rule["ports"]
-    assert {"port": 30000, "endPort": 30100, "protocol": "TCP"} in rule["ports"]
-    (peer,) = rule["from"]
+    # Decode pods read blocks (the transfer port and UCX's ports); routers release the blocks
+    # of a prefill no decode pod took (the transfer port only).
+    decode_rule, router_rule = kv["ingress"]
+    assert {"port": 14579, "protocol": "TCP"} in decode_rule["ports"]
+    assert {"port": 30000, "endPort": 30100, "protocol": "TCP"} in decode_rule["ports"]
+    (peer,) = decode_rule["from"]
     assert peer["podSelector"]["matchLabels"]["pagefleet.io/role"] == "decode"
+    assert router_rule["ports"] == [{"port": 14579, "protocol": "TCP"}]
+    (router_peer,) = router_rule["from"]
 
     engines = policies[f"{RELEASE}-pagefleet-engines"]
     by_port = {r["ports"][0]["port"]: r["from"] for r in engines["ingress"]}
@@ -845,6 +856,10 @@ def test_network_policies_open_kv_ports_only_to_the_right_pods(rendered):
     assert kv["podSelector"]["matchLabels"].items() <= prefill_labels.items()
     router_labels = one(owned, "Deployment", "router")["spec"]["template"]["metadata"]["labels"]
     assert by_port[5557][0]["podSelector"]["matchLabels"].items() <= router_labels.items()
+    assert router_peer["podSelector"]["matchLabels"].items() <= router_labels.items()
+    standalone = one(rendered["standalone-router"], "Deployment", "router")
+    standalone_labels = standalone["spec"]["template"]["metadata"]["labels"]
+    assert router_peer["podSelector"]["matchLabels"].items() <= standalone_labels.items()
     colocated = {
         p["metadata"]["name"]: p for p in objects_of(rendered["colocated"], "NetworkPolicy")
     }

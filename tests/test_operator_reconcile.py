@@ -98,13 +98,19 @@ def test_engine_pods_follow_the_shared_contract():
     assert command[command.index("--max-model-len") + 1] == "8192"
     assert "--no-enable-chunked-prefill" in command
     transfer = json.loads(command[command.index("--kv-transfer-config") + 1])
-    assert transfer == {"kv_connector": "nixl", "kv_role": "kv_producer"}
+    assert transfer == {
+        "kv_connector": "nixl",
+        "kv_role": "kv_producer",
+        "kv_ip": "$(POD_IP)",
+        "kv_port": 14579,
+    }
     decode_cmd = decode["spec"]["template"]["spec"]["containers"][0]["command"]
     assert json.loads(decode_cmd[decode_cmd.index("--kv-transfer-config") + 1])["kv_role"] == (
         "kv_consumer"
     )
     events = json.loads(command[command.index("--kv-events-config") + 1])
     assert events["endpoint"] == "tcp://*:5557" and events["enable_kv_cache_events"] is True
+    assert events["replay_endpoint"] == "tcp://*:5558"
     container = pod["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
@@ -236,3 +242,157 @@ def test_operator_crd_subcommand_prints_it(capsys):
     assert printed["spec"]["versions"][0]["subresources"]["scale"]["specReplicasPath"] == (
         ".spec.pools.colocated.replicas"
     )
+
+
+def _deployment_named(objects: list[dict], name: str) -> dict:
+    return next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == name)
+
+
+def _container(objects: list[dict], name: str) -> dict:
+    return _deployment_named(objects, name)["spec"]["template"]["spec"]["containers"][0]
+
+
+def expand(command: list[str], env: dict[str, str]) -> list[str]:
+    """Kubernetes' $(VAR) expansion of a container's command from its environment."""
+    out = []
+    for arg in command:
+        for key, value in env.items():
+            arg = arg.replace(f"$({key})", value)
+        out.append(arg)
+    return out
+
+
+def test_pd_pods_advertise_and_bind_their_own_pod_ip():
+    """Catches prefill/decode pods binding and advertising 127.0.0.1 for KV transfer (a decode
+    pod then dials its own loopback and every prefill pod holds its blocks for 120 s)."""
+    from pagefleet.engine.kv_transfer.connector import KVTransferConfig
+    from pagefleet.engine.kv_transfer.service import _target
+
+    objects = render("disaggregated.yaml")
+    for name, role in (("llama-pd-prefill", "kv_producer"), ("llama-pd-decode", "kv_consumer")):
+        container = _container(objects, name)
+        env = {e["name"]: e for e in container["env"]}
+        assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        command = expand(container["command"], {"POD_IP": "10.42.0.7"})
+        config = KVTransferConfig.parse(command[command.index("--kv-transfer-config") + 1])
+        assert (config.kv_ip, config.kv_role) == ("10.42.0.7", role)
+        # It listens where it advertises, on the port its container declares.
+        assert (config.kv_bind_host or config.kv_ip) == "10.42.0.7"
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert config.kv_port == ports["kv-transfer"]
+        assert _target(config.kv_bind_host or config.kv_ip, config.kv_port) == "10.42.0.7:14579"
+
+
+def test_engine_args_override_the_operators_flags_and_merge_into_its_json_configs():
+    """Catches the operator's flags coming after engineArgs (argparse keeps the last, so a user
+    could not override them) and a user's kv-transfer-config replacing the operator's whole
+    JSON (dropping kv_ip, back to 127.0.0.1)."""
+    from pagefleet.cli import build_parser
+
+    md = load_example("disaggregated.yaml")
+    md["spec"]["engineArgs"]["host"] = "::"
+    md["spec"]["engineArgs"]["kv-transfer-config"] = '{"transfer_timeout": 60}'
+    md["spec"]["pools"]["decode"]["engineArgs"]["kv-transfer-config"] = '{"kv_connector": "tcp"}'
+    md["spec"]["pools"]["decode"]["engineArgs"]["kv-events-config"] = '{"buffer_steps": 500}'
+    objects = desired_objects(md)
+    decode = expand(_container(objects, "llama-pd-decode")["command"], {"POD_IP": "10.42.0.8"})
+    args = build_parser().parse_args(decode[1:])
+    assert args.host == "::"
+    transfer = json.loads(args.kv_transfer_config)
+    assert transfer == {
+        "kv_connector": "tcp",
+        "kv_role": "kv_consumer",
+        "kv_ip": "10.42.0.8",
+        "kv_port": 14579,
+        "transfer_timeout": 60,
+    }
+    events = json.loads(args.kv_events_config)
+    assert events["buffer_steps"] == 500 and events["replay_endpoint"] == "tcp://*:5558"
+    assert decode.count("--kv-transfer-config") == 1 and decode.count("--kv-events-config") == 1
+    prefill = _container(objects, "llama-pd-prefill")["command"]
+    assert json.loads(prefill[prefill.index("--kv-transfer-config") + 1])["kv_connector"] == "nixl"
+
+
+@pytest.mark.parametrize("value", ["not json", "[1, 2]", 7])
+def test_a_kv_config_engine_arg_must_be_a_json_object(value):
+    md = load_example("disaggregated.yaml")
+    md["spec"]["pools"]["prefill"]["engineArgs"]["kv-transfer-config"] = value
+    with pytest.raises(SpecError, match=r"spec\.pools\.prefill\.engineArgs\.kv-transfer-config"):
+        parse_spec(md["spec"])
+
+
+def test_engines_publish_a_replay_endpoint_on_the_port_the_router_dials():
+    """Catches KV events without a replay endpoint: a restarted router dials port + 1 to catch
+    up and nothing answers."""
+    from pagefleet.engine.kv_event_publisher import KVEventsConfig
+
+    pods = [
+        _container(render("colocated.yaml"), "llama-colocated"),
+        _container(render("disaggregated.yaml"), "llama-pd-prefill"),
+    ]
+    for container in pods:
+        command = container["command"]
+        config = KVEventsConfig.from_json(command[command.index("--kv-events-config") + 1])
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert config.endpoint == f"tcp://*:{ports['kv-events']}"
+        assert config.replay_endpoint == f"tcp://*:{ports['kv-events'] + 1}"
+        assert ports["kv-replay"] == ports["kv-events"] + 1
+
+
+@pytest.mark.parametrize("example", ["colocated.yaml", "keda.yaml", "hostpath-minimal.yaml"])
+def test_router_lives_on_livez_and_follows_engine_kv_events_with_the_models_tokenizer(example):
+    """Catches a router liveness probe on /health (503 while no engine is healthy: restarts
+    while engines load) and a router without the precise index (a restarted router could not
+    rebuild it by replay) or without the tokenizer that makes its hashes match the engines'."""
+    from pagefleet.cli import build_parser
+
+    objects = render(example)
+    deployments = [o for o in objects if o["kind"] == "Deployment"]
+    router = next(d for d in deployments if d["metadata"]["name"].endswith("-router"))
+    engine = next(d for d in deployments if d is not router)
+    pod, engine_pod = router["spec"]["template"]["spec"], engine["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    args = build_parser().parse_args(container["command"][1:])
+    assert args.prefix_index == "precise"
+    engine_ports = {p["name"]: p["containerPort"] for p in engine_pod["containers"][0]["ports"]}
+    assert args.kv_events_port == engine_ports["kv-events"]
+    assert engine_ports["kv-replay"] == args.kv_events_port + 1
+    # The tokenizer is the engines' checkpoint, read from the same source.
+    assert args.tokenizer == engine_pod["containers"][0]["command"][2]
+    mount = next(m for m in container["volumeMounts"] if args.tokenizer.startswith(m["mountPath"]))
+    assert mount["readOnly"] is True
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    engine_volume = next(v for v in engine_pod["volumes"] if v["name"] == "model")
+    if "emptyDir" in engine_volume:  # source image: its init container copies the files
+        (init,) = pod["initContainers"]
+        assert "emptyDir" in volume and init["image"] == engine_pod["initContainers"][0]["image"]
+        assert init["volumeMounts"] == [{"name": mount["name"], "mountPath": mount["mountPath"]}]
+    else:
+        assert volume == engine_volume
+
+
+def test_the_routers_copy_from_a_weights_image_is_a_loadable_tokenizer_without_weights(
+    tiny_checkpoints, tmp_path
+):
+    """Runs the router's init container script on a real checkpoint: the tokenizer loads from
+    the copy (as `pagefleet router --tokenizer` loads it), and no weights were copied."""
+    import subprocess
+
+    from pagefleet.engine.model.loader import load_tokenizer
+
+    objects = render("keda.yaml")
+    router = _deployment_named(objects, "qwen-router")
+    (init,) = router["spec"]["template"]["spec"]["initContainers"]
+    (env,) = init["env"]
+    assert env["name"] == "SOURCE"
+    script = init["command"][-1].replace("/models/", f"{tmp_path}/")
+    source = tiny_checkpoints["llama"]
+    done = subprocess.run(["sh", "-c", script], env={"SOURCE": source}, capture_output=True)
+    assert done.returncode == 0, done.stderr
+    copied = {p.name for p in tmp_path.iterdir()}
+    assert not any(name.endswith((".safetensors", ".bin", ".pt")) for name in copied), copied
+    assert any(p.suffix == ".safetensors" for p in Path(source).iterdir())
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer("a cache block").input_ids == load_tokenizer(source)("a cache block").input_ids
