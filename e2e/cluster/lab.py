@@ -1,0 +1,421 @@
+"""The cluster lab: the API server (api.py), the controller-manager (controllers.py) and the
+kubelet (kubelet.py) on one event loop in a thread inside the lab's network namespace (net.py),
+plus what tests use to drive it: a kubectl-like client, threads whose sockets live in the lab
+namespace, processes started there (the operator), and a clean-up that leaves nothing behind.
+
+    with Lab(tmp_path, claims={"models": ckpt_dir}) as lab:
+        lab.kube.create_namespace("serving")
+        lab.kube.apply(manifest)
+        lab.wait_for(lambda: lab.kube.ready_pods("serving", "app=x"), 60, "pods")
+        lab.in_lab(httpx.get, f"http://{ip}:8000/health")
+
+The API listens on the node's address: TLS with bearer tokens on API_TLS_PORT (what pods use,
+through KUBERNETES_SERVICE_HOST and their projected service-account token), plain HTTP on
+API_PORT (what the test and an operator run with `--kubernetes-api` use).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .api import LabApi, Res, serve
+from .controllers import ControllerManager, is_ready
+from .images import PROJECT_REPOSITORY, project_image
+from .kubelet import SHIM, Kubelet, NodeConfig
+from .labels import parse_selector
+from .net import LabNetwork, enter_netns, leftover_namespaces
+from .podspec import Image
+from .probes import TimeScale
+
+API_PORT = 8080
+API_TLS_PORT = 6443
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.2) -> T:
+    """Poll until `predicate()` is truthy; its value, or AssertionError at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def make_certificate(directory: Path, ip: str) -> tuple[Path, Path]:
+    """A self-signed certificate for the API server's address (its own CA)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    key, cert = directory / "apiserver.key", directory / "apiserver.crt"
+    san = f"subjectAltName=IP:{ip},DNS:kubernetes.default.svc"
+    subprocess.run(
+        [
+            *(
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+            ),
+            *("-nodes", "-days", "2", "-subj", "/CN=kube-apiserver"),
+            *("-keyout", str(key), "-out", str(cert), "-addext", san),
+            *("-addext", "basicConstraints=critical,CA:TRUE"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return key, cert
+
+
+class Kube:
+    """kubectl for tests: thread-safe calls into the API on its own loop."""
+
+    def __init__(self, lab: Lab) -> None:
+        self.lab = lab
+
+    @property
+    def api(self) -> LabApi:
+        return self.lab.api
+
+    def res(self, api_version: str, kind: str) -> Res:
+        return self.lab.call(self.api.resource_of, api_version, kind)
+
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict | None:
+        return self.lab.call(self.api.get, self.res(api_version, kind), namespace, name)
+
+    def list(
+        self, api_version: str, kind: str, namespace: str | None = None, selector: str = ""
+    ) -> list[dict]:
+        res = self.res(api_version, kind)
+        return self.lab.call(self.api.list, res, namespace, parse_selector(selector))
+
+    def create(self, obj: dict) -> dict:
+        res = self.res(obj["apiVersion"], obj["kind"])
+        return self.lab.run(self.api.create(res, obj["metadata"].get("namespace"), obj))
+
+    def apply(self, obj: dict) -> dict:
+        """Create, or merge-patch what is there (client-side apply without the annotation)."""
+        meta = obj["metadata"]
+        if self.get(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"]) is None:
+            return self.create(obj)
+        return self.patch(obj, obj)
+
+    def patch(self, obj: dict, patch: dict, subresource: str | None = None) -> dict:
+        res = self.res(obj["apiVersion"], obj["kind"])
+        meta = obj["metadata"]
+        return self.lab.run(
+            self.api.patch(res, meta.get("namespace"), meta["name"], patch, subresource)
+        )
+
+    def delete(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None,
+        name: str,
+        propagation: str | None = None,
+        grace_s: int | None = None,
+    ) -> dict:
+        res = self.res(api_version, kind)
+        return self.lab.run(self.api.delete(res, namespace, name, propagation, grace_s))
+
+    def history(
+        self, api_version: str, kind: str, namespace: str | None, name: str
+    ) -> list[dict | None]:
+        return self.lab.call(self.api.history, self.res(api_version, kind), namespace, name)
+
+    def create_namespace(self, name: str) -> None:
+        if self.get("v1", "Namespace", None, name) is None:
+            self.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+        self.lab.wait_for(
+            lambda: self.get("v1", "ServiceAccount", name, "default"), 10, "default SA"
+        )
+
+    def pods(self, namespace: str, selector: str = "") -> list[dict]:
+        return self.list("v1", "Pod", namespace, selector)
+
+    def ready_pods(self, namespace: str, selector: str = "") -> list[dict]:
+        return [
+            p
+            for p in self.pods(namespace, selector)
+            if is_ready(p) and not p["metadata"].get("deletionTimestamp")
+        ]
+
+    def endpoints(self, namespace: str, service: str, port: str | None = None) -> list[str]:
+        """`ip:port` of the Service's ready endpoints (port by name; the first if None)."""
+        found = self.get("v1", "Endpoints", namespace, service) or {}
+        out = []
+        for subset in found.get("subsets", []):
+            ports = [p for p in subset["ports"] if port is None or p.get("name") == port]
+            for address in subset.get("addresses", []):
+                out.extend(f"{address['ip']}:{p['port']}" for p in ports[:1])
+        return out
+
+
+class Lab:
+    """One node, its API and controllers, inside a network namespace this object creates."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        claims: dict[str, str] | None = None,
+        host_paths: dict[str, str] | None = None,
+        images: dict[str, Image] | None = None,
+        time_factor: float = 0.2,
+    ) -> None:
+        self.root = Path(root)
+        self.claims = claims or {}
+        self.host_paths = host_paths or {}
+        self.images = {PROJECT_REPOSITORY: project_image(), **(images or {})}
+        self.time = TimeScale(time_factor)
+        self.network = LabNetwork(f"pfl{os.getpid()}x{id(self) % 10000}")
+        self.kube = Kube(self)
+        self.processes: list[subprocess.Popen] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._runners: list = []
+        self._executor = None
+        self.api: LabApi | None = None
+        self.kubelet: Kubelet | None = None
+
+    # -- addresses
+
+    @property
+    def node_ip(self) -> str:
+        return self.network.node_ip
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{self.node_ip}:{API_PORT}"
+
+    @property
+    def ca_file(self) -> Path:
+        return self.root / "pki" / "apiserver.crt"
+
+    # -- life cycle
+
+    def __enter__(self) -> Lab:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.network.create()
+        key, cert = make_certificate(self.root / "pki", self.node_ip)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve_loop, name="lab-node", daemon=True)
+        self._thread.start()
+        self.run(self._boot(key, cert))
+        self._executor = self.network.executor()
+
+    def _serve_loop(self) -> None:
+        enter_netns(self.network.name)  # the API and the kubelet's probes live in the lab
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    async def _boot(self, key: Path, cert: Path) -> None:
+        self.api = LabApi()
+        await self.api.__aenter__()
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(cert, key)
+        self._runners = [
+            await serve(self.api, self.node_ip, API_PORT),
+            await serve(self.api, self.node_ip, API_TLS_PORT, tls),
+        ]
+        for name in ("default", "kube-system"):
+            await self.api.create(Res("v1/namespaces"), None, {"metadata": {"name": name}})
+        config = NodeConfig(
+            name="lab-node",
+            node_ip=self.node_ip,
+            api_port=API_TLS_PORT,
+            ca_pem=cert.read_text(),
+            images=self.images,
+            claims=self.claims,
+            host_paths=self.host_paths,
+            state_dir=self.root,
+            time=self.time,
+        )
+        self.kubelet = Kubelet(self.api, self.network, config)
+        manager = ControllerManager(self.api, config.ca_pem, self.claims)
+        self._tasks = [
+            asyncio.create_task(manager.run(), name="controller-manager"),
+            asyncio.create_task(self.kubelet.run(), name="kubelet"),
+        ]
+
+    async def _shut_down(self) -> None:
+        if self._tasks:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.kubelet is not None:
+            await self.kubelet.shutdown(grace_s=2.0)
+        for runner in self._runners:
+            await runner.cleanup()
+        if self.api is not None:
+            await self.api.__aexit__(None, None, None)
+
+    def stop(self) -> None:
+        """Stop every process, namespace, mount and thread the lab made, even after a failure."""
+        for proc in self.processes:
+            self._stop_process(proc)
+        if self.loop is not None and self._thread is not None and self._thread.is_alive():
+            with contextlib.suppress(Exception):
+                self.run(self._shut_down(), timeout=120)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(30)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        self.network.close()
+        self._remove_mount_points()
+
+    def _remove_mount_points(self) -> None:
+        created = self.root / "created-mount-points"
+        if not created.exists():
+            return
+        paths = {line for line in created.read_text().splitlines() if line}
+        for path in sorted(paths, key=lambda p: p.count("/"), reverse=True):
+            with contextlib.suppress(OSError):
+                if os.path.isdir(path) and not os.path.islink(path):
+                    os.rmdir(path)
+                else:
+                    os.unlink(path)
+
+    def leftovers(self) -> list[str]:
+        """What the lab should have removed and did not (namespaces, mount points)."""
+        left = leftover_namespaces(self.network.prefix)
+        created = self.root / "created-mount-points"
+        if created.exists():
+            left += [p for p in created.read_text().splitlines() if p and os.path.lexists(p)]
+        return left
+
+    # -- running things
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
+        """Run a coroutine on the lab's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Call `fn` on the lab's loop thread (the API's state is only touched there)."""
+
+        async def call() -> T:
+            return fn(*args)
+
+        return self.run(call())
+
+    def in_lab(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run `fn` in a thread inside the lab's network namespace (test clients)."""
+        return self._executor.submit(fn, *args, **kwargs).result()
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any):
+        """As in_lab, without waiting: a Future."""
+        return self._executor.submit(fn, *args, **kwargs)
+
+    def wait_for(self, predicate: Callable[[], T], timeout: float, what: str) -> T:
+        try:
+            return wait_for(predicate, timeout, what)
+        except AssertionError:
+            print(self.describe())
+            raise
+
+    def start_process(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
+        """A process on the node (in the lab's network namespace, as root), e.g. the operator
+        run with `--kubernetes-api lab.api_url`. Its output goes to logs/NAME.log."""
+        spec = {
+            "netns": f"/run/netns/{self.network.name}",
+            "hostname": "lab-node",
+            "argv": argv,
+            "env": {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            "workdir": str(self.root),
+            "mounts": [],
+        }
+        spec_path = self.root / f"{name}.process.json"
+        spec_path.write_text(json.dumps(spec))
+        log = self.root / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, str(SHIM), str(spec_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        self.processes.append(proc)
+        return proc
+
+    @staticmethod
+    def _stop_process(proc: subprocess.Popen, grace_s: float = 10) -> int:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        return proc.returncode
+
+    def stop_process(self, proc: subprocess.Popen, grace_s: float = 10) -> int:
+        code = self._stop_process(proc, grace_s)
+        self.processes.remove(proc)
+        return code
+
+    # -- looking
+
+    def log(self, name: str) -> str:
+        """A container's log (`namespace_pod_container`) or a process' (`name`)."""
+        path = self.root / "logs" / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def pod_log(self, pod: dict, container: str | None = None) -> str:
+        meta = pod["metadata"]
+        container = container or pod["spec"]["containers"][0]["name"]
+        return self.log(f"{meta['namespace']}_{meta['name']}_{container}")
+
+    def describe(self, tail: int = 15) -> str:
+        """Pods, their states and the ends of their logs (printed when a wait times out)."""
+        lines = []
+        for pod in self.call(self.api.list, Res("v1/pods")):
+            meta, status = pod["metadata"], pod.get("status") or {}
+            states = [
+                f"{c['name']}: {json.dumps(c['state'])[:200]} restarts={c['restartCount']}"
+                f" ready={c['ready']}"
+                for c in status.get("containerStatuses", [])
+            ]
+            lines.append(f"pod {meta['namespace']}/{meta['name']} {status.get('podIP')} {states}")
+            for container in pod["spec"].get("containers", []):
+                text = self.pod_log(pod, container["name"]).splitlines()[-tail:]
+                lines.extend(f"    | {line}" for line in text)
+        for path in sorted((self.root / "logs").glob("*.log")):
+            if ".process" in path.name or not path.name.count("_"):
+                lines.append(f"process {path.stem}:")
+                lines.extend(
+                    f"    | {line}"
+                    for line in path.read_text(errors="replace").splitlines()[-tail:]
+                )
+        return "\n".join(lines)
