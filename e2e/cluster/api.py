@@ -123,6 +123,15 @@ def _default_probe(probe: dict | None) -> None:
         probe["httpGet"].setdefault("path", "/")
 
 
+def quantity(value: int | float | str) -> str:
+    """A resource quantity as the server stores it: always a string (1 -> "1", 0.5 -> "500m")."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{round(value * 1000)}m"
+
+
 def default_pod_spec(spec: dict) -> None:
     spec.setdefault("restartPolicy", "Always")
     spec.setdefault("terminationGracePeriodSeconds", 30)
@@ -135,7 +144,10 @@ def default_pod_spec(spec: dict) -> None:
         container.setdefault("imagePullPolicy", "Always" if latest else "IfNotPresent")
         container.setdefault("terminationMessagePath", "/dev/termination-log")
         container.setdefault("terminationMessagePolicy", "File")
-        container.setdefault("resources", {})
+        resources = container.setdefault("resources", {})
+        for kind in ("requests", "limits"):
+            if kind in resources:
+                resources[kind] = {k: quantity(v) for k, v in resources[kind].items()}
         for port in container.get("ports", []):
             port.setdefault("protocol", "TCP")
         for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
@@ -656,8 +668,9 @@ class LabApi(kmock.KubernetesEmulator):
     def _authenticate(self, request: rendering.Request) -> None:
         if request.url.scheme != "https":
             return
-        auth = request.headers.get("Authorization", "")
-        if not auth.startswith("Bearer ") or not auth[7:].strip():
+        auth = next((v for k, v in request.headers.items() if k.lower() == "authorization"), "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
             raise api_error(401, "Unauthorized", "Unauthorized")
 
     async def _serve(self, request: rendering.Request) -> tuple[int, Any]:
