@@ -1,8 +1,10 @@
-"""The builtin autoscaler's decision: a pure function of the observation history, the pool's
-replicas, its autoscaling spec and the time, shaped like the HorizontalPodAutoscaler's."""
+"""The builtin autoscaler's decision: a pure function of the observation, the earlier
+recommendations, the pool's replicas, its autoscaling spec and the time, shaped like the
+HorizontalPodAutoscaler's; and the window's form in the ModelDeployment's status."""
 
 from __future__ import annotations
 
+import datetime
 import math
 from dataclasses import dataclass
 
@@ -16,11 +18,19 @@ TOLERANCE = 0.1
 class Observation:
     """One evaluation's reading of a pool: queue totals over the pods that answered."""
 
-    time: float  # seconds, any monotonic origin
     waiting: float  # sum of vllm:num_requests_waiting
     running: float  # sum of vllm:num_requests_running
     pods: int  # ready pods whose metrics were read
     replicas: int  # the Deployment's replicas when this was observed
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """One evaluation's own recommendation, at wall-clock seconds (it outlives the operator
+    process: the window is kept in the ModelDeployment's status)."""
+
+    time: float
+    replicas: int
 
 
 @dataclass(frozen=True)
@@ -34,6 +44,7 @@ class Decision:
     replicas: int
     reason: str
     recommendation: int  # this observation's own recommendation, before stabilisation
+    window: tuple[Recommendation, ...] = ()  # what later decisions still need (see `needed`)
 
 
 def recommend(obs: Observation, spec: Autoscaling) -> tuple[int, str]:
@@ -64,30 +75,48 @@ def _clamp(replicas: int, spec: Autoscaling) -> int:
     return max(spec.min_replicas, min(spec.max_replicas, replicas))
 
 
-def trim(history: tuple[Observation, ...], spec: Autoscaling, now: float) -> tuple:
-    """The observations either stabilisation window still needs."""
-    keep = max(spec.scale_up_stabilization_s, spec.scale_down_stabilization_s)
-    return tuple(o for o in history if now - o.time <= keep)
+def needed(
+    recommendations: tuple[Recommendation, ...], spec: Autoscaling, now: float
+) -> tuple[Recommendation, ...]:
+    """The recommendations (oldest first) that can still change a later decision: in the
+    scale-down window those no later one equals or exceeds (it would outlast and outrank them),
+    in the scale-up window those no later one equals or undercuts. Entries at minReplicas
+    (resp. maxReplicas) never move a decision, whose own recommendation lies within [min, max].
+    Later decisions over this are those over the whole history; an idle pool keeps no entry
+    and a steady one a single entry."""
+    down = [
+        i
+        for i, r in enumerate(recommendations)
+        if now - r.time <= spec.scale_down_stabilization_s and r.replicas > spec.min_replicas
+    ]
+    up = [
+        i
+        for i, r in enumerate(recommendations)
+        if now - r.time <= spec.scale_up_stabilization_s and r.replicas < spec.max_replicas
+    ]
+    replicas = [r.replicas for r in recommendations]
+    keep = {i for n, i in enumerate(down) if all(replicas[j] < replicas[i] for j in down[n + 1 :])}
+    keep |= {i for n, i in enumerate(up) if all(replicas[j] > replicas[i] for j in up[n + 1 :])}
+    return tuple(r for i, r in enumerate(recommendations) if i in keep)
 
 
 def decide(
-    history: tuple[Observation, ...],
+    observation: Observation,
+    window: tuple[Recommendation, ...],
     pool: PoolReplicas,
     spec: Autoscaling,
     now: float,
 ) -> Decision:
-    """Replicas for the pool now; `history` ends with the newest observation.
+    """Replicas for the pool now, from this observation and the earlier recommendations
+    (`window`, oldest first; the previous decision's `window`).
 
     Like the HPA: a scale-up goes to the lowest recommendation of the up-window, a scale-down
     to the highest of the down-window (so a dip must last the whole window); then the step
     limit and min/max. No scale-up while pods of the last step are still not ready."""
-    if not history:
-        return Decision(_clamp(pool.current, spec), "no observations yet", pool.current)
-    latest, latest_reason = recommend(history[-1], spec)
-    up = [recommend(o, spec)[0] for o in history if now - o.time <= spec.scale_up_stabilization_s]
-    down = [
-        recommend(o, spec)[0] for o in history if now - o.time <= spec.scale_down_stabilization_s
-    ]
+    latest, latest_reason = recommend(observation, spec)
+    recommendations = (*window, Recommendation(now, latest))
+    up = [r.replicas for r in recommendations if now - r.time <= spec.scale_up_stabilization_s]
+    down = [r.replicas for r in recommendations if now - r.time <= spec.scale_down_stabilization_s]
     up_floor = min(up, default=latest)
     down_ceiling = max(down, default=latest)
     current = pool.current
@@ -114,4 +143,34 @@ def decide(
         desired = floor
         notes.append(f"waiting for {current - pool.ready} pod(s) of the last step to be ready")
     reason = latest_reason + "".join(f"; {n}" for n in notes) + f" -> {desired}"
-    return Decision(desired, reason, latest)
+    return Decision(desired, reason, latest, needed(recommendations, spec, now))
+
+
+def window_to_status(window: tuple[Recommendation, ...]) -> list[dict[str, int | str]]:
+    """The window as status holds it: RFC 3339 times, rounded up to the second (a restored
+    window then expires no earlier than the one it was written from)."""
+    return [{"time": _rfc3339(math.ceil(r.time)), "replicas": r.replicas} for r in window]
+
+
+def window_from_status(recorded: object, now: float, current: int) -> tuple[Recommendation, ...]:
+    """The window a restarted operator continues with. Nothing recorded (a first start, a
+    status written by an older operator): like the HPA, the current replicas as if recommended
+    now, so a restart never lets a pool drop at once. Malformed entries are skipped."""
+    if not isinstance(recorded, list):
+        return (Recommendation(now, current),)
+    window = []
+    for entry in recorded:
+        try:
+            when = datetime.datetime.fromisoformat(entry["time"]).timestamp()
+            replicas = entry["replicas"]
+        except (TypeError, KeyError, ValueError):
+            continue
+        if isinstance(replicas, int) and not isinstance(replicas, bool):
+            # Never from the future (another node's clock): it would hold the pool too long.
+            window.append(Recommendation(min(when, now), replicas))
+    return tuple(sorted(window, key=lambda r: r.time))
+
+
+def _rfc3339(seconds: int) -> str:
+    moment = datetime.datetime.fromtimestamp(seconds, datetime.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")

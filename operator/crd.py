@@ -208,6 +208,17 @@ def status_schema() -> dict:
             "desiredReplicas": {"type": "integer"},
             "reason": {"type": "string"},
             "lastScaleTime": {"type": "string"},
+            "recommendations": {
+                "type": "array",
+                "description": "builtin autoscaler: the recommendations its windows still need",
+                "items": _obj(
+                    {
+                        "time": {"type": "string", "format": "date-time"},
+                        "replicas": {"type": "integer"},
+                    },
+                    ["time", "replicas"],
+                ),
+            },
         }
     )
     condition = _obj(

@@ -1,8 +1,10 @@
-"""The kopf shell: on create/update/resume and on a timer, render the desired objects, apply only
-what differs (merge patches), run the builtin autoscaler, and write status."""
+"""The kopf shell: on create/update/resume and on a periodic pass, render the desired objects,
+apply only what differs (merge patches) to objects this ModelDeployment controls, run the
+builtin autoscaler, and write status. No finalizer: owner references do the cleanup."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 import logging
@@ -13,14 +15,21 @@ from typing import Any
 
 import kopf
 
-from pagefleet.operator.autoscale import Observation, PoolReplicas, decide, trim
+from pagefleet.operator.autoscale import (
+    Observation,
+    PoolReplicas,
+    Recommendation,
+    decide,
+    needed,
+    window_from_status,
+)
 from pagefleet.operator.metrics_source import (
     PodScraper,
     PoolPods,
     PrometheusSource,
     ready_pod_ips,
 )
-from pagefleet.operator.names import GROUP, PLURAL, VERSION
+from pagefleet.operator.names import GROUP, KIND, PLURAL, VERSION
 from pagefleet.operator.reconcile import (
     RenderOptions,
     desired_objects,
@@ -39,8 +48,8 @@ class OperatorConfig:
     default_image: str | None = None
     prometheus_url: str | None = None
     metrics_port: int = 8000
-    # One timer per ModelDeployment does both the drift check and the autoscaler's evaluation,
-    # so the two never race on the same Deployment.
+    # One periodic pass per ModelDeployment does both the drift check and the autoscaler's
+    # evaluation, so the two never race on the same Deployment.
     autoscale_interval: float = 15.0
     api_url: str | None = None  # log in to this URL without credentials (tests, kubectl proxy)
 
@@ -158,48 +167,94 @@ def merge_diff(old: dict, new: dict, prune: bool = False) -> dict:
     return patch
 
 
+def controlled_by(obj: dict, owner_uid: str) -> bool:
+    """Whether this ModelDeployment (by uid) is the object's controller."""
+    owners = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(o.get("uid") == owner_uid and o.get("controller") for o in owners)
+
+
 def retire(client: KubeClient, patch: dict, owner_uid: str) -> bool:
     """Apply a retirement patch to an existing object this ModelDeployment controls."""
     meta = patch["metadata"]
     current = client.get(patch["apiVersion"], patch["kind"], meta["namespace"], meta["name"])
     if current is None or contains(current, patch):
         return False
-    owners = current.get("metadata", {}).get("ownerReferences") or []
-    if not any(o.get("uid") == owner_uid and o.get("controller") for o in owners):
+    if not controlled_by(current, owner_uid):
         return False  # not ours: never touch someone else's object of the same name
     client.merge_patch(current, patch)
     return True
 
 
-def apply(client: KubeClient, obj: dict) -> str:
-    """Create the object, or merge-patch it when it drifted; returns what was done."""
+def apply(client: KubeClient, obj: dict, owner_uid: str) -> str:
+    """Create the object, or merge-patch it when it drifted; returns what was done. An object
+    of the same name that this ModelDeployment does not control is left as it is ("foreign"):
+    patching it would also hand it to the garbage collector with our owner reference."""
     meta = obj["metadata"]
     current = client.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
     if current is None:
         client.create(obj)
         return "created"
+    if not controlled_by(current, owner_uid):
+        return "foreign"
     if contains(current, obj):
         return "unchanged"
     client.merge_patch(current, obj)
     return "patched"
 
 
+def foreign_message(objects: list[str]) -> str:
+    return (
+        f"not controlled by this ModelDeployment, left unchanged: {', '.join(objects)} "
+        "(delete or rename them, or rename the ModelDeployment)"
+    )
+
+
+def warning_event(md: dict, reason: str, message: str, now: datetime.datetime) -> dict:
+    """A core/v1 Warning Event about the ModelDeployment (named as client-go names them)."""
+    meta = md["metadata"]
+    stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    nanos = int(now.timestamp() * 1e9)
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{nanos:x}", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta["uid"],
+        },
+        "type": "Warning",
+        "reason": reason,
+        "message": message[:1024],
+        "source": {"component": "pagefleet-operator"},
+        "reportingComponent": "pagefleet-operator",
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
+
+
 @dataclass
 class PoolMemory:
-    history: tuple[Observation, ...] = ()
+    window: tuple[Recommendation, ...] = ()
     replicas: int | None = None
     reason: str = ""
 
 
 @dataclass
 class OperatorState:
-    """Per-operator (not per-module) memory: a lock and the autoscaler's history per object."""
+    """Per-operator (not per-module) memory: a lock and the autoscaler's window per object,
+    and how many periodic passes each completed (what tests wait on to know one happened)."""
 
     config: OperatorConfig
     client: KubeClient
     locks: dict[str, threading.Lock] = field(default_factory=dict)
     pools: dict[tuple[str, str], PoolMemory] = field(default_factory=dict)
+    passes: dict[str, int] = field(default_factory=dict)
     guard: threading.Lock = field(default_factory=threading.Lock)
+    loop: asyncio.Task | None = None
 
     def lock(self, uid: str) -> threading.Lock:
         with self.guard:
@@ -209,27 +264,39 @@ class OperatorState:
         with self.guard:
             return self.pools.setdefault((uid, pool), PoolMemory())
 
-    def forget(self, uid: str) -> None:
+    def passed(self, uid: str) -> None:
         with self.guard:
-            self.locks.pop(uid, None)
-            for key in [k for k in self.pools if k[0] == uid]:
+            self.passes[uid] = self.passes.get(uid, 0) + 1
+
+    def keep_only(self, uids: set[str]) -> None:
+        """Drop the memory of ModelDeployments that are gone."""
+        with self.guard:
+            for uid in [u for u in self.locks if u not in uids]:
+                del self.locks[uid]
+            for key in [k for k in self.pools if k[0] not in uids]:
                 del self.pools[key]
+            for uid in [u for u in self.passes if u not in uids]:
+                del self.passes[uid]
 
 
 def _now_iso() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _deployment(client: KubeClient, namespace: str, name: str) -> tuple[int, int]:
+def _deployment(client: KubeClient, namespace: str, name: str, owner_uid: str) -> tuple[int, int]:
+    """(spec.replicas, readyReplicas) of a Deployment this ModelDeployment controls, else 0s."""
     found = client.get("apps/v1", "Deployment", namespace, name) or {}
+    if not controlled_by(found, owner_uid):
+        return 0, 0
     replicas = (found.get("spec") or {}).get("replicas")
     ready = (found.get("status") or {}).get("readyReplicas") or 0
     return (replicas if replicas is not None else 0), ready
 
 
-def remembered(state: OperatorState, md: dict, pool: Pool) -> PoolMemory:
-    """The pool's autoscaler memory; after an operator restart its replicas continue from the
-    status' last decision (else the Deployment's), so a restart never resets a scaled pool."""
+def remembered(state: OperatorState, md: dict, pool: Pool, now: float) -> PoolMemory:
+    """The pool's autoscaler memory. After an operator restart its replicas continue from the
+    status' last decision (else the Deployment's) and its window from the status' record, so
+    a restart neither resets a scaled pool nor cuts its scale-down window short."""
     meta = md["metadata"]
     memory = state.memory(meta["uid"], pool.name)
     if memory.replicas is None:
@@ -238,8 +305,10 @@ def remembered(state: OperatorState, md: dict, pool: Pool) -> PoolMemory:
             memory.replicas = recorded["desiredReplicas"]
         else:
             name = pool_object_name(meta["name"], pool.name)
-            current, _ = _deployment(state.client, meta["namespace"], name)
+            current, _ = _deployment(state.client, meta["namespace"], name, meta["uid"])
             memory.replicas = current or pool.replicas
+        restored = window_from_status(recorded.get("recommendations"), now, memory.replicas)
+        memory.window = needed(restored, pool.autoscaling, now)
     return memory
 
 
@@ -249,8 +318,9 @@ def autoscale_pool(
     """One builtin evaluation: read the pool's queue, decide, remember the decision."""
     meta = md["metadata"]
     namespace, name = meta["namespace"], meta["name"]
-    memory = remembered(state, md, pool)
-    current, ready = _deployment(state.client, namespace, pool_object_name(name, pool.name))
+    memory = remembered(state, md, pool, now)
+    deployment = pool_object_name(name, pool.name)
+    current, ready = _deployment(state.client, namespace, deployment, meta["uid"])
     pods = state.client.list("v1", "Pod", namespace, pool_selector(name, pool.name))
     pool_pods = PoolPods(namespace, name, pool.name, spec.model.name, ready_pod_ips(pods))
     source = (
@@ -259,12 +329,14 @@ def autoscale_pool(
         else PodScraper(state.config.metrics_port)
     )
     reading = source.read(pool_pods)
-    observation = Observation(now, reading.waiting, reading.running, reading.pods, current)
-    memory.history = trim((*memory.history, observation), pool.autoscaling, now)
-    decision = decide(memory.history, PoolReplicas(current, ready), pool.autoscaling, now)
+    observation = Observation(reading.waiting, reading.running, reading.pods, current)
+    decision = decide(
+        observation, memory.window, PoolReplicas(current, ready), pool.autoscaling, now
+    )
     if decision.replicas != memory.replicas:
         log.info("%s/%s pool %s: %s", namespace, name, pool.name, decision.reason)
     memory.replicas, memory.reason = decision.replicas, decision.reason
+    memory.window = decision.window
     return memory
 
 
@@ -280,59 +352,86 @@ def reconcile(state: OperatorState, namespace: str, name: str, autoscale: bool) 
     """Read the ModelDeployment afresh, (optionally) autoscale, apply, write status."""
     client = state.client
     md = client.get(f"{GROUP}/{VERSION}", "ModelDeployment", namespace, name)
-    if md is None:
-        return
-    with state.lock(md["metadata"]["uid"]):
+    if md is None or md["metadata"].get("deletionTimestamp"):
+        return  # gone or going: what it owns is the garbage collector's
+    uid = md["metadata"]["uid"]
+    with state.lock(uid):
         _reconcile_locked(state, md, autoscale)
+        if autoscale:
+            state.passed(uid)
 
 
 def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
     client, config = state.client, state.config
     meta = md["metadata"]
-    namespace, name = meta["namespace"], meta["name"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
     error: tuple[str, str] | None = None
     pools: list[PoolObserved] = []
     router = (0, 0)
     try:
         spec = parse_spec(md.get("spec"), config.default_image)
         memories: dict[str, PoolMemory] = {}
+        now = time.time()  # wall clock: the autoscaler's window is kept in status
         for pool in spec.pools:
             if pool.autoscaling.mode != "builtin":
                 continue
             if autoscale:
-                memories[pool.name] = autoscale_pool(state, md, spec, pool, time.monotonic())
+                memories[pool.name] = autoscale_pool(state, md, spec, pool, now)
             else:
-                memories[pool.name] = remembered(state, md, pool)
+                memories[pool.name] = remembered(state, md, pool, now)
         replicas = {p: m.replicas for p, m in memories.items() if m.replicas is not None}
         options = RenderOptions(config.default_image, config.prometheus_url, replicas)
-        for obj in desired_objects(md, options):
-            done = apply(client, obj)
-            if done != "unchanged":
-                log.info("%s %s/%s %s", done, obj["kind"], namespace, obj["metadata"]["name"])
-        for patch in retired_objects(md):
-            if retire(client, patch, meta["uid"]):
-                log.info("retired %s/%s %s", patch["kind"], namespace, patch["metadata"]["name"])
+        foreign = apply_all(client, md, options)
         for pool in spec.pools:
-            current, ready = _deployment(client, namespace, pool_object_name(name, pool.name))
+            current, ready = _deployment(client, namespace, pool_object_name(name, pool.name), uid)
             desired = replicas.get(
                 pool.name, current if pool.autoscaling.mode == "keda" else pool.replicas
             )
-            reason = _pool_reason(pool, memories.get(pool.name))
-            pools.append(PoolObserved(pool.name, current, ready, desired, reason))
-        router = _deployment(client, namespace, f"{name}-router")
+            memory = memories.get(pool.name)
+            reason = _pool_reason(pool, memory)
+            window = memory.window if memory is not None else None
+            pools.append(PoolObserved(pool.name, current, ready, desired, reason, window))
+        router = _deployment(client, namespace, f"{name}-router", uid)
+        if foreign:
+            error = ("ForeignObject", foreign_message(foreign))
     except SpecError as e:
         error = ("InvalidSpec", str(e))
     except ApiError as e:
         error = ("ApplyFailed", str(e))
     previous = md.get("status") or {}
     if error and _degraded_message(previous) != error[1]:
-        # One event per new problem, not one per timer tick.
-        kopf.warn(md, reason=error[0], message=error[1])
+        announce(client, md, *error)  # one event per new problem, not one per pass
     observed = Observed(tuple(pools), router[0], router[1], error)
     status = build_status(name, meta.get("generation"), observed, previous, _now_iso())
     patch = merge_diff(previous, status)
     if patch:
         client.merge_patch(md, {"status": patch}, "/status")
+
+
+def apply_all(client: KubeClient, md: dict, options: RenderOptions) -> list[str]:
+    """Apply what the ModelDeployment owns and retire what it no longer wants; returns the
+    objects of its names that it does not control (left alone)."""
+    meta = md["metadata"]
+    namespace, uid = meta["namespace"], meta["uid"]
+    foreign = []
+    for obj in desired_objects(md, options):
+        done = apply(client, obj, uid)
+        if done == "foreign":
+            foreign.append(f"{obj['kind']} {obj['metadata']['name']}")
+        elif done != "unchanged":
+            log.info("%s %s/%s %s", done, obj["kind"], namespace, obj["metadata"]["name"])
+    for patch in retired_objects(md):
+        if retire(client, patch, uid):
+            log.info("retired %s/%s %s", patch["kind"], namespace, patch["metadata"]["name"])
+    return foreign
+
+
+def announce(client: KubeClient, md: dict, reason: str, message: str) -> None:
+    event = warning_event(md, reason, message, datetime.datetime.now(datetime.UTC))
+    try:
+        client.create(event)
+    except ApiError as e:  # the condition still says it; an event is a courtesy
+        log.warning("could not post event %s: %s", reason, e)
 
 
 def _degraded_message(status: dict) -> str | None:
@@ -342,10 +441,27 @@ def _degraded_message(status: dict) -> str | None:
     return None
 
 
+async def reconcile_forever(state: OperatorState, model_deployments: kopf.Index) -> None:
+    """Every interval, one pass over each ModelDeployment kopf has indexed (autoscale and
+    correct drift), all of a round together, one round at a time. Unlike a kopf timer this
+    needs no finalizer, so deleting a ModelDeployment never waits for the operator."""
+    while True:
+        targets = sorted(model_deployments)  # (namespace, name) keys
+        results = await asyncio.gather(
+            *(asyncio.to_thread(reconcile, state, ns, name, True) for ns, name in targets),
+            return_exceptions=True,
+        )
+        for (namespace, name), result in zip(targets, results, strict=True):
+            if isinstance(result, Exception):
+                log.warning("%s/%s: reconcile failed: %r", namespace, name, result)
+        state.keep_only({uid for uids in model_deployments.values() for uid in uids})
+        await asyncio.sleep(state.config.autoscale_interval)
+
+
 def configure(settings: kopf.OperatorSettings, post_events: bool = True) -> kopf.OperatorSettings:
     settings.posting.enabled = post_events
-    # A deleted ModelDeployment waits for its timer to stop; kopf checks every 60 s by default.
-    settings.background.cancellation_polling = 1.0
+    # Only a finalizer an older operator added is ever seen here: kopf removes it, since no
+    # handler needs one (no timers, daemons or mandatory deletion handlers).
     settings.persistence.finalizer = f"{GROUP}/operator"
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-applied-spec"
@@ -354,12 +470,10 @@ def configure(settings: kopf.OperatorSettings, post_events: bool = True) -> kopf
     return settings
 
 
-def build_registry(
-    config: OperatorConfig, client: KubeClient | None = None
-) -> kopf.OperatorRegistry:
+def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
     """Handlers bound to one operator's state (no module-level registry or memory)."""
+    config = state.config
     registry = kopf.OperatorRegistry() if config.api_url else kopf.SmartOperatorRegistry()
-    state = OperatorState(config, client or KubeClient(config.api_url))
     resource = (GROUP, VERSION, PLURAL)
 
     if config.api_url:
@@ -374,16 +488,19 @@ def build_registry(
     def on_change(name: str, namespace: str, **_: Any) -> None:
         reconcile(state, namespace, name, autoscale=False)
 
-    # Owned objects go with the garbage collector (ownerReferences); this only drops memory.
-    # (The timer makes kopf keep a finalizer anyway, to stop the timer before deletion.)
-    @kopf.on.delete(*resource, optional=True, registry=registry)
-    def on_delete(uid: str, **_: Any) -> None:
-        state.forget(uid)
+    # What the periodic pass iterates over, kept current by kopf's watch (an index, unlike a
+    # timer, makes kopf add no finalizer). Owned objects go with the garbage collector.
+    @kopf.index(*resource, id="model_deployments", registry=registry)
+    def model_deployments(namespace: str, name: str, uid: str, **_: Any) -> dict:
+        return {(namespace, name): uid}
 
-    # Every tick: autoscale the builtin pools and correct drift. Reading a handful of objects
-    # per ModelDeployment is cheap; writes only happen when something differs.
-    @kopf.timer(*resource, interval=config.autoscale_interval, registry=registry)
-    def on_timer(name: str, namespace: str, **_: Any) -> None:
-        reconcile(state, namespace, name, autoscale=True)
+    @kopf.on.startup(registry=registry)
+    async def start_passes(model_deployments: kopf.Index, **_: Any) -> None:
+        state.loop = asyncio.create_task(reconcile_forever(state, model_deployments))
+
+    @kopf.on.cleanup(registry=registry)
+    async def stop_passes(**_: Any) -> None:
+        if state.loop is not None:
+            state.loop.cancel()
 
     return registry

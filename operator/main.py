@@ -72,7 +72,13 @@ def run_operator(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from pagefleet.operator.handlers import OperatorConfig, build_registry, configure
+    from pagefleet.operator.handlers import (
+        KubeClient,
+        OperatorConfig,
+        OperatorState,
+        build_registry,
+        configure,
+    )
 
     if args.verbose:
         logging.basicConfig(level=logging.DEBUG)
@@ -86,7 +92,7 @@ def run_operator(args: argparse.Namespace) -> int:
         autoscale_interval=args.autoscale_interval,
         api_url=args.kubernetes_api,
     )
-    registry = build_registry(config)
+    registry = build_registry(OperatorState(config, KubeClient(config.api_url)))
     asyncio.run(
         kopf.operator(
             registry=registry,

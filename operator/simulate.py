@@ -13,13 +13,14 @@ from pagefleet.operator.autoscale import (
     Decision,
     Observation,
     PoolReplicas,
+    Recommendation,
     decide,
     recommend,
-    trim,
 )
 from pagefleet.operator.spec import Autoscaling
 
-Controller = Callable[[tuple[Observation, ...], PoolReplicas, Autoscaling, float], Decision]
+Window = tuple[Recommendation, ...]
+Controller = Callable[[Observation, Window, PoolReplicas, Autoscaling, float], Decision]
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,11 @@ class Step:
 
 
 def plain_hpa(
-    history: tuple[Observation, ...], pool: PoolReplicas, spec: Autoscaling, now: float
+    observation: Observation, window: Window, pool: PoolReplicas, spec: Autoscaling, now: float
 ) -> Decision:
     """The bare HPA formula (with its 10% tolerance and min/max) on the newest observation:
     no stabilisation windows, no step limit, no waiting for pending pods."""
-    replicas, reason = recommend(history[-1], spec)
+    replicas, reason = recommend(observation, spec)
     return Decision(replicas, reason, replicas)
 
 
@@ -68,22 +69,23 @@ def simulate_queue(
 ) -> list[Step]:
     """`waiting[i]` is the pool's total queue at evaluation i (independent of replicas)."""
     pods = _Pods([-start_delay] * replicas, start_delay)
-    history: tuple[Observation, ...] = ()
+    window: Window = ()
     steps = []
     for i, queue in enumerate(waiting):
         now = i * period
-        history, decision, ready = _evaluate(pods, history, queue, now, spec, controller)
+        decision, ready = _evaluate(pods, window, queue, now, spec, controller)
+        window = decision.window
         pods.scale(decision.replicas, now)
         steps.append(Step(now, queue, decision.replicas, ready, decision.reason))
     return steps
 
 
-def _evaluate(pods: _Pods, history: tuple, queue: float, now: float, spec, controller):
-    """One autoscaler evaluation: observe the pool, decide; returns (history, decision, ready)."""
+def _evaluate(pods: _Pods, window: Window, queue: float, now: float, spec, controller):
+    """One autoscaler evaluation: observe the pool, decide; returns (decision, ready)."""
     ready = pods.ready(now)
     current = len(pods.ready_at)
-    history = trim((*history, Observation(now, queue, 0.0, ready, current)), spec, now)
-    return history, controller(history, PoolReplicas(current, ready), spec, now), ready
+    observation = Observation(queue, 0.0, ready, current)
+    return controller(observation, window, PoolReplicas(current, ready), spec, now), ready
 
 
 def simulate_load(
@@ -98,12 +100,13 @@ def simulate_load(
     """`arrivals[i]` requests/s during period i; each ready pod completes `service_rate`
     requests/s; what is not served waits (the queue the autoscaler reads)."""
     pods = _Pods([-start_delay] * replicas, start_delay)
-    history: tuple[Observation, ...] = ()
+    window: Window = ()
     backlog = 0.0
     steps = []
     for i, rate in enumerate(arrivals):
         now = i * period
-        history, decision, ready = _evaluate(pods, history, backlog, now, spec, controller)
+        decision, ready = _evaluate(pods, window, backlog, now, spec, controller)
+        window = decision.window
         steps.append(Step(now, backlog, decision.replicas, ready, decision.reason))
         pods.scale(decision.replicas, now)
         backlog = max(0.0, backlog + (rate - service_rate * pods.ready(now)) * period)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagefleet.operator.autoscale import Recommendation, window_to_status
 from pagefleet.operator.reconcile import LABEL_INSTANCE, LABEL_POOL
 
 
@@ -16,6 +17,9 @@ class PoolObserved:
     ready: int  # its status.readyReplicas
     desired: int
     reason: str
+    # The builtin autoscaler's window (None for other pools): a restarted operator goes on
+    # from it, so its scale-down window survives the restart.
+    window: tuple[Recommendation, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,18 @@ def condition(
     }
 
 
+def _pool_status(pool: PoolObserved) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "replicas": pool.replicas,
+        "readyReplicas": pool.ready,
+        "desiredReplicas": pool.desired,
+        "reason": pool.reason,
+    }
+    if pool.window is not None:
+        status["recommendations"] = window_to_status(pool.window)
+    return status
+
+
 def _serving_pool(pools: tuple[PoolObserved, ...]) -> PoolObserved | None:
     # The scale subresource's one number: the colocated pool (see operator/crd.py).
     return next((p for p in pools if p.name == "colocated"), None)
@@ -51,15 +67,9 @@ def build_status(
     name: str, generation: int | None, observed: Observed, previous: dict[str, Any], now: str
 ) -> dict[str, Any]:
     conditions_before = previous.get("conditions") or []
-    pools = {
-        p.name: {
-            "replicas": p.replicas,
-            "readyReplicas": p.ready,
-            "desiredReplicas": p.desired,
-            "reason": p.reason,
-        }
-        for p in observed.pools
-    } or previous.get("pools", {})  # a spec error observes nothing: keep the last figures
+    pools = {p.name: _pool_status(p) for p in observed.pools} or previous.get(
+        "pools", {}
+    )  # a spec error observes nothing: keep the last figures
     converging = [
         p.name for p in observed.pools if not (p.replicas == p.desired and p.ready >= p.desired)
     ]

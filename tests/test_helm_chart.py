@@ -727,6 +727,37 @@ def test_operator_rbac_is_least_privilege_and_covers_what_it_creates(rendered):
     assert {"Deployment", "Service", "ScaledObject", "Role", "RoleBinding"} <= kinds
 
 
+def test_uninstall_deletes_the_model_deployment_after_the_operator_is_gone(rendered):
+    """`helm uninstall` deletes kinds Helm does not know (ModelDeployment) last, after the
+    operator and its RBAC. Catches a finalizer on the chart's ModelDeployment (kopf keeps one
+    for timers): with the operator gone it never went, and neither did the GPU pods. The chart
+    needs no hook: nothing it renders carries a finalizer or a hook, and the ModelDeployment the
+    operator has reconciled is deleted with no operator running (owner references hand the
+    engines to the garbage collector)."""
+    from operator_harness import MD_API, delete, emulator, get, next_pass, operator, wait_for
+
+    from pagefleet.operator.handlers import KubeClient
+
+    for docs in rendered.values():
+        for doc in docs:
+            assert "finalizers" not in doc["metadata"], doc["metadata"]["name"]
+            annotations = doc["metadata"].get("annotations") or {}
+            assert not [a for a in annotations if a.startswith("helm.sh/hook")]
+    md = one(rendered["defaults"], "ModelDeployment")
+    name = md["metadata"]["name"]
+    md["metadata"] |= {"uid": "uid-chart", "generation": 1, "resourceVersion": "1"}
+    with emulator() as url:
+        client = KubeClient(url)
+        with operator(url, client, autoscale_interval=0.3) as state:
+            client.create(md)
+            router = wait_for(lambda: get(client, "apps/v1", "Deployment", f"{name}-router"))
+            assert router["metadata"]["ownerReferences"][0]["uid"] == "uid-chart"
+            next_pass(state, "uid-chart")
+        # Helm has deleted the operator's Deployment and RBAC; now the ModelDeployment.
+        delete(client, MD_API, "ModelDeployment", name)
+        assert get(client, MD_API, "ModelDeployment", name) is None
+
+
 def test_cluster_scope_uses_a_cluster_role_and_watches_every_namespace(rendered):
     docs = rendered["disaggregated"]
     assert not objects_of(docs, "Role")

@@ -4,12 +4,21 @@ against the pure decision, asserting the replica traces users rely on."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagefleet.operator.autoscale import Observation, PoolReplicas, decide, recommend
+from pagefleet.operator.autoscale import (
+    Observation,
+    PoolReplicas,
+    Recommendation,
+    decide,
+    recommend,
+    window_from_status,
+    window_to_status,
+)
 from pagefleet.operator.simulate import (
     direction_changes,
     plain_hpa,
@@ -28,11 +37,11 @@ def first_change(steps):
 
 
 def test_formula_and_tolerance():
-    obs = Observation(0.0, waiting=30.0, running=4.0, pods=3, replicas=3)
+    obs = Observation(waiting=30.0, running=4.0, pods=3, replicas=3)
     assert recommend(obs, SPEC)[0] == 8  # ceil(3 x (30/3)/4) = ceil(7.5)
-    within = Observation(0.0, waiting=13.0, running=4.0, pods=3, replicas=3)  # 4.33/pod: +8%
+    within = Observation(waiting=13.0, running=4.0, pods=3, replicas=3)  # 4.33/pod: +8%
     assert recommend(within, SPEC)[0] == 3
-    outside = Observation(0.0, waiting=14.0, running=4.0, pods=3, replicas=3)  # 4.67/pod: +17%
+    outside = Observation(waiting=14.0, running=4.0, pods=3, replicas=3)  # 4.67/pod: +17%
     assert recommend(outside, SPEC)[0] == 4
 
 
@@ -107,8 +116,8 @@ def test_no_further_scale_up_while_pods_are_pending():
 
 def test_scale_to_zero_and_back():
     spec = Autoscaling(**{**SPEC.__dict__, "min_replicas": 0, "scale_down_stabilization_s": 60})
-    history = (Observation(0.0, waiting=0.0, running=2.0, pods=1, replicas=1),)
-    assert decide(history, PoolReplicas(1, 1), spec, 0.0).replicas == 1  # still running
+    running = Observation(waiting=0.0, running=2.0, pods=1, replicas=1)
+    assert decide(running, (), PoolReplicas(1, 1), spec, 0.0).replicas == 1  # still running
     steps = simulate_queue([0.0] * 8 + [9.0] * 2, spec, replicas=1)
     assert steps[7].replicas == 0
     assert steps[8].replicas == 3  # ceil(9/4) with no pods to average over
@@ -148,3 +157,98 @@ def test_load_model_defaults_beat_plain_hpa_on_flapping():
     a, b = summarize(ours, SPEC, PERIOD), summarize(plain, SPEC, PERIOD)
     assert a.direction_changes < b.direction_changes
     assert a.max_replicas <= SPEC.max_replicas
+
+
+def _run(spec, queues, replicas, start, window, restart_at=None):
+    """Evaluations every PERIOD from `start` (wall clock) over a pool whose pods are all ready;
+    at `restart_at` the window goes through the status (as a restarted operator reads it)."""
+    decisions = []
+    for i, queue in enumerate(queues):
+        now = start + i * PERIOD
+        if i == restart_at:
+            stored = json.loads(json.dumps(window_to_status(window)))
+            window = window_from_status(stored, now, replicas)
+        observation = Observation(waiting=queue, running=0.0, pods=replicas, replicas=replicas)
+        decision = decide(observation, window, PoolReplicas(replicas, replicas), spec, now)
+        decisions.append(decision.replicas)
+        window, replicas = decision.window, decision.replicas
+    return decisions
+
+
+def test_a_restart_in_a_lull_keeps_the_scale_down_window():
+    """Catches an autoscaler whose window lives in memory only: restarted in a lull, it took
+    8 replicas to 1 at once. Through the status, the restarted operator decides exactly as an
+    uninterrupted one: the pool goes down one window after the load stopped, not earlier."""
+    spec = Autoscaling(mode="builtin", min_replicas=1, max_replicas=8, max_scale_up_step=8)
+    queues = [64.0] * 6 + [0.0] * 40  # 8 replicas' worth, then nothing
+    start = 1_760_000_000.25  # wall-clock seconds, not on a whole second
+    steady = _run(spec, queues, 1, start, ())
+    assert steady[5] == 8 and steady[-1] == 1
+    down_at = steady.index(1, 6)
+    assert (down_at - 5) * PERIOD > spec.scale_down_stabilization_s
+    for restart in (6, 8, down_at - 1):
+        assert _run(spec, queues, 1, start, (), restart_at=restart) == steady, restart
+
+
+def test_nothing_recorded_seeds_the_window_with_the_current_replicas():
+    """As the HPA does after a controller restart: with no window in status (first start of
+    this version, status lost), the current replicas count as recommended now."""
+    spec = Autoscaling(mode="builtin", min_replicas=1, max_replicas=8)
+    now = 1_760_000_000.0
+    window = window_from_status(None, now, 8)
+    assert window == (Recommendation(now, 8),)
+    idle = Observation(waiting=0.0, running=0.0, pods=8, replicas=8)
+    held = decide(idle, window, PoolReplicas(8, 8), spec, now + PERIOD)
+    assert held.replicas == 8 and "scale-down held" in held.reason
+    later = now + spec.scale_down_stabilization_s + PERIOD
+    assert decide(idle, held.window, PoolReplicas(8, 8), spec, later).replicas == 1
+    # What a user or another writer left there does not break the operator.
+    junk = [{"time": "yesterday", "replicas": 3}, {"replicas": 2}, 5, {"time": None}]
+    assert window_from_status(junk, now, 8) == ()
+    # A time ahead of this clock (another node's) counts as now, never later.
+    ahead = [{"time": "2099-01-01T00:00:00Z", "replicas": 4}]
+    assert window_from_status(ahead, now, 8) == (Recommendation(now, 4),)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    queues=st.lists(st.floats(0, 200), min_size=1, max_size=50),
+    ready_lag=st.lists(st.integers(0, 3), min_size=50, max_size=50),
+    up_window=st.sampled_from([0, 30, 60]),
+    down_window=st.sampled_from([0, 45, 300]),
+    low=st.integers(0, 2),
+    step=st.integers(1, 4),
+)
+def test_the_kept_window_decides_as_the_whole_history(
+    queues, ready_lag, up_window, down_window, low, step
+):
+    """`decide` keeps only the recommendations that can still matter (what status holds); its
+    decisions equal those over every recommendation of the windows, for any trace."""
+    spec = Autoscaling(
+        mode="builtin",
+        min_replicas=low,
+        max_replicas=low + 6,
+        max_scale_up_step=step,
+        scale_up_stabilization_s=up_window,
+        scale_down_stabilization_s=down_window,
+    )
+    keep = max(up_window, down_window)
+    kept: tuple[Recommendation, ...] = ()
+    everything: tuple[Recommendation, ...] = ()
+    replicas = max(1, low)
+    for i, queue in enumerate(queues):
+        now = i * PERIOD
+        ready = max(0, replicas - ready_lag[i])
+        observation = Observation(queue, 0.0, ready, replicas)
+        pool = PoolReplicas(replicas, ready)
+        short = decide(observation, kept, pool, spec, now)
+        full = decide(observation, everything, pool, spec, now)
+        assert (short.replicas, short.reason) == (full.replicas, full.reason)
+        assert len(short.window) <= len(everything) + 1
+        kept = short.window
+        everything = tuple(
+            r
+            for r in (*everything, Recommendation(now, full.recommendation))
+            if now - r.time <= keep
+        )
+        replicas = full.replicas
