@@ -32,6 +32,7 @@ import datetime
 import ipaddress
 import json
 import random
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -75,6 +76,9 @@ BUILTIN_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
     ),
 }
 VERBS = {"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"}
+NAMESPACE_PATH = re.compile(
+    r"^/api/v1/namespaces(?:/(?P<name>[^/]+)(?:/(?P<sub>status|finalize))?)?/?$"
+)
 TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 SERVICE_CIDR = ipaddress.IPv4Network("10.96.0.0/16")
 _NAME_SUFFIX = "bcdfghjklmnpqrstvwxz2456789"  # the alphabet of generateName's suffix
@@ -650,6 +654,45 @@ class LabApi(kmock.KubernetesEmulator):
             self._watches.discard(watch)
 
     # -- HTTP
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        """kmock reads /api/v1/namespaces[/NAME] as a namespace prefix; these paths name the
+        cluster-scoped Namespace resource itself."""
+        match = NAMESPACE_PATH.match(raw_request.path)
+        if not match:
+            return await super().__call__(raw_request)
+        body = await raw_request.read()
+        try:
+            data = json.loads(body) if body else None
+        except ValueError:
+            data = None
+        method = enums.method(raw_request.method)
+        query = dict(raw_request.query)
+        action = (
+            enums.action.WATCH
+            if query.get("watch") == "true"
+            else {"GET": enums.action.FETCH if match["name"] else enums.action.LIST}.get(
+                raw_request.method
+            )
+        )
+        request = rendering.Request(
+            method=method,
+            url=raw_request.url,
+            params=query,
+            headers=dict(raw_request.headers),
+            body=body,
+            text=body.decode(errors="replace"),
+            data=data,
+            action=action,
+            resource=Res("v1/namespaces"),
+            name=match["name"],
+            subresource=match["sub"],
+            raw_request=raw_request,
+        )
+        try:
+            return await self._handle(request)
+        except kmock.KubernetesError as e:
+            return await self._render_error(e)
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         res = request.resource

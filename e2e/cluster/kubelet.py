@@ -170,6 +170,7 @@ class PodWorker:
         ]
         self.states = [ContainerState(c["name"], c["image"]) for c in spec["containers"]]
         self.initialized = not self.init_states
+        self.exited = False
         self.transitions: dict[str, tuple[str, str]] = {}
         self.task: asyncio.Task | None = None
         self._publishing: asyncio.Task | None = None
@@ -211,7 +212,12 @@ class PodWorker:
                 for i, c in enumerate(spec["containers"])
             ]
             tasks = [asyncio.create_task(r.run()) for r in runners]
-            await self.stopping.wait()
+            stop = asyncio.ensure_future(self.stopping.wait())
+            await asyncio.wait([stop, asyncio.gather(*tasks)], return_when=asyncio.FIRST_COMPLETED)
+            if not stop.done():  # every container ended for good: the pod stays until deleted
+                self.exited = True
+                self.changed()
+                await stop
             await asyncio.gather(*tasks, return_exceptions=True)
         except Exception:
             log.exception("pod %s/%s failed in the kubelet", self.ns, self.name)
@@ -361,11 +367,20 @@ class PodWorker:
             self.transitions[kind] = (value, now_iso())
         return {"type": kind, "status": value, "lastTransitionTime": self.transitions[kind][1]}
 
+    def phase(self) -> str:
+        """Running once a container runs; Succeeded / Failed when every container has ended
+        for good (restartPolicy Never or OnFailure); Pending before."""
+        if any("running" in s.state for s in self.states):
+            return "Running"
+        if self.exited and all("terminated" in s.state for s in self.states):
+            codes = [s.state["terminated"]["exitCode"] for s in self.states]
+            return "Succeeded" if not any(codes) else "Failed"
+        return "Pending"
+
     def status(self) -> dict:
-        running = any("running" in s.state for s in self.states)
         containers_ready = all(s.ready for s in self.states)
         status = {
-            "phase": "Running" if running else "Pending",
+            "phase": self.phase(),
             "hostIP": self.config.node_ip,
             "hostIPs": [{"ip": self.config.node_ip}],
             "qosClass": "BestEffort",
@@ -589,6 +604,10 @@ class ContainerRunner:
                 else:
                     code = proc.returncode
                 self._exited(code, started)
+                policy = self.worker.pod["spec"].get("restartPolicy", "Always")
+                if policy == "Never" or (policy == "OnFailure" and code == 0):
+                    self.worker.changed()
+                    return
                 self.state.restart_count += 1
                 self.worker.changed()
             if await self._sleep_or_stop(
@@ -614,6 +633,7 @@ class ContainerRunner:
         finally:
             for task in (exited, stop, probing):
                 task.cancel()
+            await asyncio.gather(exited, stop, probing, return_exceptions=True)
             self.state.ready = False
 
     async def _probe(self) -> str:
@@ -632,6 +652,7 @@ class ContainerRunner:
             await asyncio.Future()  # no liveness probe: only the process' exit ends it
         finally:
             readiness.cancel()
+            await asyncio.gather(readiness, return_exceptions=True)
         return "liveness"
 
     async def _probe_until(self, kind: str, probe: dict, stop_on_success: bool = True) -> bool:
