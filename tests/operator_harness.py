@@ -126,5 +126,15 @@ def condition(status: dict, kind: str) -> dict:
     return next((c for c in status.get("conditions", []) if c["type"] == kind), {})
 
 
+def wait_degraded(client: KubeClient, reason: str, name: str = "llama") -> dict:
+    """The ModelDeployment's Degraded condition, once it is True for this reason."""
+
+    def degraded() -> dict | None:
+        found = condition(md_status(client, name), "Degraded")
+        return found if (found.get("status"), found.get("reason")) == ("True", reason) else None
+
+    return wait_for(degraded, what=f"Degraded: {reason}")
+
+
 def delete(client: KubeClient, api_version: str, kind: str, name: str) -> None:
     client.request("DELETE", KubeClient.path(api_version, kind, NS, name))

@@ -22,6 +22,7 @@ from operator_harness import (
     model_deployment,
     next_pass,
     operator,
+    wait_degraded,
     wait_for,
 )
 
@@ -123,14 +124,7 @@ def test_bad_spec_is_degraded_not_a_crash():
                 pools={"colocated": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}}
             )
             client.create(bad)
-            degraded = wait_for(
-                lambda: (
-                    condition(md_status(client), "Degraded").get("status") == "True"
-                    and condition(md_status(client), "Degraded")
-                ),
-                what="Degraded",
-            )
-            assert degraded["reason"] == "InvalidSpec"
+            degraded = wait_degraded(client, "InvalidSpec")
             assert "minReplicas" in degraded["message"]
             assert get(client, "apps/v1", "Deployment", "llama-colocated") is None
             # Fixing the spec recovers without restarting anything.
@@ -498,14 +492,7 @@ def test_objects_of_our_names_that_others_own_are_left_alone_and_reported():
 
         with operator(url, client, autoscale_interval=0.3) as state:
             client.create(model_deployment())
-            degraded = wait_for(
-                lambda: (
-                    condition(md_status(client), "Degraded").get("reason") == "ForeignObject"
-                    and condition(md_status(client), "Degraded")
-                ),
-                what="Degraded: ForeignObject",
-            )
-            assert degraded["status"] == "True"
+            degraded = wait_degraded(client, "ForeignObject")
             assert "Deployment llama-colocated" in degraded["message"]
             assert "ConfigMap llama-router" in degraded["message"]
             assert condition(md_status(client), "Ready")["status"] == "False"
