@@ -820,7 +820,8 @@ def _scale(obj: dict) -> dict:
 
 async def serve(api: LabApi, host: str, port: int, ssl_context=None) -> aiohttp.web.AppRunner:
     """Listen on host:port (TLS with `ssl_context`) in the calling thread's network namespace."""
-    runner = aiohttp.web.ServerRunner(aiohttp.web.Server(api))
+    # Open watches would hold a graceful shutdown for a minute: the lab ends them at once.
+    runner = aiohttp.web.ServerRunner(aiohttp.web.Server(api), shutdown_timeout=0.5)
     await runner.setup()
     await aiohttp.web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
     return runner

@@ -45,3 +45,10 @@ def lab(tmp_path):
     with open_lab(tmp_path / "lab") as lab:
         yield lab
     assert not lab.leftovers(), f"the lab left {lab.leftovers()}"
+
+
+@pytest.fixture(scope="session")
+def offline(tiny_checkpoint):
+    from .fleet import Offline
+
+    return Offline(tiny_checkpoint)

@@ -276,6 +276,11 @@ class Lab:
             await runner.cleanup()
         if self.api is not None:
             await self.api.__aexit__(None, None, None)
+        # Watches and probes still open end here, before their loop closes.
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
 
     def stop(self) -> None:
         """Stop every process, namespace, mount and thread the lab made, even after a failure."""
@@ -286,6 +291,7 @@ class Lab:
                 self.run(self._shut_down(), timeout=120)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(30)
+            self.loop.close()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
         self.network.close()

@@ -13,8 +13,8 @@ import pytest
 
 from .api import quantity, strategic_merge
 from .images import image_from_dockerfile
-from .labels import from_label_selector, matches, parse_selector
 from .lab import wait_for
+from .labels import from_label_selector, matches, parse_selector
 from .podspec import ConfigError, Image, container_argv, container_env, expand
 from .probes import Thresholds
 

@@ -1,0 +1,174 @@
+"""What the scenarios do with a lab: render the chart, install the CRD, run the operator, find
+a ModelDeployment's pods and router, talk to them from inside the lab, read their metrics."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from .images import REPO_ROOT
+from .lab import Lab
+
+PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
+HELM = str(Path(sys.executable).parent / "helm")
+CHART = REPO_ROOT / "deploy" / "helm" / "pagefleet"
+CRD_FILE = CHART / "crds" / "modeldeployments.pagefleet.io.yaml"
+EXAMPLES = REPO_ROOT / "examples" / "modeldeployments"
+MD = ("pagefleet.io/v1alpha1", "ModelDeployment")
+ENGINE_PORT, ROUTER_PORT = 8000, 8080
+# The examples size the KV cache for GPUs; on CPU the engine would take 4 GiB per pod.
+CPU_ENGINE_ARGS = {"kv-cache-memory": 0.05}
+
+
+def helm_template(release: str, namespace: str, values: Path) -> list[dict]:
+    """The chart rendered by the real helm, CRDs included."""
+    out = subprocess.run(
+        [HELM, "template", release, str(CHART), "--namespace", namespace, "--include-crds"]
+        + ["-f", str(values)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def install_crd(lab: Lab) -> None:
+    lab.kube.apply(yaml.safe_load(CRD_FILE.read_text()))
+
+
+def start_operator(lab: Lab, *flags: str, name: str = "operator"):
+    """`pagefleet operator` on the node, talking to the lab's API by URL."""
+    argv = [PAGEFLEET, "operator", "--kubernetes-api", lab.api_url, *flags]
+    return lab.start_process(name, argv)
+
+
+def for_cpu(md: dict) -> dict:
+    """A ModelDeployment as a user runs it without GPUs: the engine args say so."""
+    md["spec"]["engineArgs"] = {**md["spec"].get("engineArgs", {}), **CPU_ENGINE_ARGS}
+    return md
+
+
+def example(name: str) -> dict:
+    return yaml.safe_load((EXAMPLES / name).read_text())
+
+
+def md_pods(lab: Lab, namespace: str, name: str, component: str = "engine") -> list[dict]:
+    selector = f"pagefleet.io/deployment={name},app.kubernetes.io/component={component}"
+    return lab.kube.pods(namespace, selector)
+
+
+def ready(pods: list[dict]) -> list[dict]:
+    return [
+        p
+        for p in pods
+        if not p["metadata"].get("deletionTimestamp")
+        and any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in p["status"].get("conditions", [])
+        )
+    ]
+
+
+def wait_serving(
+    lab: Lab, namespace: str, name: str, engines: int, timeout: float = 180
+) -> list[dict]:
+    """Until `engines` engine pods and the router are Ready; the engine pods."""
+
+    def all_ready():
+        pods = ready(md_pods(lab, namespace, name))
+        routers = ready(md_pods(lab, namespace, name, "router"))
+        return len(pods) == engines and routers and pods
+
+    return lab.wait_for(all_ready, timeout, f"{namespace}/{name}: {engines} engines and a router")
+
+
+def router_url(lab: Lab, namespace: str, name: str) -> str:
+    """Through the router Service's endpoints (there is no kube-proxy in the lab)."""
+    found = lab.wait_for(
+        lambda: lab.kube.endpoints(namespace, f"{name}-router"), 60, f"{name}-router endpoints"
+    )
+    return f"http://{found[0]}"
+
+
+def pod_url(pod: dict, port: int = ENGINE_PORT) -> str:
+    return f"http://{pod['status']['podIP']}:{port}"
+
+
+def metrics(lab: Lab, pod: dict) -> dict[str, float]:
+    """An engine pod's /metrics, samples summed by name (label sets folded)."""
+    text = lab.in_lab(httpx.get, f"{pod_url(pod)}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def openai_client(base_url: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def complete(lab: Lab, base_url: str, model: str, prompt: str, max_tokens: int = 16) -> str:
+    """A greedy completion through the openai SDK, from inside the lab."""
+
+    def call() -> str:
+        client = openai_client(base_url)
+        out = client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0
+        )
+        return out.choices[0].text
+
+    return lab.in_lab(call)
+
+
+def chat(lab: Lab, base_url: str, model: str, content: str, max_tokens: int = 16) -> str:
+    def call() -> str:
+        client = openai_client(base_url)
+        out = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=max_tokens,
+            temperature=0,
+        )
+        return out.choices[0].message.content
+
+    return lab.in_lab(call)
+
+
+class Offline:
+    """Greedy outputs of the offline engine on the same checkpoint: what every path through a
+    fleet must give."""
+
+    def __init__(self, checkpoint: Path) -> None:
+        from pagefleet.engine.llm import LLM
+
+        self.llm = LLM(str(checkpoint), max_model_len=4096, kv_cache_memory=0.05)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def complete(self, prompt: str, max_tokens: int = 16) -> str:
+        from pagefleet.engine.sampling_params import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        return self.llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+
+    def chat(self, content: str, max_tokens: int = 16) -> str:
+        from pagefleet.engine.sampling_params import SamplingParams
+
+        ids = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=True, add_generation_prompt=True
+        )
+        ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        return self.llm.generate([ids], params, use_tqdm=False)[0].outputs[0].text
+
+
+def elapsed(since: float) -> float:
+    return round(time.monotonic() - since, 1)

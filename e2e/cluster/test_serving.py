@@ -1,0 +1,176 @@
+"""Scenarios: what the chart and the examples deploy serves, through the operator's router, the
+same greedy text as the offline engine; and disaggregated serving moves KV between pod IPs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from .conftest import open_lab
+from .fleet import (
+    EXAMPLES,
+    chat,
+    complete,
+    example,
+    for_cpu,
+    helm_template,
+    install_crd,
+    md_pods,
+    metrics,
+    ready,
+    router_url,
+    start_operator,
+    wait_serving,
+)
+from .images import files_image
+
+VALUES = Path(__file__).with_name("chart-cpu-values.yaml")
+PROMPTS = ["What is a KV cache?", "the router sends each request to"]
+LONG = " ".join(f"history{i % 29} of the chat so far" for i in range(45))  # ~650 tokens
+KEDA_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "scaledobjects.keda.sh"},
+    "spec": {
+        "group": "keda.sh",
+        "scope": "Namespaced",
+        "names": {"kind": "ScaledObject", "plural": "scaledobjects", "singular": "scaledobject"},
+        "versions": [{"name": "v1alpha1", "served": True, "storage": True, "schema": {}}],
+    },
+}
+
+
+def assert_serves_as_offline(lab, url: str, model: str, offline) -> None:
+    for prompt in PROMPTS:
+        assert complete(lab, url, model, prompt) == offline.complete(prompt)
+    assert chat(lab, url, model, PROMPTS[0]) == offline.chat(PROMPTS[0])
+
+
+def test_the_charts_default_model_deployment_serves_on_cpu(tmp_path, model_store, offline):
+    """`helm template` of the chart (CPU values) applied as is: the operator pod (in-cluster
+    login with its service-account token), the engine and the router all get Ready, and the
+    openai SDK through the router gets the offline engine's greedy text."""
+    objects = helm_template("pf", "serving", VALUES)
+    claim = next(o for o in objects if o["kind"] == "PersistentVolumeClaim")["metadata"]["name"]
+    with open_lab(tmp_path / "lab", claims={claim: str(model_store)}) as lab:
+        lab.kube.create_namespace("serving")
+        for obj in sorted(objects, key=lambda o: o["kind"] != "CustomResourceDefinition"):
+            lab.kube.create(obj)
+        wait_serving(lab, "serving", "llama-3-8b", engines=1)
+        operator = lab.kube.pods("serving", "app.kubernetes.io/component=operator")
+        assert ready(operator) and operator[0]["spec"]["serviceAccountName"].endswith("operator")
+        url = router_url(lab, "serving", "llama-3-8b")
+        assert_serves_as_offline(lab, url, "llama-3-8b", offline)
+        restarts = [
+            c["restartCount"]
+            for p in lab.kube.pods("serving")
+            for c in p["status"]["containerStatuses"]
+        ]
+        assert restarts == [0] * len(restarts), lab.describe()
+
+
+def test_every_valid_example_serves_on_cpu(tmp_path, model_store, offline):
+    """`kubectl apply -f examples/modeldeployments/` (the valid ones, with CPU engine args):
+    PVC, hostPath and weights-image models, colocated, disaggregated and KEDA pools."""
+    valid = sorted(p.name for p in EXAMPLES.glob("*.yaml") if not p.name.startswith("invalid-"))
+    assert valid == ["colocated.yaml", "disaggregated.yaml", "hostpath-minimal.yaml", "keda.yaml"]
+    weights = files_image({"/model": str(model_store / "qwen2-7b")})
+    with open_lab(
+        tmp_path / "lab",
+        claims={"models": str(model_store)},
+        host_paths={"/srv/models/tiny": str(model_store / "tiny")},
+        images={"registry.example.com/weights/qwen2-7b": weights},
+    ) as lab:
+        install_crd(lab)
+        lab.kube.create(KEDA_CRD)  # the keda example needs KEDA's CRD (not its controller)
+        lab.kube.create_namespace("serving")
+        claim = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "models", "namespace": "serving"},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        }
+        lab.kube.create(claim)
+        # keda pools need a Prometheus URL; nothing answers there, so builtin pools hold.
+        start_operator(
+            lab, "--autoscale-interval", "1", "--prometheus-url", "http://prometheus.invalid:9090"
+        )
+        deployments = {name: for_cpu(example(name)) for name in valid}
+        for md in deployments.values():
+            lab.kube.create(md)
+        engines = {
+            "colocated.yaml": 2,
+            "disaggregated.yaml": 3,
+            "hostpath-minimal.yaml": 1,
+            "keda.yaml": 1,
+        }
+        for name, md in deployments.items():
+            meta = md["metadata"]
+            wait_serving(lab, meta["namespace"], meta["name"], engines[name], timeout=300)
+        for md in deployments.values():
+            meta = md["metadata"]
+            url = router_url(lab, meta["namespace"], meta["name"])
+            assert_serves_as_offline(lab, url, md["spec"]["model"]["name"], offline)
+        qwen = md_pods(lab, "serving", "qwen")[0]
+        assert qwen["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+
+
+def test_disaggregated_prefill_hands_kv_to_decode_between_pod_ips(tmp_path, model_store, offline):
+    """A long prompt is prefilled on the prefill pod and pulled over NIXL by the decode pod from
+    the prefill pod's IP: the decode pod computes at most the uncached tail, the text equals the
+    offline engine's, and the prefill pod lets its held blocks go right after the hand-off."""
+    with open_lab(tmp_path / "lab", claims={"models": str(model_store)}) as lab:
+        install_crd(lab)
+        lab.kube.create_namespace("serving")
+        lab.kube.create(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": "models", "namespace": "serving"},
+                "spec": {},
+            }
+        )
+        start_operator(lab, "--autoscale-interval", "1")
+        md = for_cpu(example("disaggregated.yaml"))
+        md["spec"]["pools"] = {
+            "prefill": {"replicas": 1},
+            "decode": {"replicas": 1},
+        }
+        lab.kube.create(md)
+        wait_serving(lab, "serving", "llama-pd", engines=2)
+        pods = {
+            p["metadata"]["labels"]["pagefleet.io/role"]: p
+            for p in md_pods(lab, "serving", "llama-pd")
+        }
+        prefill, decode = pods["prefill"], pods["decode"]
+        url = router_url(lab, "serving", "llama-pd")
+        before = metrics(lab, decode)
+        text = complete(lab, url, "llama-3-8b", LONG)
+        handed_off = time.monotonic()
+        after = metrics(lab, decode)
+        assert text == offline.complete(LONG)
+        moved = {
+            k: after.get(k, 0) - before.get(k, 0)
+            for k in after
+            if k.startswith("pagefleet:kv_transfer_")
+        }
+        assert moved["pagefleet:kv_transfer_transfers_total"] >= 1, moved
+        assert moved["pagefleet:kv_transfer_bytes_total"] > 0, moved
+        assert moved["pagefleet:kv_transfer_failures_total"] == 0, moved
+        assert moved["pagefleet:kv_transfer_fallbacks_total"] == 0, moved
+        computed = after["vllm:prompt_tokens_total"] - before.get("vllm:prompt_tokens_total", 0)
+        assert computed <= 16, f"the decode pod computed {computed} prompt tokens"
+        # Released by the decode pod's hand-off, not by the 120 s hold timeout.
+        lab.wait_for(
+            lambda: (
+                metrics(lab, prefill)["vllm:kv_cache_usage_perc"] == 0
+                and metrics(lab, prefill)["pagefleet:kv_transfer_held_blocks"] == 0
+            ),
+            10,
+            "the prefill pod to release its blocks",
+        )
+        print(f"prefill blocks released {time.monotonic() - handed_off:.2f} s after the answer")
+        assert prefill["status"]["podIP"] != decode["status"]["podIP"]
