@@ -29,8 +29,17 @@ CPU_ENGINE_ARGS = {"kv-cache-memory": 0.05}
 def helm_template(release: str, namespace: str, values: Path) -> list[dict]:
     """The chart rendered by the real helm, CRDs included."""
     out = subprocess.run(
-        [HELM, "template", release, str(CHART), "--namespace", namespace, "--include-crds"]
-        + ["-f", str(values)],
+        [
+            HELM,
+            "template",
+            release,
+            str(CHART),
+            "--namespace",
+            namespace,
+            "--include-crds",
+            "-f",
+            str(values),
+        ],
         capture_output=True,
         text=True,
         check=True,

@@ -268,6 +268,10 @@ class PodWorker:
         if "emptyDir" in volume:
             path.mkdir(parents=True, exist_ok=True)
             path.chmod(0o777)
+            fs_group = (self.pod["spec"].get("securityContext") or {}).get("fsGroup")
+            if fs_group is not None:  # SetVolumeOwnership: root-owned, the group's, setgid
+                os.chown(path, -1, fs_group)
+                path.chmod(0o2777)
             if (
                 volume["emptyDir"].get("medium") == "Memory"
                 and path not in self.kubelet.tmpfs_mounts

@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import warnings  # noqa: F401 - os.execvpe imports it, after the user change may hide it
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
