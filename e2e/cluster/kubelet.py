@@ -235,6 +235,11 @@ class PodWorker:
         self.pod = await self.api.update(PODS, self.ns, self.name, bind)
 
     async def _tear_down(self) -> None:
+        # The containers' last states are written before the pod goes (tests read them).
+        if self._publishing is not None:
+            await asyncio.gather(self._publishing, return_exceptions=True)
+        if self._dirty:
+            await self._publish()
         with contextlib.suppress(Exception):
             await asyncio.to_thread(self.kubelet.network.remove_pod, self.uid)
         for mount in sorted(self.kubelet.tmpfs_mounts):
