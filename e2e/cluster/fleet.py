@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -181,3 +183,37 @@ class Offline:
 
 def elapsed(since: float) -> float:
     return round(time.monotonic() - since, 1)
+
+
+@dataclass
+class Load:
+    """Closed-loop clients in the lab: each sends a completion, waits for it, repeats."""
+
+    url: str
+    model: str = "tiny"
+    sent: int = 0
+    ok: int = 0
+    failures: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def client(self, stop: threading.Event) -> None:
+        with httpx.Client(timeout=120) as http:
+            while not stop.is_set():
+                with self.lock:
+                    self.sent += 1
+                body = {"model": self.model, "prompt": "count the requests", "max_tokens": 20}
+                try:
+                    r = http.post(f"{self.url}/v1/completions", json=body)
+                    good = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
+                    detail = f"{r.status_code} {r.text[:200]}"
+                except httpx.HTTPError as e:
+                    good, detail = False, repr(e)
+                with self.lock:
+                    if good:
+                        self.ok += 1
+                    else:
+                        self.failures.append(detail)
+
+    def run(self, lab, clients: int) -> tuple[threading.Event, list]:
+        stop = threading.Event()
+        return stop, [lab.submit(self.client, stop) for _ in range(clients)]

@@ -6,14 +6,11 @@ with a SIGTERM drain. Every request sent is answered."""
 from __future__ import annotations
 
 import json
-import threading
 import time
-from dataclasses import dataclass, field
-
-import httpx
 
 from .conftest import open_lab
 from .fleet import (
+    Load,
     install_crd,
     md_pods,
     metrics,
@@ -54,39 +51,6 @@ def scaled_deployment() -> dict:
             "pools": {"colocated": {"replicas": 1, "autoscaling": AUTOSCALING}},
         },
     }
-
-
-@dataclass
-class Load:
-    """Closed-loop clients in the lab: each sends a completion, waits for it, repeats."""
-
-    url: str
-    sent: int = 0
-    ok: int = 0
-    failures: list[str] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def client(self, stop: threading.Event) -> None:
-        with httpx.Client(timeout=120) as http:
-            while not stop.is_set():
-                with self.lock:
-                    self.sent += 1
-                body = {"model": "tiny", "prompt": "count the requests", "max_tokens": 20}
-                try:
-                    r = http.post(f"{self.url}/v1/completions", json=body)
-                    good = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
-                    detail = f"{r.status_code} {r.text[:200]}"
-                except httpx.HTTPError as e:
-                    good, detail = False, repr(e)
-                with self.lock:
-                    if good:
-                        self.ok += 1
-                    else:
-                        self.failures.append(detail)
-
-    def run(self, lab, clients: int) -> tuple[threading.Event, list]:
-        stop = threading.Event()
-        return stop, [lab.submit(self.client, stop) for _ in range(clients)]
 
 
 def replicas(lab) -> int:
