@@ -655,9 +655,29 @@ class LabApi(kmock.KubernetesEmulator):
 
     # -- HTTP
 
+    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
+        """kmock names the core group's version "/v1"; clients (helm) want "v1"."""
+        listing = await super()._serve_version(request)
+        listing["groupVersion"] = listing["groupVersion"].lstrip("/")
+        return listing
+
+    async def _serve_server_version(self, request: rendering.Request) -> rendering.Payload:
+        """A current Kubernetes (charts check kubeVersion against it)."""
+        return {
+            "major": "1",
+            "minor": "31",
+            "gitVersion": "v1.31.0-lab",
+            "platform": "linux/amd64",
+        }
+
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         """kmock reads /api/v1/namespaces[/NAME] as a namespace prefix; these paths name the
         cluster-scoped Namespace resource itself."""
+        content_type = raw_request.headers.get("Content-Type", "")
+        if "protobuf" in content_type or "cbor" in content_type:
+            # JSON only here: client-go falls back to JSON on 415, as with any such server.
+            error = api_error(415, "UnsupportedMediaType", f"{content_type} is not served")
+            return await self._render_error(error)
         match = NAMESPACE_PATH.match(raw_request.path)
         if not match:
             return await super().__call__(raw_request)

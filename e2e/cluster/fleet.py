@@ -217,3 +217,69 @@ class Load:
     def run(self, lab, clients: int) -> tuple[threading.Event, list]:
         stop = threading.Event()
         return stop, [lab.submit(self.client, stop) for _ in range(clients)]
+
+
+# helm's releaseutil/kind_sorter.go: the order `helm uninstall` deletes a release's objects in.
+# Kinds not listed (custom resources such as ModelDeployment) go last, by kind name.
+HELM_UNINSTALL_ORDER = [
+    "ValidatingWebhookConfiguration",
+    "MutatingWebhookConfiguration",
+    "APIService",
+    "Ingress",
+    "IngressClass",
+    "Service",
+    "CronJob",
+    "Job",
+    "StatefulSet",
+    "HorizontalPodAutoscaler",
+    "Deployment",
+    "ReplicaSet",
+    "ReplicationController",
+    "Pod",
+    "DaemonSet",
+    "RoleBindingList",
+    "RoleBinding",
+    "RoleList",
+    "Role",
+    "ClusterRoleBindingList",
+    "ClusterRoleBinding",
+    "ClusterRoleList",
+    "ClusterRole",
+    "CustomResourceDefinition",
+    "PersistentVolumeClaim",
+    "PersistentVolume",
+    "StorageClass",
+    "ConfigMap",
+    "SecretList",
+    "Secret",
+    "ServiceAccount",
+    "PodDisruptionBudget",
+    "PodSecurityPolicy",
+    "LimitRange",
+    "ResourceQuota",
+    "NetworkPolicy",
+    "Namespace",
+    "PriorityClass",
+]
+
+
+def helm_uninstall(lab: Lab, release_objects: list[dict]) -> list[str]:
+    """What `helm uninstall` does to a release made from `helm template` output: pre-delete
+    hooks are not in the release's objects; CRDs (crds/) and objects annotated
+    `helm.sh/resource-policy: keep` stay; the rest is deleted in helm's uninstall order, one
+    after another, without waiting (background propagation). Returns what it deleted."""
+    known = {kind: i for i, kind in enumerate(HELM_UNINSTALL_ORDER)}
+    doomed = [
+        o
+        for o in release_objects
+        if o["kind"] != "CustomResourceDefinition"
+        and (o["metadata"].get("annotations") or {}).get("helm.sh/resource-policy") != "keep"
+        and "helm.sh/hook" not in (o["metadata"].get("annotations") or {})
+    ]
+    doomed.sort(key=lambda o: (known.get(o["kind"], len(known)), o["kind"]))
+    deleted = []
+    for obj in doomed:
+        meta = obj["metadata"]
+        lab.kube.delete(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+        deleted.append(f"{obj['kind']}/{meta['name']}")
+    return deleted

@@ -7,12 +7,15 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
-from .conftest import open_lab
+from .conftest import TIME_FACTOR, open_lab
 from .fleet import (
     MD,
     Load,
     complete,
+    helm_template,
+    helm_uninstall,
     install_crd,
     md_pods,
     metrics,
@@ -23,6 +26,7 @@ from .fleet import (
 )
 
 NS = "serving"
+CHART_VALUES = Path(__file__).with_name("chart-cpu-values.yaml")
 SIMULATED = {
     "simulate": True,
     "simulate-profile": json.dumps({"step_overhead_s": 0.05}),
@@ -335,3 +339,54 @@ def test_deleting_a_model_deployment_removes_everything_it_owns(tmp_path, model_
             return [f"{o['kind']}/{o['metadata']['name']}" for o in objects]
 
         lab.wait_for(lambda: not leftovers(), 60, "every owned object gone")
+
+
+def test_uninstalling_the_chart_leaves_no_model_deployment_pod_or_finalizer(tmp_path, model_store):
+    """The chart installed (its operator as a pod), then uninstalled in helm's order: the
+    operator goes before the ModelDeployment, and still nothing is left behind. (The real helm
+    stores releases as protobuf Secrets, which the lab's JSON-only API cannot read; the
+    uninstall follows helm's documented order instead.)"""
+    objects = helm_template("pf", NS, CHART_VALUES)
+    claim = next(o for o in objects if o["kind"] == "PersistentVolumeClaim")["metadata"]["name"]
+    with open_lab(tmp_path / "lab", claims={claim: str(model_store)}) as lab:
+        lab.kube.create_namespace(NS)
+        for obj in sorted(objects, key=lambda o: o["kind"] != "CustomResourceDefinition"):
+            lab.kube.create(obj)
+        wait_serving(lab, NS, "llama-3-8b", engines=1)
+        deleted = helm_uninstall(lab, objects)
+        assert deleted.index("Deployment/pf-pagefleet-operator") < deleted.index(
+            "ModelDeployment/llama-3-8b"
+        )
+
+        def left():
+            mds = lab.kube.list(*MD, NS)
+            pods = lab.kube.pods(NS)
+            return [
+                f"ModelDeployment/{m['metadata']['name']} {m['metadata'].get('finalizers')}"
+                for m in mds
+            ] + [f"Pod/{p['metadata']['name']}" for p in pods]
+
+        lab.wait_for(lambda: not left(), 90, "no ModelDeployment or pod left")
+
+
+def test_the_router_outlives_an_empty_pool(tmp_path, model_store):
+    """No engine at all (a pool at zero replicas) for longer than the router's liveness
+    budget: the router is not ready but never restarted, and serves once an engine comes."""
+    with open_lab(tmp_path / "lab", claims={"models": str(model_store)}) as lab:
+        prepare(lab)
+        start_operator(lab, "--autoscale-interval", "1")
+        md = lab.kube.create(model_deployment("idle", replicas=0))
+        router = lab.wait_for(lambda: md_pods(lab, NS, "idle", "router"), 60, "the router pod")[0]
+        probe = router["spec"]["containers"][0]["livenessProbe"]
+        budget = probe["periodSeconds"] * probe["failureThreshold"] * TIME_FACTOR
+        started = time.monotonic()
+        while time.monotonic() - started < budget + 10:
+            now = lab.kube.get("v1", "Pod", NS, router["metadata"]["name"])
+            statuses = (now.get("status") or {}).get("containerStatuses") or [{}]
+            assert statuses[0].get("restartCount", 0) == 0, (
+                "the router was restarted without engines"
+            )
+            time.sleep(1)
+        lab.kube.patch(md, {"spec": {"pools": {"colocated": {"replicas": 1}}}})
+        wait_serving(lab, NS, "idle", engines=1)
+        assert complete(lab, router_url(lab, NS, "idle"), "tiny", "hello")
