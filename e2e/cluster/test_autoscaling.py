@@ -127,7 +127,8 @@ def test_builtin_autoscaler_scales_pods_up_and_down_without_losing_a_request(tmp
             assert state["terminated"]["exitCode"] == 0, f"{name} did not drain: {state}"
             assert "SIGTERM: draining" in lab.log(f"{NS}_{name}_engine")
         print(
-            f"autoscaling: {load.sent} requests sent, {load.ok} answered, {len(load.failures)} failed;"
+            f"autoscaling: {load.sent} requests sent, {load.ok} answered,"
+            f" {len(load.failures)} failed;"
             f" scale up (load -> new pod serving) {scale_up_s:.1f} s, scale down (queue drained ->"
             f" one pod left) {scale_down_s:.1f} s"
         )

@@ -179,7 +179,8 @@ def test_operator_restart_changes_nothing_and_keeps_the_scale_down_window(tmp_pa
         assert pods_before <= {p["metadata"]["name"] for p in lab.kube.pods(NS)}, "pods replaced"
         lab.wait_for(lambda: replicas(lab, "steady") == 1, 60, "scale down after the window")
         print(
-            f"operator restart: scaled down {time.monotonic() - lull:.1f} s after the lull ({window} s window)"
+            f"operator restart: scaled down {time.monotonic() - lull:.1f} s after the lull"
+            f" ({window} s window)"
         )
         assert load.failures == [] and load.ok == load.sent
 
