@@ -46,6 +46,7 @@ import yaml
 from kmock._internal import dicts, enums, rendering
 
 from .labels import Requirement, matches, parse_selector
+from .probes import within
 
 Res = kmock.resource
 
@@ -646,7 +647,7 @@ class LabApi(kmock.KubernetesEmulator):
                 if left is not None and left <= 0:
                     return
                 try:
-                    event = await asyncio.wait_for(watch.queue.get(), left)
+                    event = await within(watch.queue.get(), left)
                 except TimeoutError:
                     return
                 yield event

@@ -16,7 +16,6 @@ current objects, on the API server's event loop.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import logging
@@ -27,6 +26,7 @@ import kmock
 
 from .api import LabApi, Res
 from .labels import from_label_selector, from_map, matches
+from .probes import within
 
 log = logging.getLogger("cluster.controllers")
 
@@ -128,7 +128,7 @@ class ControllerManager:
                 except kmock.KubernetesError as e:  # a race with another writer: next round
                     log.debug("%s: %s", sync.__name__, e)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(listener.wait(), RESYNC_S)
+                await within(listener.wait(), RESYNC_S)
 
     # -- namespaces
 

@@ -3,6 +3,7 @@ a ModelDeployment's pods and router, talk to them from inside the lab, read thei
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -57,6 +58,43 @@ def start_operator(lab: Lab, *flags: str, name: str = "operator"):
     """`pagefleet operator` on the node, talking to the lab's API by URL."""
     argv = [PAGEFLEET, "operator", "--kubernetes-api", lab.api_url, *flags]
     return lab.start_process(name, argv)
+
+
+# Simulated engines (no forward pass): each step takes 50 ms and two requests run at a time, so
+# a few clients queue requests on one pod.
+SIMULATED_ENGINE_ARGS = {
+    "simulate": True,
+    "simulate-profile": json.dumps({"step_overhead_s": 0.05}),
+    "max-num-seqs": 2,
+    "kv-cache-memory": 0.05,
+}
+
+
+def prepare_namespace(lab: Lab, namespace: str) -> None:
+    """The CRD, the namespace, and the `models` claim the lab has a directory for."""
+    install_crd(lab)
+    lab.kube.create_namespace(namespace)
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "models", "namespace": namespace},
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+    lab.kube.create(claim)
+
+
+def simulated_deployment(name: str, namespace: str, pool: dict) -> dict:
+    """A colocated ModelDeployment of simulated engines serving the `tiny` checkpoint."""
+    return {
+        "apiVersion": "pagefleet.io/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"name": "tiny", "pvc": {"claimName": "models", "path": "tiny"}},
+            "engineArgs": SIMULATED_ENGINE_ARGS,
+            "pools": {"colocated": pool},
+        },
+    }
 
 
 def for_cpu(md: dict) -> dict:

@@ -38,7 +38,7 @@ from .podspec import (
     secret_data,
     service_env,
 )
-from .probes import Thresholds, TimeScale, check
+from .probes import Thresholds, TimeScale, check, within
 
 log = logging.getLogger("cluster.kubelet")
 
@@ -46,6 +46,8 @@ PODS = Res("v1/pods")
 SHIM = Path(__file__).with_name("shim.py")
 BACKOFF_S, BACKOFF_MAX_S = 10.0, 300.0
 TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+# Mount points shims created on the machine's tree, by every lab on this machine.
+CREATED_MOUNT_POINTS = Path("/run/pagefleet-lab/created-mount-points")
 
 
 def now_iso() -> str:
@@ -82,10 +84,6 @@ class NodeConfig:
     host_paths: dict[str, str]  # hostPath path -> host directory
     state_dir: Path
     time: TimeScale = field(default_factory=TimeScale)
-
-    @property
-    def created_log(self) -> Path:
-        return self.state_dir / "created-mount-points"
 
 
 @dataclass
@@ -129,7 +127,7 @@ class Kubelet:
             listener.clear()
             self.sync()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(listener.wait(), 1.0)
+                await within(listener.wait(), 1.0)
 
     def sync(self) -> None:
         pods = {p["metadata"]["uid"]: p for p in self.api.list(PODS)}
@@ -264,7 +262,7 @@ class PodWorker:
             except ConfigError as e:
                 self._waiting_all("ContainerCreating", f"FailedMount: {e}")
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stopping.wait(), delay)
+                    await within(self.stopping.wait(), delay)
         return None
 
     async def _volume(self, volume: dict) -> tuple[str, bool]:
@@ -477,7 +475,7 @@ class PodWorker:
             "read_only_root": bool(ctx.get("readOnlyRootFilesystem")),
             "mounts": mounts,
             "expose": list(image.expose),
-            "created_log": str(self.config.created_log),
+            "created_log": str(CREATED_MOUNT_POINTS),
         }
 
 
@@ -502,7 +500,7 @@ class ContainerRunner:
     async def _sleep_or_stop(self, seconds: float) -> bool:
         """Sleep; True if the pod is stopping meanwhile."""
         try:
-            await asyncio.wait_for(self.worker.stopping.wait(), seconds)
+            await within(self.worker.stopping.wait(), seconds)
             return True
         except TimeoutError:
             return False
@@ -520,6 +518,7 @@ class ContainerRunner:
             self.state.state = {"waiting": {"reason": reason, "message": str(e)}}
             self.worker.changed()
             return None
+        CREATED_MOUNT_POINTS.parent.mkdir(parents=True, exist_ok=True)
         spec_path = self.worker.dir / f"{self.container['name']}.json"
         spec_path.write_text(json.dumps(spec))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -562,7 +561,7 @@ class ContainerRunner:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
         try:
-            await asyncio.wait_for(proc.wait(), grace_s)
+            await within(proc.wait(), grace_s)
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -661,7 +660,7 @@ class ContainerRunner:
             await asyncio.Future()  # no liveness probe: only the process' exit ends it
         finally:
             readiness.cancel()
-            await asyncio.gather(readiness, return_exceptions=True)
+            await asyncio.wait([readiness], timeout=1)
         return "liveness"
 
     async def _probe_until(self, kind: str, probe: dict, stop_on_success: bool = True) -> bool:

@@ -32,9 +32,9 @@ from typing import Any, TypeVar
 from .api import LabApi, Res, serve
 from .controllers import ControllerManager, is_ready
 from .images import PROJECT_REPOSITORY, project_image
-from .kubelet import SHIM, Kubelet, NodeConfig
+from .kubelet import CREATED_MOUNT_POINTS, SHIM, Kubelet, NodeConfig
 from .labels import parse_selector
-from .net import LabNetwork, enter_netns, leftover_namespaces
+from .net import LabNetwork, enter_netns, leftover_namespaces, other_labs
 from .podspec import Image
 from .probes import TimeScale
 
@@ -298,23 +298,26 @@ class Lab:
         self._remove_mount_points()
 
     def _remove_mount_points(self) -> None:
-        created = self.root / "created-mount-points"
-        if not created.exists():
+        """Mount points the labs created on the machine's tree go when the last lab stops: a
+        directory removed here would vanish from under another lab's running containers."""
+        if other_labs(self.network.prefix) or not CREATED_MOUNT_POINTS.exists():
             return
-        paths = {line for line in created.read_text().splitlines() if line}
+        paths = {line for line in CREATED_MOUNT_POINTS.read_text().splitlines() if line}
         for path in sorted(paths, key=lambda p: p.count("/"), reverse=True):
             with contextlib.suppress(OSError):
                 if os.path.isdir(path) and not os.path.islink(path):
                     os.rmdir(path)
                 else:
                     os.unlink(path)
+        CREATED_MOUNT_POINTS.unlink(missing_ok=True)
 
     def leftovers(self) -> list[str]:
-        """What the lab should have removed and did not (namespaces, mount points)."""
+        """What the lab should have removed and did not (namespaces; mount points, unless
+        another lab still runs)."""
         left = leftover_namespaces(self.network.prefix)
-        created = self.root / "created-mount-points"
-        if created.exists():
-            left += [p for p in created.read_text().splitlines() if p and os.path.lexists(p)]
+        if CREATED_MOUNT_POINTS.exists() and not other_labs(self.network.prefix):
+            paths = CREATED_MOUNT_POINTS.read_text().splitlines()
+            left += [p for p in paths if p and os.path.lexists(p)]
         return left
 
     # -- running things

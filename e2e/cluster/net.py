@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import ipaddress
 import os
+import re
 import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -133,3 +134,15 @@ def leftover_namespaces(prefix: str) -> list[str]:
     if not NETNS_DIR.exists():
         return []
     return sorted(p.name for p in NETNS_DIR.iterdir() if p.name.startswith(f"{prefix}-"))
+
+
+def other_labs(prefix: str) -> list[str]:
+    """Namespaces of other labs whose process still runs (names are pfl<pid>x<n>-...)."""
+    if not NETNS_DIR.exists():
+        return []
+    others = []
+    for path in NETNS_DIR.iterdir():
+        m = re.match(r"pfl(\d+)x", path.name)
+        if m and not path.name.startswith(f"{prefix}-") and Path(f"/proc/{m[1]}").exists():
+            others.append(path.name)
+    return sorted(others)

@@ -21,19 +21,26 @@ class TimeScale:
         return seconds * self.factor
 
 
+async def within(awaitable, seconds: float | None):
+    """Await with a deadline (TimeoutError after it; None waits forever). asyncio.timeout, not
+    wait_for: in Python 3.11 wait_for can swallow the caller's cancellation."""
+    async with asyncio.timeout(seconds):
+        return await awaitable
+
+
 async def check(probe: dict, container: dict, pod_ip: str, timeout: float) -> bool:
     """One probe check from the node, as the kubelet does it."""
+    # asyncio.timeout, not wait_for: in 3.11 wait_for can swallow the caller's cancellation.
     try:
-        if "httpGet" in probe:
-            return await asyncio.wait_for(_http_get(probe["httpGet"], container, pod_ip), timeout)
-        if "tcpSocket" in probe:
-            sock = probe["tcpSocket"]
-            port = resolve_port(sock["port"], container)
-            _, writer = await asyncio.wait_for(
-                asyncio.open_connection(sock.get("host") or pod_ip, port), timeout
-            )
-            writer.close()
-            return True
+        async with asyncio.timeout(timeout):
+            if "httpGet" in probe:
+                return await _http_get(probe["httpGet"], container, pod_ip)
+            if "tcpSocket" in probe:
+                sock = probe["tcpSocket"]
+                port = resolve_port(sock["port"], container)
+                _, writer = await asyncio.open_connection(sock.get("host") or pod_ip, port)
+                writer.close()
+                return True
     except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError):
         return False
     raise NotImplementedError(f"the lab runs httpGet and tcpSocket probes, not {sorted(probe)}")

@@ -5,30 +5,22 @@ with a SIGTERM drain. Every request sent is answered."""
 
 from __future__ import annotations
 
-import json
 import time
 
 from .conftest import open_lab
 from .fleet import (
     Load,
-    install_crd,
     md_pods,
     metrics,
+    prepare_namespace,
     ready,
     router_url,
+    simulated_deployment,
     start_operator,
     wait_serving,
 )
 
 NS, NAME = "serving", "scaled"
-# Simulated engines (no forward pass): each step takes 50 ms and two requests run at a time,
-# so a few clients queue requests on one pod.
-ENGINE_ARGS = {
-    "simulate": True,
-    "simulate-profile": json.dumps({"step_overhead_s": 0.05}),
-    "max-num-seqs": 2,
-    "kv-cache-memory": 0.05,
-}
 AUTOSCALING = {
     "mode": "builtin",
     "minReplicas": 1,
@@ -41,16 +33,7 @@ AUTOSCALING = {
 
 
 def scaled_deployment() -> dict:
-    return {
-        "apiVersion": "pagefleet.io/v1alpha1",
-        "kind": "ModelDeployment",
-        "metadata": {"name": NAME, "namespace": NS},
-        "spec": {
-            "model": {"name": "tiny", "pvc": {"claimName": "models", "path": "tiny"}},
-            "engineArgs": ENGINE_ARGS,
-            "pools": {"colocated": {"replicas": 1, "autoscaling": AUTOSCALING}},
-        },
-    }
+    return simulated_deployment(NAME, NS, {"replicas": 1, "autoscaling": AUTOSCALING})
 
 
 def replicas(lab) -> int:
@@ -63,15 +46,7 @@ def served(lab, pod: dict) -> float:
 
 def test_builtin_autoscaler_scales_pods_up_and_down_without_losing_a_request(tmp_path, model_store):
     with open_lab(tmp_path / "lab", claims={"models": str(model_store)}) as lab:
-        install_crd(lab)
-        lab.kube.create_namespace(NS)
-        claim = {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": "models", "namespace": NS},
-            "spec": {},
-        }
-        lab.kube.create(claim)
+        prepare_namespace(lab, NS)
         start_operator(lab, "--autoscale-interval", "1")
         lab.kube.create(scaled_deployment())
         first = wait_serving(lab, NS, NAME, engines=1)[0]

@@ -3,7 +3,6 @@ of our name that belongs to someone else, and deletion."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -16,23 +15,18 @@ from .fleet import (
     complete,
     helm_template,
     helm_uninstall,
-    install_crd,
     md_pods,
     metrics,
+    prepare_namespace,
     ready,
     router_url,
+    simulated_deployment,
     start_operator,
     wait_serving,
 )
 
 NS = "serving"
 CHART_VALUES = Path(__file__).with_name("chart-cpu-values.yaml")
-SIMULATED = {
-    "simulate": True,
-    "simulate-profile": json.dumps({"step_overhead_s": 0.05}),
-    "max-num-seqs": 2,
-    "kv-cache-memory": 0.05,
-}
 LONG = " ".join(f"turn{i % 23} of a long shared context" for i in range(30))  # ~300 tokens
 # What the operator owns besides its pods: (apiVersion, kind, name suffix).
 OWNED = [
@@ -51,28 +45,11 @@ def model_deployment(name: str, replicas: int = 1, autoscaling: dict | None = No
     pool: dict = {"replicas": replicas}
     if autoscaling:
         pool["autoscaling"] = autoscaling
-    return {
-        "apiVersion": "pagefleet.io/v1alpha1",
-        "kind": "ModelDeployment",
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {
-            "model": {"name": "tiny", "pvc": {"claimName": "models", "path": "tiny"}},
-            "engineArgs": SIMULATED,
-            "pools": {"colocated": pool},
-        },
-    }
+    return simulated_deployment(name, NS, pool)
 
 
 def prepare(lab) -> None:
-    install_crd(lab)
-    lab.kube.create_namespace(NS)
-    claim = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {"name": "models", "namespace": NS},
-        "spec": {},
-    }
-    lab.kube.create(claim)
+    prepare_namespace(lab, NS)
 
 
 def owned(lab, name: str) -> dict[tuple[str, str], dict]:

@@ -14,9 +14,9 @@ from .fleet import (
     example,
     for_cpu,
     helm_template,
-    install_crd,
     md_pods,
     metrics,
+    prepare_namespace,
     ready,
     router_url,
     start_operator,
@@ -81,19 +81,8 @@ def test_every_valid_example_serves_on_cpu(tmp_path, model_store, offline):
         host_paths={"/srv/models/tiny": str(model_store / "tiny")},
         images={"registry.example.com/weights/qwen2-7b": weights},
     ) as lab:
-        install_crd(lab)
+        prepare_namespace(lab, "serving")
         lab.kube.create(KEDA_CRD)  # the keda example needs KEDA's CRD (not its controller)
-        lab.kube.create_namespace("serving")
-        claim = {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": "models", "namespace": "serving"},
-            "spec": {
-                "accessModes": ["ReadWriteMany"],
-                "resources": {"requests": {"storage": "1Gi"}},
-            },
-        }
-        lab.kube.create(claim)
         # keda pools need a Prometheus URL; nothing answers there, so builtin pools hold.
         start_operator(
             lab, "--autoscale-interval", "1", "--prometheus-url", "http://prometheus.invalid:9090"
@@ -123,16 +112,7 @@ def test_disaggregated_prefill_hands_kv_to_decode_between_pod_ips(tmp_path, mode
     the prefill pod's IP: the decode pod computes at most the uncached tail, the text equals the
     offline engine's, and the prefill pod lets its held blocks go right after the hand-off."""
     with open_lab(tmp_path / "lab", claims={"models": str(model_store)}) as lab:
-        install_crd(lab)
-        lab.kube.create_namespace("serving")
-        lab.kube.create(
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolumeClaim",
-                "metadata": {"name": "models", "namespace": "serving"},
-                "spec": {},
-            }
-        )
+        prepare_namespace(lab, "serving")
         start_operator(lab, "--autoscale-interval", "1")
         md = for_cpu(example("disaggregated.yaml"))
         md["spec"]["pools"] = {
