@@ -130,11 +130,30 @@ def wait_serving(
     """Until `engines` engine pods and the router are Ready; the engine pods."""
 
     def all_ready():
+        for pod in lab.kube.pods(namespace):  # the engines, the router, the chart's operator
+            crash_loop(lab, pod)
         pods = ready(md_pods(lab, namespace, name))
         routers = ready(md_pods(lab, namespace, name, "router"))
         return len(pods) == engines and routers and pods
 
     return lab.wait_for(all_ready, timeout, f"{namespace}/{name}: {engines} engines and a router")
+
+
+def operator_ready(lab: Lab, namespace: str) -> list[dict]:
+    """The chart's operator pod Ready (it logs in with its service-account token)."""
+    selector = "app.kubernetes.io/component=operator"
+    return lab.wait_for(
+        lambda: ready(lab.kube.pods(namespace, selector)), 90, "the chart's operator pod Ready"
+    )
+
+
+def crash_loop(lab: Lab, pod: dict, restarts: int = 3) -> None:
+    """Fail at once, with the container's log, when a container keeps crashing."""
+    status = pod.get("status") or {}
+    for c in [*status.get("initContainerStatuses", []), *status.get("containerStatuses", [])]:
+        if c["restartCount"] >= restarts:
+            tail = "\n".join(lab.pod_log(pod, c["name"]).splitlines()[-15:])
+            raise AssertionError(f"{pod['metadata']['name']}/{c['name']} crash-loops:\n{tail}")
 
 
 def router_url(lab: Lab, namespace: str, name: str) -> str:

@@ -17,6 +17,7 @@ from .fleet import (
     helm_uninstall,
     md_pods,
     metrics,
+    operator_ready,
     prepare_namespace,
     ready,
     router_url,
@@ -330,6 +331,7 @@ def test_uninstalling_the_chart_leaves_no_model_deployment_pod_or_finalizer(tmp_
         lab.kube.create_namespace(NS)
         for obj in sorted(objects, key=lambda o: o["kind"] != "CustomResourceDefinition"):
             lab.kube.create(obj)
+        operator_ready(lab, NS)
         wait_serving(lab, NS, "llama-3-8b", engines=1)
         deleted = helm_uninstall(lab, objects)
         assert deleted.index("Deployment/pf-pagefleet-operator") < deleted.index(

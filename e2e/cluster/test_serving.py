@@ -16,8 +16,8 @@ from .fleet import (
     helm_template,
     md_pods,
     metrics,
+    operator_ready,
     prepare_namespace,
-    ready,
     router_url,
     start_operator,
     wait_serving,
@@ -56,9 +56,9 @@ def test_the_charts_default_model_deployment_serves_on_cpu(tmp_path, model_store
         lab.kube.create_namespace("serving")
         for obj in sorted(objects, key=lambda o: o["kind"] != "CustomResourceDefinition"):
             lab.kube.create(obj)
+        operator = operator_ready(lab, "serving")
+        assert operator[0]["spec"]["serviceAccountName"] == "pf-pagefleet-operator"
         wait_serving(lab, "serving", "llama-3-8b", engines=1)
-        operator = lab.kube.pods("serving", "app.kubernetes.io/component=operator")
-        assert ready(operator) and operator[0]["spec"]["serviceAccountName"].endswith("operator")
         url = router_url(lab, "serving", "llama-3-8b")
         assert_serves_as_offline(lab, url, "llama-3-8b", offline)
         restarts = [
