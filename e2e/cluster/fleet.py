@@ -130,7 +130,12 @@ def wait_serving(
     """Until `engines` engine pods and the router are Ready; the engine pods."""
 
     def all_ready():
-        for pod in lab.kube.pods(namespace):  # the engines, the router, the chart's operator
+        operator = lab.kube.pods(namespace, "app.kubernetes.io/component=operator")
+        for pod in [
+            *md_pods(lab, namespace, name),
+            *md_pods(lab, namespace, name, "router"),
+            *operator,
+        ]:
             crash_loop(lab, pod)
         pods = ready(md_pods(lab, namespace, name))
         routers = ready(md_pods(lab, namespace, name, "router"))
