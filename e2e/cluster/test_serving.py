@@ -96,11 +96,9 @@ def test_every_valid_example_serves_on_cpu(tmp_path, model_store, offline):
             "hostpath-minimal.yaml": 1,
             "keda.yaml": 1,
         }
-        for name, md in deployments.items():
+        for name, md in deployments.items():  # each one fully, so a failure names its example
             meta = md["metadata"]
             wait_serving(lab, meta["namespace"], meta["name"], engines[name], timeout=300)
-        for md in deployments.values():
-            meta = md["metadata"]
             url = router_url(lab, meta["namespace"], meta["name"])
             assert_serves_as_offline(lab, url, md["spec"]["model"]["name"], offline)
         qwen = md_pods(lab, "serving", "qwen")[0]
