@@ -370,3 +370,19 @@ def test_the_router_outlives_an_empty_pool(tmp_path, model_store):
         lab.kube.patch(md, {"spec": {"pools": {"colocated": {"replicas": 1}}}})
         wait_serving(lab, NS, "idle", engines=1)
         assert complete(lab, router_url(lab, NS, "idle"), "tiny", "hello")
+
+
+def test_each_router_uses_only_its_own_deployments_engines(tmp_path, model_store):
+    """Two ModelDeployments serving the same model name in one namespace (as the colocated
+    and disaggregated examples do): each router discovers only its own engine pods."""
+    with open_lab(tmp_path / "lab", claims={"models": str(model_store)}) as lab:
+        prepare(lab)
+        start_operator(lab, "--autoscale-interval", "1")
+        for name in ("alpha", "beta"):
+            lab.kube.create(model_deployment(name))
+        for name in ("alpha", "beta"):
+            own = {p["metadata"]["name"] for p in wait_serving(lab, NS, name, engines=1)}
+            url = router_url(lab, NS, name)
+            lab.wait_for(lambda u=url: router_pods(lab, u), 30, f"{name}'s router to find engines")
+            known = router_pods(lab, url)
+            assert known == own, f"{name}'s router routes to {sorted(known - own)} as well"
