@@ -380,9 +380,12 @@ def test_each_router_uses_only_its_own_deployments_engines(tmp_path, model_store
         start_operator(lab, "--autoscale-interval", "1")
         for name in ("alpha", "beta"):
             lab.kube.create(model_deployment(name))
-        for name in ("alpha", "beta"):
-            own = {p["metadata"]["name"] for p in wait_serving(lab, NS, name, engines=1)}
+        engines = {
+            name: {p["metadata"]["name"] for p in wait_serving(lab, NS, name, engines=1)}
+            for name in ("alpha", "beta")
+        }
+        for name, own in engines.items():
             url = router_url(lab, NS, name)
-            lab.wait_for(lambda u=url: router_pods(lab, u), 30, f"{name}'s router to find engines")
+            lab.wait_for(lambda u=url, o=own: o <= router_pods(lab, u), 30, f"{name}'s router")
             known = router_pods(lab, url)
             assert known == own, f"{name}'s router routes to {sorted(known - own)} as well"
