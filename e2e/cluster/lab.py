@@ -309,7 +309,8 @@ class Lab:
                     os.rmdir(path)
                 else:
                     os.unlink(path)
-        CREATED_MOUNT_POINTS.unlink(missing_ok=True)
+        kept = sorted(p for p in paths if os.path.lexists(p))  # still busy: the next lab tries
+        CREATED_MOUNT_POINTS.write_text("".join(f"{p}\n" for p in kept))
 
     def leftovers(self) -> list[str]:
         """What the lab should have removed and did not (namespaces; mount points, unless
