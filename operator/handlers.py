@@ -473,7 +473,7 @@ def configure(settings: kopf.OperatorSettings, post_events: bool = True) -> kopf
 def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
     """Handlers bound to one operator's state (no module-level registry or memory)."""
     config = state.config
-    registry = kopf.OperatorRegistry() if config.api_url else kopf.SmartOperatorRegistry()
+    registry = kopf.OperatorRegistry()
     resource = (GROUP, VERSION, PLURAL)
 
     if config.api_url:
@@ -481,6 +481,10 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
         @kopf.on.login(registry=registry)
         def login(**_: Any) -> kopf.ConnectionInfo:
             return kopf.ConnectionInfo(server=config.api_url, insecure=True)
+
+    else:
+        # The official client's lookup: in-cluster service account, else ~/.kube/config.
+        kopf.on.login(registry=registry)(kopf.login_via_client)
 
     @kopf.on.resume(*resource, registry=registry)
     @kopf.on.create(*resource, registry=registry)

@@ -242,7 +242,8 @@ def _model_volume(spec: Spec) -> tuple[dict, list[dict]]:
         "name": "copy-model",
         "image": model.image,
         # The weights image only has to hold files (and a shell): copy them into the pod.
-        "command": ["sh", "-c", 'cp -a "$SOURCE"/. /models/'],
+        # Not `cp -a`: a non-root user may not set times or owners on the volume's root.
+        "command": ["sh", "-c", 'cp -R "$SOURCE"/. /models/'],
         "env": [{"name": "SOURCE", "value": model.path or "/model"}],
         "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}],
         "securityContext": _container_security(),
@@ -497,7 +498,8 @@ def router_objects(ctx: _Context) -> list[dict]:
         "--kubernetes-namespace",
         ctx.namespace,
         "--selector",
-        f"{LABEL_MODEL}={spec.model.name}",
+        # The deployment's own engines only: another ModelDeployment may serve the same model.
+        f"{LABEL_INSTANCE}={ctx.name},{LABEL_MODEL}={spec.model.name}",
         "--engine-port",
         str(HTTP_PORT),
         "--model",

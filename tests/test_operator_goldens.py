@@ -161,7 +161,8 @@ def test_router_probes_discovery_and_precise_index(name):
     c = container(router)
     command = c["command"]
     assert command[:2] == ["pagefleet", "router"]
-    assert flag(command, "--selector") == f"pagefleet.io/model={model}"
+    # Its own deployment's engines only: two ModelDeployments may serve one model name.
+    assert flag(command, "--selector") == f"pagefleet.io/deployment={md},pagefleet.io/model={model}"
     assert flag(command, "--kubernetes-namespace") == "serving"
     assert flag(command, "--engine-port") == "8000"
     # Precise index from the engines' KV events (replayed from 5558 after a restart), hashed

@@ -123,7 +123,9 @@ def test_engine_pods_follow_the_shared_contract():
     # builtin autoscaling starts at spec replicas, clamped into [min, max].
     assert decode["spec"]["replicas"] == 2
     router_cmd = router["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert router_cmd[router_cmd.index("--selector") + 1] == "pagefleet.io/model=llama-3-8b"
+    assert router_cmd[router_cmd.index("--selector") + 1] == (
+        "pagefleet.io/deployment=llama-pd,pagefleet.io/model=llama-3-8b"
+    )
     config_map = next(o for o in objects if o["kind"] == "ConfigMap")
     config = yaml.safe_load(config_map["data"]["router.yaml"])
     assert config["pd_threshold_tokens"] == 512 and config["scorers"]["prefix"] == 3
