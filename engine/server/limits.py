@@ -10,6 +10,7 @@ runs on a thread of its own so that a long prompt never stalls the event loop (a
 from __future__ import annotations
 
 import asyncio
+import copy
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -76,11 +77,12 @@ class RequestLimits:
 
 
 class Tokenization:
-    """The server's tokenizer on one thread of its own (HF fast tokenizers must not be shared
-    between threads; the engine thread has its own). Text is checked before it is queued."""
+    """A copy of the server's tokenizer on one thread of its own (HF fast tokenizers must not
+    be shared between threads: the event loop keeps the original to render logprobs, the
+    engine thread has its own). Text is checked before it is queued."""
 
     def __init__(self, tokenizer, limits: RequestLimits) -> None:
-        self.tokenizer, self.limits = tokenizer, limits
+        self.tokenizer, self.limits = copy.deepcopy(tokenizer), limits
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def _run(self, fn, *args, **kwargs):
