@@ -93,8 +93,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         return error_response(exc.status_code, str(exc.detail), kind)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_, exc: Exception):  # a JSON body, never a plain-text 500
-        return error_response(500, f"internal error: {exc!r}", "internal_error")
+    async def _unexpected(_, exc: Exception):  # JSON, never plain text; details stay in the log
+        return error_response(500, "internal error (see the server log)", "internal_error")
 
     @app.middleware("http")
     async def _auth_and_ids(request: Request, call_next):
