@@ -61,7 +61,9 @@ from pagefleet.router.scoring import Pipeline, RoutingRequest
 
 logger = logging.getLogger("pagefleet.router")
 CHARS_PER_TOKEN = 4  # the tokenizer-less fallback hashes fixed character chunks
-ROUTING_PREFIX_CHARS = 256 * 1024  # ~64k tokens: enough to match any cached prefix
+# How much of a prompt routing tokenizes and hashes: a prefix is all it needs.
+ROUTING_PREFIX_CHARS = 256 * 1024
+ROUTING_PREFIX_TOKENS = 64 * 1024
 
 
 @dataclass
@@ -165,7 +167,7 @@ class Router:
         else:
             prompt = body.get("prompt", "")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-                return hash_blocks(prompt[:ROUTING_PREFIX_CHARS], block_size)
+                return hash_blocks(prompt[:ROUTING_PREFIX_TOKENS], block_size)
             text = prompt if isinstance(prompt, str) else "".join(map(str, prompt))
             if self.prompt_cache is not None:
                 return self.prompt_cache.encode(_routed_part(text), True, block_size)[1]

@@ -110,6 +110,3 @@ class Tokenization:
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._run(self.tokenizer.decode, token_ids)
-
-    def close(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
