@@ -22,8 +22,16 @@ from pagefleet.engine.kv_transfer.layout import CompatRecord
 from pagefleet.engine.kv_transfer.service import KVTransferServer
 from pagefleet.engine.llm import LLM
 from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.fleet_auth import FleetSecret
-from server_utils import FLEET_ENV, free_port, metric_value, running_router, running_server
+from pagefleet.fleet_auth import FieldSigner, FleetSecret
+from pagefleet.router.pd import signed_headers
+from server_utils import (
+    FLEET_ENV,
+    fleet_secret,
+    free_port,
+    metric_value,
+    running_router,
+    running_server,
+)
 
 MAX_TOKENS = 8
 # Prompts of three full blocks and one token (decode-only through the router: under 64 tokens).
@@ -32,7 +40,8 @@ DIRECT_POISON = list(range(100, 149))
 ROUTER_POISON = list(range(150, 199))
 LONG = list(range(200, 400))  # 200 tokens: disaggregated through the router
 LONG_B = list(range(300, 500))
-PROMPTS = [DIRECT_POISON, ROUTER_POISON, LONG, LONG_B]
+SIGNED_POISON = list(range(250, 299))
+PROMPTS = [DIRECT_POISON, ROUTER_POISON, SIGNED_POISON, LONG, LONG_B]
 
 
 def kv_flags(role: str, **extra) -> list[str]:
@@ -187,6 +196,24 @@ def test_a_rogue_peer_cannot_poison_the_shared_prefix_cache(fleet, reference, en
     assert_refused(attack)
 
 
+def test_even_signed_params_never_make_an_engine_read_from_an_unproven_peer(fleet, reference):
+    """Defence in depth: should the router ever sign a rogue address (a compromised prefill
+    pod answering with one), the decode engine's handshake still refuses a peer that cannot
+    prove the fleet secret, computes the prompt itself, and caches nothing foreign."""
+    decode = fleet["decode"]
+    fallbacks = metric_value(decode, "pagefleet:kv_transfer_fallbacks_total")
+    with rogue_peer(fleet["model"]) as port:
+        body = {"model": "tiny", "prompt": SIGNED_POISON, "max_tokens": MAX_TOKENS}
+        body |= {"temperature": 0, "ignore_eos": True}
+        body["kv_transfer_params"] = remote_prefill_params(port)
+        headers = signed_headers({}, body, FieldSigner(fleet_secret()))
+        r = httpx.post(f"{decode}/v1/completions", json=body, headers=headers, timeout=120)
+    assert text_of(r) == reference[tuple(SIGNED_POISON)]
+    assert metric_value(decode, "pagefleet:kv_transfer_fallbacks_total") == fallbacks + 1
+    innocent = complete(fleet["router"], SIGNED_POISON)
+    assert text_of(innocent) == reference[tuple(SIGNED_POISON)]
+
+
 def held_blocks(prefill: str) -> float:
     return metric_value(prefill, "pagefleet:kv_transfer_held_blocks")
 
@@ -194,10 +221,11 @@ def held_blocks(prefill: str) -> float:
 def test_legitimate_pd_through_the_router_still_transfers_and_matches(fleet, reference):
     decode, router = fleet["decode"], fleet["router"]
     transfers = metric_value(decode, "pagefleet:kv_transfer_transfers_total")
+    failures = metric_value(decode, "pagefleet:kv_transfer_failures_total")
     for prompt, stream in ((LONG, False), (LONG_B, True)):
         assert text_of(complete(router, prompt, stream=stream)) == reference[tuple(prompt)]
     assert metric_value(decode, "pagefleet:kv_transfer_transfers_total") == transfers + 2
-    assert metric_value(decode, "pagefleet:kv_transfer_failures_total") == 0
+    assert metric_value(decode, "pagefleet:kv_transfer_failures_total") == failures
     outcome = {"outcome": "disaggregated"}
     assert metric_value(router, "pagefleet_router:pd_decisions_total", outcome) >= 2
 
