@@ -303,6 +303,9 @@ def build_router_app(router: Router) -> FastAPI:
         await client.aclose()
 
     app = FastAPI(title="pagefleet router", lifespan=lifespan)
+    # Inside the key check (middleware added later wraps it): bodies of clients without the
+    # key are never read.
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
 
     @app.exception_handler(APIError)
     async def _apierror_response(_, exc: APIError):
@@ -464,7 +467,6 @@ def build_router_app(router: Router) -> FastAPI:
     async def chat(request: Request):
         return await proxy("/v1/chat/completions", request)
 
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     return app
 
 

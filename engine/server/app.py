@@ -56,6 +56,9 @@ class ServerConfig:
 
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="pagefleet", version=__version__)
+    # Inside the key check (middleware added later wraps it): bodies of clients without the
+    # key are never read.
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     app.state.draining = False
     core = engine.engine
     tokenizer = engine.tokenizer
@@ -357,7 +360,6 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
             **_kv_transfer_params([final]),
         }
 
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     return app
 
 
