@@ -33,9 +33,11 @@ import torch
 from pagefleet.engine.kv_transfer.layout import CompatRecord, block_regions
 from pagefleet.engine.kv_transfer.nixl_transport import NixlTransport
 from pagefleet.engine.kv_transfer.service import KVTransferClient, KVTransferServer, PeerInfo
+from pagefleet.fleet_auth import FleetSecret
 
 PORT_MARK = "KV-TRANSFER-PORT"
 REQUEST_ID = "bench"
+SECRET = FleetSecret(b"benchmark-fleet-secret-0123456789")  # both processes share it
 
 
 @dataclass(frozen=True)
@@ -72,11 +74,11 @@ class _HoldAll:
     def __init__(self, num_blocks: int) -> None:
         self._blocks = list(range(num_blocks))
 
-    def blocks_of(self, request_id: str) -> list[int] | None:
-        return self._blocks if request_id == REQUEST_ID else None
+    def blocks_of(self, transfer_id: str, reader: str) -> list[int] | None:
+        return self._blocks if transfer_id == REQUEST_ID else None
 
-    def release(self, request_id: str) -> bool:
-        return request_id == REQUEST_ID
+    def release(self, transfer_id: str, reader: str) -> bool:
+        return transfer_id == REQUEST_ID
 
 
 def serve_peer(shape: KVShape, num_blocks: int) -> None:
@@ -88,6 +90,7 @@ def serve_peer(shape: KVShape, num_blocks: int) -> None:
         pool,
         shape.compat(),
         "bench-peer",
+        secret=SECRET,
         nixl_agent_name=nixl.agent_name,
         nixl_metadata=nixl.metadata(),
     )
@@ -196,7 +199,7 @@ def run_transfer_throughput(
     rows: list[TransferRow] = []
     with (
         peer_process(shape, num_blocks) as port,
-        KVTransferClient("127.0.0.1", port, timeout=600) as client,
+        KVTransferClient("127.0.0.1", port, timeout=600, secret=SECRET) as client,
         NixlTransport(local_pool, "bench-decode") as nixl,
     ):
         info = client.handshake(shape.compat(), "bench-decode")

@@ -38,10 +38,14 @@ from pagefleet.engine.model.tiny import write_tiny_checkpoint
 PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
 
 
+# The fleet secret the router and the engines share (as `pagefleet up` gives them one).
+FLEET_ENV = {**os.environ, "PAGEFLEET_FLEET_SECRET": "benchmark-fleet-secret-0123456789"}
+
+
 @contextlib.contextmanager
 def processes(commands: list[list[str]]):
     procs = [
-        subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=FLEET_ENV)
         for cmd in commands
     ]
     try:

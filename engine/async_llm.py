@@ -4,25 +4,72 @@ The forward pass blocks, so it runs on a dedicated thread that owns the `LLMEngi
 loop only queues commands (add, abort) and receives outputs. HTTP handling therefore never
 stalls a step, and a step never stalls HTTP. An abort (or a cancelled consumer) takes effect at
 the next step boundary, where the request's blocks are freed.
+
+Outputs are cumulative, so each request keeps only its newest undelivered one: a consumer that
+stops reading costs one output, not one per step. One that leaves output unread for longer
+than `client_stall_timeout` has its request aborted (its blocks freed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
+import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.llm_engine import LLMEngine
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.fleet_auth import FleetSecret
 from pagefleet.kv_events import KVEventListener
 
+logger = logging.getLogger("pagefleet.engine")
 _STOP = object()
 _TICK = ("tick",)  # wakes the loop for KV-transfer work
+
+
+class _Slot:
+    """One request's undelivered output, on the consumer's event loop. The newest output
+    replaces an unread one (outputs are cumulative); a failure is never replaced. Output left
+    unread for longer than `stall_timeout` calls `on_stall` once."""
+
+    def __init__(self, on_stall: Callable[[], None], stall_timeout: float | None) -> None:
+        self.item: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+        self.on_stall, self.stall_timeout = on_stall, stall_timeout
+        self.unread_since: float | None = None
+        self.stalled = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(self.item, BaseException):
+            return
+        now = time.monotonic()
+        if self.item is None:
+            self.unread_since = now
+        elif self._stalled(now) and not getattr(item, "finished", True):
+            self.stalled = True
+            self.on_stall()
+        self.item = item
+        self.ready.set()
+
+    def _stalled(self, now: float) -> bool:
+        return (
+            not self.stalled
+            and self.stall_timeout is not None
+            and now - self.unread_since > self.stall_timeout
+        )
+
+    async def take(self) -> RequestOutput | BaseException:
+        await self.ready.wait()
+        item, self.item, self.unread_since = self.item, None, None
+        self.ready.clear()
+        return item
 
 
 class RequestStream:
@@ -30,9 +77,9 @@ class RequestStream:
     when it is closed, or when it is garbage-collected unread (a finalizer), so a client that
     vanished before reading never leaks a request."""
 
-    def __init__(self, llm: AsyncLLM, request_id: str, queue_: asyncio.Queue) -> None:
+    def __init__(self, llm: AsyncLLM, request_id: str, slot: _Slot) -> None:
         self.request_id = request_id
-        self._queue = queue_
+        self._slot = slot
         self._state = {"finished": False}
         self._release = weakref.finalize(self, _release, weakref.ref(llm), request_id, self._state)
 
@@ -43,7 +90,7 @@ class RequestStream:
         if not self._release.alive:
             raise StopAsyncIteration
         try:
-            item = await self._queue.get()
+            item = await self._slot.take()
         except BaseException:  # cancelled while waiting: the consumer is gone
             self._release()
             raise
@@ -67,10 +114,13 @@ def _release(llm_ref, request_id: str, state: dict) -> None:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, client_stall_timeout: float | None = None) -> None:
         self.engine = engine
+        self.client_stall_timeout = client_stall_timeout
+        self.stall_observers: list[Callable[[], None]] = []  # on the loop, per stalled abort
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (consumer's loop, its slot, sequences: n)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Slot, int]] = {}
         # Re-entrant: a RequestStream's finalizer (garbage collection can run it at any
         # allocation, on whichever thread holds this lock) releases its stream under it.
         self._lock = threading.RLock()
@@ -87,9 +137,13 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(
-        cls, args: EngineArgs, kv_event_listener: KVEventListener | None = None
+        cls,
+        args: EngineArgs,
+        kv_event_listener: KVEventListener | None = None,
+        fleet_secret: FleetSecret | None = None,
+        client_stall_timeout: float | None = None,
     ) -> AsyncLLM:
-        return cls(LLMEngine(args, kv_event_listener))
+        return cls(LLMEngine(args, kv_event_listener, fleet_secret), client_stall_timeout)
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -104,18 +158,34 @@ class AsyncLLM:
         if not self._thread.is_alive():
             raise RuntimeError("the engine is shut down")
         loop = asyncio.get_running_loop()
-        queue_: asyncio.Queue = asyncio.Queue()
+        slot = _Slot(lambda: self._abort_stalled(request_id), self.client_stall_timeout)
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
-            self._streams[request_id] = (loop, queue_)
+            self._streams[request_id] = (loop, slot, params.n)
         self._commands.put(("add", request_id, prompt, params))
-        return RequestStream(self, request_id, queue_)
+        return RequestStream(self, request_id, slot)
 
     @property
     def num_unfinished(self) -> int:
         """Requests submitted and not yet finished or released."""
         return len(self._streams)
+
+    @property
+    def num_unfinished_sequences(self) -> int:
+        """Their sequences (n of each): what admission control counts."""
+        with self._lock:
+            return sum(n for _, _, n in self._streams.values())
+
+    def _abort_stalled(self, request_id: str) -> None:
+        logger.warning(
+            "request %s: its client left output unread for %.0f s; aborting it",
+            request_id,
+            self.client_stall_timeout,
+        )
+        self.abort(request_id)
+        for observer in self.stall_observers:
+            observer()
 
     def _release(self, request_id: str, finished: bool) -> None:
         if not finished:
@@ -189,7 +259,7 @@ class AsyncLLM:
         with self._lock:
             target = self._streams.get(request_id)
         if target is not None:
-            loop, stream = target
+            loop, slot, _ = target
             # A closed consumer loop raises RuntimeError: nobody is left to tell.
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(stream.put_nowait, item)
+                loop.call_soon_threadsafe(slot.put, item)

@@ -3,6 +3,11 @@
 Events are collected on the engine thread during a step and handed, one batch per step, to a
 publisher thread that owns the sockets, so a slow network never slows a step. The first batch
 after start is `AllBlocksCleared`: a router that knew this pod before a restart purges it.
+
+Events say which prompts a pod caches, so they are for the fleet only: with a fleet secret both
+sockets speak CurveZMQ with keys derived from it (encrypted; only subscribers holding the
+fleet's client key are let in), and `BlockStored` carries no token ids unless
+`include_token_ids` asks for them (vLLM consumers that rebuild hashes need them).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, fields
 
+from pagefleet.fleet_auth import CurveKeys, FleetSecret, curve_keys
 from pagefleet.kv_events import (
     END_OF_REPLAY,
     AllBlocksCleared,
@@ -34,6 +40,8 @@ class KVEventsConfig:
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000
     topic: str = "kv-events"
+    include_token_ids: bool = False  # pagefleet: the prompt's tokens on the wire (vLLM: yes)
+    curve: bool = True  # pagefleet: CurveZMQ when the engine has a fleet secret
 
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
@@ -55,19 +63,47 @@ class KVEventsConfig:
         return config
 
 
+class _FleetSubscribers:
+    """ZAP credentials: only the fleet's subscriber key may connect."""
+
+    def __init__(self, client_public: bytes) -> None:
+        self.client_public = client_public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.client_public
+
+
+def _curve_server(socket, keys: CurveKeys) -> None:
+    socket.curve_secretkey = keys.server_secret
+    socket.curve_publickey = keys.server_public
+    socket.curve_server = True
+
+
 class ZmqEventPublisher:
-    def __init__(self, config: KVEventsConfig) -> None:
+    def __init__(self, config: KVEventsConfig, secret: FleetSecret | None = None) -> None:
         import zmq
 
         self.config = config
         self._context = zmq.Context()
+        self._authenticator = None
+        keys = curve_keys(secret) if secret is not None and config.curve else None
+        if keys is not None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._authenticator = ThreadAuthenticator(self._context)
+            self._authenticator.start()
+            self._authenticator.configure_curve_callback("*", _FleetSubscribers(keys.client_public))
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            _curve_server(self._pub, keys)
         self._pub.bind(config.endpoint)
         self._replay = None
         if config.replay_endpoint:
             self._replay = self._context.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            if keys is not None:
+                _curve_server(self._replay, keys)
             self._replay.bind(config.replay_endpoint)
         self._topic = config.topic.encode()
         self._pending: list[KVEvent] = [AllBlocksCleared()]
@@ -109,6 +145,8 @@ class ZmqEventPublisher:
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._context.destroy(linger=0)
 
     def _run(self) -> None:
@@ -124,7 +162,7 @@ class ZmqEventPublisher:
                 pass
             else:
                 self._seq += 1
-                payload = encode_batch(ts, events)
+                payload = encode_batch(ts, events, self.config.include_token_ids)
                 self._pub.send_multipart([self._topic, seq_bytes(self._seq), payload])
                 self._buffer.append((self._seq, payload))
             if self._replay is not None and poller.poll(0):

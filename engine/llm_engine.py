@@ -35,6 +35,7 @@ from pagefleet.engine.sampler import Sampler
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import Scheduler, SchedulerOutput
 from pagefleet.engine.simulated import SimulatedRunner
+from pagefleet.fleet_auth import FleetSecret, load_fleet_secret
 from pagefleet.kv_events import KVEventListener
 
 logger = logging.getLogger("pagefleet.engine")
@@ -83,7 +84,14 @@ class _Group:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, kv_event_listener: KVEventListener | None = None):
+    def __init__(
+        self,
+        args: EngineArgs,
+        kv_event_listener: KVEventListener | None = None,
+        fleet_secret: FleetSecret | None = None,
+    ):
+        """`fleet_secret` (default: $PAGEFLEET_FLEET_SECRET[_FILE]) authenticates KV-transfer
+        peers; an engine with --kv-transfer-config needs one."""
         self.args = args
         self.device = _resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
@@ -122,7 +130,7 @@ class LLMEngine:
             CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
             kv_event_listener,
         )
-        self.connector = self._kv_connector(hf_config)
+        self.connector = self._kv_connector(hf_config, fleet_secret)
         self.sampler = Sampler(args.seed, self.device)
         self.eos_token_ids = _eos_ids(hf_config, self.tokenizer, args.model)
         self.groups: dict[str, _Group] = {}
@@ -135,9 +143,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ set-up
 
-    def _kv_connector(self, hf_config: dict):
+    def _kv_connector(self, hf_config: dict, fleet_secret: FleetSecret | None):
         if not self.args.kv_transfer_config:
             return None
+        fleet_secret = fleet_secret or load_fleet_secret()
+        if fleet_secret is None:
+            raise ValueError(
+                "--kv-transfer-config needs the fleet secret its peers and router share: "
+                "--fleet-secret-file, $PAGEFLEET_FLEET_SECRET_FILE or $PAGEFLEET_FLEET_SECRET"
+            )
         import uuid
 
         from pagefleet.engine.kv_transfer.connector import KVConnector, KVTransferConfig
@@ -155,7 +169,7 @@ class LLMEngine:
             self.runner.kv_cache_dtype,
             pool.shape,
         )
-        connector = KVConnector(config, pool, compat, uuid.uuid4().hex[:12])
+        connector = KVConnector(config, pool, compat, uuid.uuid4().hex[:12], fleet_secret)
         logger.info(
             "KV transfer: %s %s, engine id %s%s",
             config.kv_connector,
@@ -381,10 +395,16 @@ class LLMEngine:
         """Blocks held for decode engines: the loop must keep ticking to release them."""
         return bool(self.scheduler.held)
 
-    def _kv_transfer_tick(self) -> None:
-        """Apply finished pulls and due releases (engine thread, before scheduling)."""
+    def _kv_transfer_tick(self) -> list[RequestOutput]:
+        """Apply finished pulls and due releases (engine thread, before scheduling); returns
+        the outputs of requests it aborted."""
         connector, sched = self.connector, self.scheduler
+        aborted = []
         for result in connector.finished_loads():
+            if result.quarantined:  # NIXL may still write its blocks: never reuse them
+                sched.quarantine_remote_load(result.request_id)
+                output = self.abort_request(self._group_of.get(result.request_id, ""))
+                aborted += [output] if output is not None else []
             req = sched.finish_remote_load(result.request_id, result.ok)
             stats = connector.stats
             stats.transfers += 1
@@ -397,13 +417,15 @@ class LLMEngine:
                     stats.fallbacks += 1
         for request_id in connector.due_releases(time.monotonic()):
             sched.release_held(request_id)
+        return aborted
 
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:
         """Run one forward pass; returns the outputs of the requests it advanced."""
-        if self.connector is not None:
-            self._kv_transfer_tick()
+        aborted = self._kv_transfer_tick() if self.connector is not None else []
+        if aborted:
+            return aborted
         out = self.scheduler.schedule()
         for req in out.kv_loads:
             first = req.num_cached_blocks  # blocks found in our own prefix cache stay

@@ -54,6 +54,8 @@ class Scheduler:
         # finished requests whose blocks are held for a decode pod to read.
         self.loading: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
+        # aborted pulls whose READ could not be cancelled: their blocks are never reused.
+        self.quarantined: list[Request] = []
         self.step_id = 0
         self.num_preemptions = 0
 
@@ -147,6 +149,17 @@ class Scheduler:
                 self.kv_cache.cache_computed_blocks(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        return req
+
+    def quarantine_remote_load(self, request_id: str) -> Request | None:
+        """A transfer that could not be cancelled may still write the request's blocks: they
+        are never freed (a deliberate leak, logged by the caller) and the request is aborted."""
+        req = self.loading.pop(request_id, None)
+        if req is None:
+            return None
+        self.requests.pop(request_id, None)
+        req.status = RequestStatus.FINISHED_ABORTED
+        self.quarantined.append(req)
         return req
 
     def release_held(self, request_id: str) -> bool:

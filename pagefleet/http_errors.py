@@ -1,5 +1,5 @@
 """HTTP pieces the engine and the router share: OpenAI-shaped errors, the bearer-key check,
-and waiting for a client to disconnect."""
+the request-body limit, and waiting for a client to disconnect."""
 
 from __future__ import annotations
 
@@ -7,6 +7,22 @@ import hmac
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+
+
+class APIError(Exception):
+    """An OpenAI-shaped error to answer with (the apps turn it into a JSON response)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        headers: dict | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.headers = headers
 
 
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
@@ -35,6 +51,56 @@ def check_api_key(
     if not api_key or path in open_paths or bearer_ok(authorization, api_key):
         return None
     return error_response(401, "invalid or missing API key", "authentication_error")
+
+
+class BodyLimit:
+    """ASGI middleware: a body over `limit` bytes gets 413 before any handler sees it, whether
+    it declares its length or comes chunked. The body is read here, up to the limit, and
+    replayed to the app; the rest is never read (the connection closes)."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._reject(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return None
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await self._reject(scope, receive, send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _Replay(b"".join(chunks), receive), send)
+
+    async def _reject(self, scope, receive, send):
+        response = error_response(
+            413,
+            f"request body larger than {self.limit} bytes",
+            headers={"Connection": "close"},
+        )
+        await response(scope, receive, send)
+
+
+class _Replay:
+    """An ASGI receive that gives the buffered body once, then the client's own messages
+    (a disconnect, which handlers wait for)."""
+
+    def __init__(self, body: bytes, receive) -> None:
+        self._body, self._receive = body, receive
+
+    async def __call__(self):
+        if self._body is not None:
+            body, self._body = self._body, None
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await self._receive()
 
 
 async def wait_disconnect(request: Request) -> None:

@@ -45,17 +45,19 @@ KVEventListener = Callable[[KVEvent], None]
 END_OF_REPLAY = -1
 
 
-def encode_batch(ts: float, events: list[KVEvent]) -> bytes:
-    return msgpack.packb([ts, [_encode(e) for e in events]], use_bin_type=True)
+def encode_batch(ts: float, events: list[KVEvent], include_token_ids: bool = True) -> bytes:
+    """One batch on the wire; without token ids, BlockStored carries an empty list (block
+    hashes are all a prefix index needs, and the tokens are the prompt itself)."""
+    return msgpack.packb([ts, [_encode(e, include_token_ids) for e in events]], use_bin_type=True)
 
 
-def _encode(event: KVEvent) -> list:
+def _encode(event: KVEvent, include_token_ids: bool) -> list:
     if isinstance(event, BlockStored):
         return [
             "BlockStored",
             list(event.block_hashes),
             event.parent_block_hash,
-            list(event.token_ids),
+            list(event.token_ids) if include_token_ids else [],
             event.block_size,
             None,
             None,

@@ -5,6 +5,10 @@ one colocated by default, each publishing KV events) and a router in front of th
 precise prefix index. `Supervisor` starts them, waits until every one is healthy, restarts a
 child that dies, and stops them all on Ctrl-C or SIGTERM; children also get SIGTERM if this
 process itself dies (Linux parent-death signal), so nothing is left behind.
+
+Each run makes a fresh fleet secret (a file only this user can read, removed at the end) and
+hands its path to every child: the router signs kv_transfer_params with it, the engines
+authenticate KV transfers and encrypt their KV events with it.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class FleetOptions:
     simulate: bool = False
     connector: str = "nixl"
     engine_args: list[str] = field(default_factory=list)
+    fleet_secret_file: str | None = None  # given to every child
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -114,6 +119,7 @@ def plan_fleet(opts: FleetOptions, pagefleet: str, free_pair=None) -> list[Child
             argv += ["--kv-transfer-config", json.dumps(kv)]
         if opts.simulate:
             argv.append("--simulate")
+        argv += _secret_flags(opts)
         argv += opts.engine_args
         name = f"engine-{i}" if role == "both" else role
         engines.append(ChildSpec(name, role, argv, f"http://{opts.host}:{port}"))
@@ -121,8 +127,23 @@ def plan_fleet(opts: FleetOptions, pagefleet: str, free_pair=None) -> list[Child
     router = [pagefleet, "router", "--host", opts.host, "--port", str(opts.port)]
     router += ["--endpoints", endpoints, "--model", opts.served_model_name]
     router += ["--prefix-index", "precise", "--kv-events-endpoints", ",".join(events)]
-    router += ["--tokenizer", opts.model]
+    router += ["--tokenizer", opts.model, *_secret_flags(opts)]
     return [*engines, ChildSpec("router", "router", router, f"http://{opts.host}:{opts.port}")]
+
+
+def _secret_flags(opts: FleetOptions) -> list[str]:
+    return ["--fleet-secret-file", opts.fleet_secret_file] if opts.fleet_secret_file else []
+
+
+def write_fleet_secret(directory: Path) -> Path:
+    """A fresh fleet secret in a file only this user may read."""
+    from pagefleet.fleet_auth import generate_fleet_secret
+
+    path = directory / "fleet-secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(generate_fleet_secret())
+    return path
 
 
 def _die_with_parent() -> None:
@@ -267,6 +288,7 @@ def run_up(args: argparse.Namespace) -> int:
     from pagefleet.cache import demo_checkpoint
 
     disaggregated = args.disaggregated if args.disaggregated is not None else not args.simulate
+    secrets_dir = tempfile.TemporaryDirectory(prefix="pagefleet-secret-")
     opts = FleetOptions(
         model=str(args.model or demo_checkpoint()),
         served_model_name=args.served_model_name,
@@ -277,6 +299,7 @@ def run_up(args: argparse.Namespace) -> int:
         simulate=args.simulate,
         connector=args.kv_connector,
         engine_args=["--max-model-len", "1024", "--kv-cache-memory", "0.25", *args.engine_arg],
+        fleet_secret_file=str(write_fleet_secret(Path(secrets_dir.name))),
     )
     pagefleet = str(Path(sys.executable).parent / "pagefleet")
     if not Path(pagefleet).exists():
@@ -307,6 +330,7 @@ def run_up(args: argparse.Namespace) -> int:
             return 1
         finally:
             sup.stop()
+            secrets_dir.cleanup()
             print("pagefleet up: stopped every process", flush=True)
     return 0
 

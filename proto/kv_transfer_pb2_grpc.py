@@ -34,6 +34,11 @@ class KVTransferStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Challenge = channel.unary_unary(
+                '/pagefleet.kv_transfer.KVTransfer/Challenge',
+                request_serializer=pagefleet_dot_proto_dot_kv__transfer__pb2.ChallengeRequest.SerializeToString,
+                response_deserializer=pagefleet_dot_proto_dot_kv__transfer__pb2.ChallengeReply.FromString,
+                _registered_method=True)
         self.Handshake = channel.unary_unary(
                 '/pagefleet.kv_transfer.KVTransfer/Handshake',
                 request_serializer=pagefleet_dot_proto_dot_kv__transfer__pb2.HandshakeRequest.SerializeToString,
@@ -53,6 +58,12 @@ class KVTransferStub:
 
 class KVTransferServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Challenge(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Handshake(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -75,6 +86,11 @@ class KVTransferServicer:
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Challenge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Challenge,
+                    request_deserializer=pagefleet_dot_proto_dot_kv__transfer__pb2.ChallengeRequest.FromString,
+                    response_serializer=pagefleet_dot_proto_dot_kv__transfer__pb2.ChallengeReply.SerializeToString,
+            ),
             'Handshake': grpc.unary_unary_rpc_method_handler(
                     servicer.Handshake,
                     request_deserializer=pagefleet_dot_proto_dot_kv__transfer__pb2.HandshakeRequest.FromString,
@@ -100,6 +116,33 @@ def add_KVTransferServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class KVTransfer:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Challenge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagefleet.kv_transfer.KVTransfer/Challenge',
+            pagefleet_dot_proto_dot_kv__transfer__pb2.ChallengeRequest.SerializeToString,
+            pagefleet_dot_proto_dot_kv__transfer__pb2.ChallengeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Handshake(request,

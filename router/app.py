@@ -6,6 +6,11 @@ blocks with the engines' own function, look the hashes up in the prefix index, r
 prefix entries), forward, and stream the answer back untouched. A connect error or a 5xx
 before the first byte is retried on the next-best pod; after the first byte the client gets
 an SSE error event.
+
+Every request's work is bounded: the body is limited before it is read (413), parsing and
+tokenizing run on a thread of their own (never on the event loop that answers /health and
+relays streams), and only a prompt's first ROUTING_PREFIX_CHARS are tokenized (a prefix is
+all routing needs).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -32,8 +38,22 @@ from prometheus_client import (
 )
 
 from pagefleet.block_hash import hash_blocks
-from pagefleet.http_errors import check_api_key, error_response, wait_disconnect
-from pagefleet.router.pd import decode_body, release_prefill_soon, run_prefill, should_disaggregate
+from pagefleet.fleet_auth import FieldSigner, FleetSecret
+from pagefleet.http_errors import (
+    APIError,
+    BodyLimit,
+    check_api_key,
+    error_response,
+    wait_disconnect,
+)
+from pagefleet.router.pd import (
+    decode_body,
+    refuse_fleet_fields,
+    release_prefill_soon,
+    run_prefill,
+    should_disaggregate,
+    signed_headers,
+)
 from pagefleet.router.pods import PodRegistry
 from pagefleet.router.prefix_index import PrefixIndex
 from pagefleet.router.prompt_cache import PromptCache
@@ -41,6 +61,9 @@ from pagefleet.router.scoring import Pipeline, RoutingRequest
 
 logger = logging.getLogger("pagefleet.router")
 CHARS_PER_TOKEN = 4  # the tokenizer-less fallback hashes fixed character chunks
+# How much of a prompt routing tokenizes and hashes: a prefix is all it needs.
+ROUTING_PREFIX_CHARS = 256 * 1024
+ROUTING_PREFIX_TOKENS = 64 * 1024
 
 
 @dataclass
@@ -53,6 +76,8 @@ class RouterConfig:
     read_timeout: float = 600.0
     pd_threshold_tokens: int = 512  # disaggregate when this much of the prompt is uncached
     prefill_timeout: float = 60.0  # a prefill pod slower than this: decode prefills itself
+    fleet_secret: FleetSecret | None = None  # signs kv_transfer_params; none: no P/D
+    max_body_bytes: int = 4 << 20  # 413 beyond
 
 
 class Router:
@@ -69,6 +94,9 @@ class Router:
         self.registry, self.index, self.pipeline = registry, index, pipeline
         self.config, self.tokenizer, self.clock = config, tokenizer, clock
         self.prompt_cache = PromptCache(tokenizer) if tokenizer is not None else None
+        self.signer = FieldSigner(config.fleet_secret) if config.fleet_secret else None
+        # Parsing and tokenizing: one thread (the tokenizer and prompt cache are its alone).
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="router-tokenize")
         self.rng = random.Random(seed)
         self._expired_at = 0.0
         # Optional: a factory(callback) -> discovery with start()/stop(), for dynamic pods.
@@ -103,7 +131,8 @@ class Router:
         )
         self.m_pd = Counter(
             "pagefleet_router:pd_decisions",
-            "Prefill/decode decisions: disaggregated, decode_only, prefill_failed, no_prefill_pod.",
+            "Prefill/decode decisions: disaggregated, decode_only, prefill_failed, no_prefill_pod, "
+            "no_fleet_secret.",
             ["outcome"],
             registry=m,
         )
@@ -118,7 +147,8 @@ class Router:
     # ------------------------------------------------------------------ routing
 
     def prompt_hashes(self, path: str, body: dict, block_size: int) -> list:
-        """The prompt's chained block hashes, tokenized as the engine will tokenize it."""
+        """The block hashes of the prompt's first ROUTING_PREFIX_CHARS, tokenized as the engine
+        will tokenize it. Raises ValueError for text no tokenizer takes (a lone surrogate)."""
         if path.endswith("/chat/completions"):
             messages = body.get("messages") or []
             if self.prompt_cache is not None:
@@ -132,15 +162,16 @@ class Router:
                     add_generation_prompt=body.get("add_generation_prompt", True),
                 )
                 # apply_chat_template(tokenize=True) adds no special tokens of its own.
-                return self.prompt_cache.encode(text, False, block_size)[1]
+                return self.prompt_cache.encode(_routed_part(text), False, block_size)[1]
             text = "".join(f"{m.get('role')}:{_text(m.get('content'))}\n" for m in messages)
         else:
             prompt = body.get("prompt", "")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-                return hash_blocks(prompt, block_size)
+                return hash_blocks(prompt[:ROUTING_PREFIX_TOKENS], block_size)
             text = prompt if isinstance(prompt, str) else "".join(map(str, prompt))
             if self.prompt_cache is not None:
-                return self.prompt_cache.encode(text, True, block_size)[1]
+                return self.prompt_cache.encode(_routed_part(text), True, block_size)[1]
+        text = _routed_part(text)
         # Fallback: one pseudo-token per character chunk, stable across processes.
         chunks = [
             int.from_bytes(text[i : i + CHARS_PER_TOKEN].encode()[:4].ljust(4, b"\0"), "little")
@@ -148,14 +179,25 @@ class Router:
         ]
         return hash_blocks(chunks, block_size)
 
-    def rank(self, path: str, body: dict, role: str | None = None):
+    def block_sizes(self) -> list[int]:
+        # Engines of one model normally share a block size; if not, each pod is matched on
+        # hashes of its own block size.
+        pods = self.registry.pods(self.clock())
+        return sorted({self.registry.block_size(p.name) for p in pods} or {16})
+
+    def hashes_by_size(self, path: str, body: dict, sizes: list[int]) -> dict[int, list]:
+        return {bs: self.prompt_hashes(path, body, bs) for bs in sizes}
+
+    def rank(self, path: str, body: dict, role: str | None = None, by_size: dict | None = None):
+        """Pods best first; `by_size` (hashes per block size) when already computed."""
         started = time.perf_counter()
         now = self.clock()
         pods = self.registry.pods(now)
-        # Engines of one model normally share a block size; if not, each pod is matched on
-        # hashes of its own block size.
         sizes = sorted({self.registry.block_size(p.name) for p in pods} or {16})
-        by_size = {bs: self.prompt_hashes(path, body, bs) for bs in sizes}
+        by_size = dict(by_size or {})
+        for bs in sizes:  # a pod with another block size may have arrived meanwhile
+            if bs not in by_size:
+                by_size[bs] = self.prompt_hashes(path, body, bs)
         matches: dict[str, int] = {}
         for bs, hashes in by_size.items():
             found = self.index.match(hashes, now)
@@ -219,6 +261,23 @@ def _text(content) -> str:
     return content or ""
 
 
+def _routed_part(text: str) -> str:
+    """The part of a prompt routing looks at; ValueError if no tokenizer could take it."""
+    part = text[:ROUTING_PREFIX_CHARS]
+    part.encode("utf-8")  # UnicodeEncodeError (a ValueError) for a lone surrogate
+    return part
+
+
+def _parse(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise APIError(400, "malformed JSON body") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    return body
+
+
 def build_router_app(router: Router) -> FastAPI:
     config = router.config
     client = httpx.AsyncClient(
@@ -240,9 +299,20 @@ def build_router_app(router: Router) -> FastAPI:
         scraper.cancel()
         if discovery is not None:
             discovery.stop()
+        router.tokenizing.shutdown(wait=False, cancel_futures=True)
         await client.aclose()
 
     app = FastAPI(title="pagefleet router", lifespan=lifespan)
+    # Inside the key check (middleware added later wraps it): bodies of clients without the
+    # key are never read.
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+
+    @app.exception_handler(APIError)
+    async def _apierror_response(_, exc: APIError):
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+    async def on_tokenizing_thread(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(router.tokenizing, fn, *args)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
@@ -287,19 +357,18 @@ def build_router_app(router: Router) -> FastAPI:
 
     async def proxy(path: str, request: Request):
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise ValueError("not an object")
-        except ValueError:
-            return error_response(400, "malformed JSON body")
+        body = await on_tokenizing_thread(_parse, raw)
+        refuse_fleet_fields(body)
         if config.model and body.get("model") not in (None, config.model):
             return error_response(
                 404, f"model {body.get('model')!r} does not exist", "not_found_error"
             )
         role = "decode" if router.registry.has_role("decode") else None
         try:
-            ranked, by_size, routing = router.rank(path, body, role)
+            by_size = await on_tokenizing_thread(
+                router.hashes_by_size, path, body, router.block_sizes()
+            )
+            ranked, by_size, routing = router.rank(path, body, role, by_size)
         except (TypeError, AttributeError, ValueError, KeyError) as e:
             # The engine would refuse it too; say so here rather than with a 500.
             return error_response(400, f"invalid request body: {e}")
@@ -314,16 +383,21 @@ def build_router_app(router: Router) -> FastAPI:
                 return Response(status_code=499)
             if outcome is not None:
                 pd_params = outcome
-                raw = json.dumps(decode_body(body, pd_params)).encode()
+                decode = decode_body(body, pd_params)
+                raw = json.dumps(decode).encode()
+                headers = signed_headers(headers, decode, router.signer)
         response = await forward(path, body, raw, headers, request, routing, by_size, ranked)
         if pd_params is not None and response.status_code != 200:
             # No decode pod took the blocks (a 200 means one did, and it releases them).
-            await release_prefill_soon(pd_params)
+            await release_prefill_soon(pd_params, config.fleet_secret)
         return response
 
     async def maybe_prefill(path, body, headers, request, routing, by_size, ranked):
         """Run the prefill pod's part if the request is worth it; returns its
         kv_transfer_params, None (the decode pod prefills) or _CLIENT_LEFT."""
+        if router.signer is None:  # engines refuse unsigned kv_transfer_params
+            router.m_pd.labels("no_fleet_secret").inc()
+            return None
         decode_pod = ranked[0][1]
         cached = routing.prefix_matches.get(decode_pod.name, 0)
         size = min(by_size)
@@ -342,7 +416,7 @@ def build_router_app(router: Router) -> FastAPI:
         router.commit(pod.name, by_size, routing, parts)
         pod.begin(blocks)
         task = asyncio.ensure_future(
-            run_prefill(client, pod.url, path, body, headers, config.prefill_timeout)
+            run_prefill(client, pod.url, path, body, headers, config.prefill_timeout, router.signer)
         )
         gone = asyncio.ensure_future(wait_disconnect(request))
         try:

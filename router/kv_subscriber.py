@@ -2,6 +2,8 @@
 
 Works against pagefleet engines and stock vLLM pods alike (see pagefleet.kv_events). A
 sequence number that goes backwards means the publisher restarted: the pod is purged first.
+With the fleet's CurveZMQ keys (`curve`), it connects as the fleet's subscriber to engines
+that encrypt their events; without, in plain text (stock vLLM).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import threading
 from collections.abc import Callable
 from urllib.parse import urlparse
 
+from pagefleet.fleet_auth import CurveKeys
 from pagefleet.kv_events import END_OF_REPLAY, KVEvent, decode_batch, seq_bytes, seq_from_bytes
 
 logger = logging.getLogger("pagefleet.router")
@@ -24,6 +27,7 @@ class KVEventSubscriber:
         on_events: Callable[[str, list[KVEvent]], None],
         on_reset: Callable[[str], None],
         replay_endpoint: str | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         import zmq
 
@@ -33,6 +37,7 @@ class KVEventSubscriber:
         self._context = zmq.Context()
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
+        _curve_client(self._sub, curve)
         # Every topic: vLLM's default topic differs from ours; the frames are the same.
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(endpoint)
@@ -41,6 +46,7 @@ class KVEventSubscriber:
             # DEALER, not REQ: a replay answers with many messages.
             self._replay = self._context.socket(zmq.DEALER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            _curve_client(self._replay, curve)
             self._replay.connect(replay_endpoint)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-sub-{pod}", daemon=True)
@@ -98,6 +104,13 @@ class KVEventSubscriber:
         self.on_events(self.pod, events)
 
 
+def _curve_client(socket, keys: CurveKeys | None) -> None:
+    if keys is not None:
+        socket.curve_serverkey = keys.server_public
+        socket.curve_publickey = keys.client_public
+        socket.curve_secretkey = keys.client_secret
+
+
 class SubscriberSet:
     """One subscriber per discovered pod, at tcp://<pod host>:<port> (replay on port + 1),
     started and stopped as discovery adds and removes pods (off the caller's thread: a start
@@ -108,8 +121,10 @@ class SubscriberSet:
         port: int,
         on_events: Callable[[str, list[KVEvent]], None],
         on_reset: Callable[[str], None],
+        curve: CurveKeys | None = None,
     ) -> None:
         self.port, self.on_events, self.on_reset = port, on_events, on_reset
+        self.curve = curve
         self._subs: dict[str, KVEventSubscriber] = {}
         self._lock = threading.Lock()
 
@@ -125,7 +140,9 @@ class SubscriberSet:
                 if name not in self._subs:
                     endpoint = f"tcp://{host}:{self.port}"
                     replay = f"tcp://{host}:{self.port + 1}"
-                    sub = KVEventSubscriber(name, endpoint, self.on_events, self.on_reset, replay)
+                    sub = KVEventSubscriber(
+                        name, endpoint, self.on_events, self.on_reset, replay, self.curve
+                    )
                     self._subs[name] = sub.start(catch_up_ms=200)
 
     @property

@@ -102,6 +102,29 @@ def add_router_parser(sub) -> None:
         default=os.environ.get("PAGEFLEET_UPSTREAM_API_KEY"),
         help="bearer key the router sends to engines",
     )
+    p.add_argument(
+        "--fleet-secret-file",
+        default=None,
+        help="file holding the secret the fleet's engines share (or PAGEFLEET_FLEET_SECRET_FILE "
+        "or PAGEFLEET_FLEET_SECRET): signs kv_transfer_params for disaggregated prefill/decode "
+        "and opens the engines' encrypted KV events; without it no request is disaggregated",
+    )
+    p.add_argument(
+        "--kv-events-plain",
+        action="store_true",
+        help="subscribe to KV events in plain text even with a fleet secret (stock vLLM pods)",
+    )
+    p.add_argument(
+        "--deployment",
+        default=None,
+        help="Kubernetes discovery: only pods of this ModelDeployment (pagefleet.io/deployment)",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=4 << 20,
+        help="answer 413 beyond this request body size, before reading it (4 MiB)",
+    )
     p.add_argument("--seed", type=int, default=0, help="tie-break seed (0)")
     p.add_argument("--uvicorn-log-level", default="warning")
     p.set_defaults(func=run_router)
@@ -144,6 +167,7 @@ def make_discovery(args: argparse.Namespace):
         args.selector,
         args.engine_port,
         on_change,
+        deployment=args.deployment,
     )
 
 
@@ -160,6 +184,7 @@ def run_router(args: argparse.Namespace) -> int:
     import uvicorn
     import yaml
 
+    from pagefleet.fleet_auth import curve_keys, load_fleet_secret
     from pagefleet.router.app import Router, RouterConfig, build_router_app
     from pagefleet.router.kv_subscriber import KVEventSubscriber
     from pagefleet.router.pods import PodRegistry
@@ -172,6 +197,12 @@ def run_router(args: argparse.Namespace) -> int:
     if bool(args.endpoints) == bool(args.kubernetes_namespace):
         raise ValueError("give exactly one of --endpoints and --kubernetes-namespace")
     pods = static_pods(args.endpoints) if args.endpoints else []
+    secret = load_fleet_secret(args.fleet_secret_file)
+    if secret is None and any(p.role == "prefill" for p in pods):
+        logging.getLogger("pagefleet.router").warning(
+            "prefill pods but no fleet secret (--fleet-secret-file): no request is disaggregated"
+        )
+    curve = curve_keys(secret) if secret is not None and not args.kv_events_plain else None
     config = {}
     if args.config:
         with open(args.config) as f:
@@ -192,7 +223,7 @@ def run_router(args: argparse.Namespace) -> int:
     if args.prefix_index == "precise" and args.kubernetes_namespace:
         from pagefleet.router.kv_subscriber import SubscriberSet
 
-        discovered = SubscriberSet(args.kv_events_port, index.apply, index.remove_pod)
+        discovered = SubscriberSet(args.kv_events_port, index.apply, index.remove_pod, curve)
         registry.on_pods = discovered.sync
         subscribers.append(discovered)
     elif args.prefix_index == "precise":
@@ -204,7 +235,9 @@ def run_router(args: argparse.Namespace) -> int:
         for pod, endpoint in zip(pods, endpoints, strict=True):
             host, _, port = endpoint.rpartition(":")
             replay = f"{host}:{int(port) + 1}"
-            sub = KVEventSubscriber(pod.name, endpoint, index.apply, index.remove_pod, replay)
+            sub = KVEventSubscriber(
+                pod.name, endpoint, index.apply, index.remove_pod, replay, curve
+            )
             subscribers.append(sub.start(catch_up_ms=200))
     router = Router(
         registry,
@@ -219,6 +252,8 @@ def run_router(args: argparse.Namespace) -> int:
             args.read_timeout,
             _pd_threshold(args, config),
             args.prefill_timeout,
+            secret,
+            args.max_request_body_bytes,
         ),
         tokenizer,
         seed=args.seed,

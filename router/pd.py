@@ -5,6 +5,10 @@ the prompt that pod does not cache is long enough is the request worth a prefill
 prefill pod computes the prompt (`do_remote_decode`, one token), holds its blocks and answers
 with `kv_transfer_params`, which the decode pod uses to pull them. Every failure on the way
 leaves the decode pod to prefill by itself; a prefill whose answer is never used is released.
+
+`kv_transfer_params` is fleet-internal: the router refuses it from clients, and signs its own
+(fleet secret, request id, expiry) for the engines, which refuse it unsigned. Releases go over
+the KV-transfer service, authenticated with the same secret.
 """
 
 from __future__ import annotations
@@ -13,11 +17,38 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
+import uuid
 from dataclasses import dataclass
 
 import httpx
 
+from pagefleet.fleet_auth import SIGNATURE_HEADER, FieldSigner, FleetSecret
+from pagefleet.http_errors import APIError
+
 logger = logging.getLogger("pagefleet.router")
+FLEET_FIELDS = ("kv_transfer_params",)
+
+
+def refuse_fleet_fields(body: dict) -> None:
+    """403 for a client that sets what only the router may set."""
+    for name in FLEET_FIELDS:
+        if body.get(name) is not None:
+            raise APIError(
+                403,
+                f"{name} is set by the router only (disaggregated prefill/decode)",
+                "permission_error",
+                name,
+            )
+
+
+def signed_headers(headers: dict, body: dict, signer: FieldSigner) -> dict:
+    """The headers of an engine request carrying fleet fields: an X-Request-Id (the client's,
+    or a fresh one) and the router's signature over it, the fields and an expiry."""
+    out = dict(headers)
+    request_id = out.setdefault("x-request-id", uuid.uuid4().hex)
+    out[SIGNATURE_HEADER] = signer.sign(request_id, body["kv_transfer_params"], time.time())
+    return out
 
 
 def should_disaggregate(
@@ -48,14 +79,21 @@ class PrefillResult:
 
 
 async def run_prefill(
-    client: httpx.AsyncClient, url: str, path: str, body: dict, headers: dict, timeout: float
+    client: httpx.AsyncClient,
+    url: str,
+    path: str,
+    body: dict,
+    headers: dict,
+    timeout: float,
+    signer: FieldSigner,
 ) -> PrefillResult:
     """POST the prefill request; any failure is a result (the decode pod then prefills)."""
+    prefill = prefill_body(body)
     try:
         r = await client.post(
             f"{url}{path}",
-            content=json.dumps(prefill_body(body)),
-            headers=headers,
+            content=json.dumps(prefill),
+            headers=signed_headers(headers, prefill, signer),
             timeout=timeout,
         )
     except httpx.HTTPError as e:
@@ -71,19 +109,21 @@ async def run_prefill(
     return PrefillResult(params)
 
 
-def release_prefill(params: dict) -> None:
+def release_prefill(params: dict, secret: FleetSecret) -> None:
     """Free a prefill pod's held blocks whose decode never came (client left, decode failed
     before reading). Blocking gRPC: call it in a thread."""
     from pagefleet.engine.kv_transfer.errors import TransferError
     from pagefleet.engine.kv_transfer.service import KVTransferClient
 
     try:
-        with KVTransferClient(params["remote_host"], int(params["remote_port"]), 2.0) as c:
-            c.release(str(params["remote_request_id"]))
+        host, port = params["remote_host"], int(params["remote_port"])
+        with KVTransferClient(host, port, 2.0, secret=secret) as client:
+            client.authenticate_to_release("router", str(params["remote_engine_id"]))
+            client.release(str(params["remote_request_id"]))
     except (TransferError, KeyError, ValueError) as e:
-        logger.info("could not release prefill blocks %s: %s", params.get("remote_request_id"), e)
+        logger.info("could not release prefill blocks on %s: %s", params.get("remote_host"), e)
 
 
-async def release_prefill_soon(params: dict) -> None:
+async def release_prefill_soon(params: dict, secret: FleetSecret) -> None:
     with contextlib.suppress(Exception):
-        await asyncio.to_thread(release_prefill, params)
+        await asyncio.to_thread(release_prefill, params, secret)

@@ -54,7 +54,7 @@ def check_invariants(sched: Scheduler) -> None:
     """The pool's books balance: ref counts equal table references, free list and map agree."""
     kv = sched.kv_cache
     pool = kv.pool
-    holders = [*sched.running, *sched.loading.values(), *sched.held.values()]
+    holders = [*sched.running, *sched.loading.values(), *sched.held.values(), *sched.quarantined]
     refs = Counter(b.block_id for r in holders for b in r.block_table)
     for r in sched.waiting:
         assert not r.block_table, f"waiting {r} holds blocks"

@@ -16,6 +16,15 @@ import httpx
 from pagefleet.up import free_port, free_port_pair  # noqa: F401 - shared with tests
 
 PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
+# The secret a test fleet's router and engines share (passed as the environment variable).
+FLEET_SECRET = "test-fleet-secret-not-for-production"
+FLEET_ENV = {"PAGEFLEET_FLEET_SECRET": FLEET_SECRET}
+
+
+def fleet_secret():
+    from pagefleet.fleet_auth import FleetSecret
+
+    return FleetSecret(FLEET_SECRET.encode())
 
 
 def wait_healthy(proc: subprocess.Popen, base: str, timeout: float) -> None:
@@ -38,7 +47,7 @@ def _log_of(proc: subprocess.Popen) -> str:
 
 
 @contextmanager
-def running(command: str, *flags: str, timeout: float = 60.0):
+def running(command: str, *flags: str, timeout: float = 60.0, env: dict | None = None):
     """`pagefleet COMMAND` on a free loopback port; yields (base URL, process) once healthy,
     and kills it afterwards. Its output goes to a file (`proc.log_path`): a pipe nobody reads
     would fill up and block the server on its next log line."""
@@ -49,7 +58,7 @@ def running(command: str, *flags: str, timeout: float = 60.0):
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
         )
         proc.log_path = log.name
         base = f"http://127.0.0.1:{port}"
@@ -65,7 +74,7 @@ def running(command: str, *flags: str, timeout: float = 60.0):
                 print(f"--- {command} log with a traceback:\n{output[-6000:]}")
 
 
-def running_server(model: str, *flags: str, timeout: float = 60.0):
+def running_server(model: str, *flags: str, timeout: float = 60.0, env: dict | None = None):
     defaults = (
         "--served-model-name",
         "tiny",
@@ -74,11 +83,19 @@ def running_server(model: str, *flags: str, timeout: float = 60.0):
         "--num-gpu-blocks-override",
         "256",
     )
-    return running("serve", model, *defaults, *flags, timeout=timeout)
+    return running("serve", model, *defaults, *flags, timeout=timeout, env=env)
 
 
-def running_router(*flags: str, timeout: float = 60.0):
-    return running("router", *flags, timeout=timeout)
+def running_router(*flags: str, timeout: float = 60.0, env: dict | None = None):
+    return running("router", *flags, timeout=timeout, env=env)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process now (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError("VmRSS")
 
 
 def metric_value(base: str, name: str, labels: dict | None = None) -> float:

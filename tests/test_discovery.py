@@ -27,14 +27,34 @@ def core_api(url: str):
     return client.CoreV1Api(client.ApiClient(configuration))
 
 
-def pod(name: str, ready: bool = True, ip: str = "127.0.0.1", **labels) -> dict:
+POOL_ROLES = {"colocated": "both", "prefill": "prefill", "decode": "decode"}
+
+
+def pod(name: str, ready: bool = True, ip: str = "127.0.0.1", pool: str = "colocated") -> dict:
+    """A pod as the operator's Deployment `md-<pool>` makes it (through its ReplicaSet)."""
+    template_hash = "5d8f7c9b4"
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
             "name": name,
             "namespace": "serving",
-            "labels": {"pagefleet.io/model": "m", **labels},
+            "labels": {
+                "pagefleet.io/model": "m",
+                "pagefleet.io/deployment": "md",
+                "pagefleet.io/pool": pool,
+                "pagefleet.io/role": POOL_ROLES[pool],
+                "pod-template-hash": template_hash,
+            },
+            "ownerReferences": [
+                {
+                    "apiVersion": "apps/v1",
+                    "kind": "ReplicaSet",
+                    "name": f"md-{pool}-{template_hash}",
+                    "uid": "0b6a1a9e-3c1e-4c55-9d4e-4a4c3f0e0001",
+                    "controller": True,
+                }
+            ],
         },
         "status": {
             "podIP": ip,
@@ -62,7 +82,7 @@ def test_selector_parsing():
 def test_ready_matching_pods_are_discovered_and_removed():
     with pods_emulator() as url:
         api = core_api(url)
-        api.create_namespaced_pod("serving", pod("engine-a", **{"pagefleet.io/role": "decode"}))
+        api.create_namespaced_pod("serving", pod("engine-a", pool="decode"))
         seen: list = []
         discovery = KubernetesDiscovery(
             api, "serving", "pagefleet.io/model=m", 8000, seen.append
@@ -78,6 +98,45 @@ def test_ready_matching_pods_are_discovered_and_removed():
             wait_for(lambda: [p.name for p in seen[-1]] == ["engine-a", "engine-b"])
             api.delete_namespaced_pod("engine-a", "serving")
             wait_for(lambda: [p.name for p in seen[-1]] == ["engine-b"])
+        finally:
+            discovery.stop()
+
+
+def rogue(name: str, change) -> dict:
+    made = pod(name, pool="decode")
+    change(made["metadata"])
+    return made
+
+
+ROGUES = {
+    # A pod someone made by hand with our labels.
+    "bare": lambda m: m.pop("ownerReferences"),
+    # Owned by a ReplicaSet of another Deployment, or not by a ReplicaSet at all.
+    "other-rs": lambda m: m["ownerReferences"][0].update(name="evil-5d8f7c9b4"),
+    "job": lambda m: m["ownerReferences"][0].update(kind="Job", apiVersion="batch/v1"),
+    "not-controller": lambda m: m["ownerReferences"][0].update(controller=False),
+    # A decode pod whose role label claims prefill (it would be sent prompts to hold).
+    "role-lies": lambda m: m["labels"].update({"pagefleet.io/role": "prefill"}),
+    # Another ModelDeployment serving the same model name.
+    "other-md": lambda m: m["labels"].update({"pagefleet.io/deployment": "md2"}),
+}
+
+
+def test_pods_not_made_by_our_deployments_are_ignored():
+    """Before: any Ready pod with the model label was routed to, in whatever role its own
+    label claimed."""
+    with pods_emulator() as url:
+        api = core_api(url)
+        for name, change in ROGUES.items():
+            api.create_namespaced_pod("serving", rogue(name, change))
+        api.create_namespaced_pod("serving", pod("engine-ok", pool="prefill"))
+        seen: list = []
+        discovery = KubernetesDiscovery(
+            api, "serving", "pagefleet.io/model=m", 8000, seen.append, deployment="md"
+        ).start()
+        try:
+            wait_for(lambda: seen and "engine-ok" in [p.name for p in seen[-1]])
+            assert [(p.name, p.role) for p in seen[-1]] == [("engine-ok", "prefill")]
         finally:
             discovery.stop()
 

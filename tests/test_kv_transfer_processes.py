@@ -26,6 +26,7 @@ from pagefleet.engine.kv_transfer.errors import (
 )
 from pagefleet.engine.kv_transfer.nixl_transport import NixlPeer, NixlTransport
 from pagefleet.engine.kv_transfer.service import KVTransferClient, KVTransferServer, PeerInfo
+from server_utils import fleet_secret
 
 PEER_SEED = 11
 PEER_BLOCKS = 32
@@ -56,6 +57,7 @@ def serve_peer(argv: list[str]) -> None:
         pool,
         compat,
         "prefill-peer",
+        secret=fleet_secret(),
         nixl_agent_name=nixl.agent_name,
         nixl_metadata=nixl.metadata(),
         max_chunk_bytes=args.max_chunk_bytes,
@@ -101,6 +103,11 @@ def local_nixl():
         yield transport
 
 
+def client_of(port: int, timeout: float = 20) -> KVTransferClient:
+    """A client holding the test fleet's secret."""
+    return KVTransferClient("127.0.0.1", port, timeout=timeout, secret=fleet_secret())
+
+
 def add_peer(transport: NixlTransport, info: PeerInfo) -> NixlPeer:
     return transport.add_peer(
         info.nixl_metadata, info.pool, info.compat, agent_name=info.nixl_agent_name
@@ -120,7 +127,7 @@ def assert_pulled(local: torch.Tensor, before: torch.Tensor, pairs) -> None:
 
 def test_nixl_and_tcp_pull_exactly_the_requested_blocks(local_nixl):
     pool = local_nixl.pool
-    with peer_process() as (_, port), KVTransferClient("127.0.0.1", port, timeout=20) as client:
+    with peer_process() as (_, port), client_of(port) as client:
         peer = client.handshake(compat_of(pool), "decode-test")
         assert peer.nixl_agent_name == "prefill-peer-agent"
         remote = add_peer(local_nixl, peer)
@@ -142,7 +149,7 @@ def test_nixl_and_tcp_pull_exactly_the_requested_blocks(local_nixl):
         assert_pulled(pool, before, tcp_pairs)
 
         assert client.release("req-1") is True
-        with pytest.raises(UnknownRequest, match="req-1"):
+        with pytest.raises(UnknownRequest, match="no blocks held under this grant"):
             client.read_blocks_tcp("req-1", tcp_pairs, pool)
         local_nixl.remove_peer(remote)
 
@@ -154,7 +161,7 @@ def test_a_restarted_peer_replaces_the_old_one(local_nixl):
     for seed in (21, 22):
         with (
             peer_process("--seed", str(seed)) as (_, port),
-            KVTransferClient("127.0.0.1", port, timeout=20) as client,
+            client_of(port) as client,
         ):
             remote = add_peer(local_nixl, client.handshake(compat_of(pool), "decode-test"))
             handle = local_nixl.start_read(remote, pairs)
@@ -176,7 +183,7 @@ def test_peer_refuses_another_block_size_and_says_why():
     local = make_pool(5)
     with (
         peer_process("--block-size", "16") as (_, port),
-        KVTransferClient("127.0.0.1", port, timeout=20) as client,
+        client_of(port) as client,
         pytest.raises(IncompatiblePeer, match="block_size differs: 16 here, 4 on the peer"),
     ):
         client.handshake(compat_of(local), "decode-test")
@@ -187,7 +194,8 @@ def test_peer_killed_mid_tcp_transfer_fails_fast():
     pairs = [(i, i) for i in range(PEER_BLOCKS)]
     # Small chunks, and the peer SIGKILLs itself at its third hold check: mid-stream.
     flags = ("--max-chunk-bytes", "256", "--die-after-lookups", "3")
-    with peer_process(*flags) as (proc, port), KVTransferClient("127.0.0.1", port, 30) as client:
+    with peer_process(*flags) as (proc, port), client_of(port, 30) as client:
+        client.handshake(compat_of(local), "decode-test")
         started = time.monotonic()
         with pytest.raises(PeerUnavailable):
             client.read_blocks_tcp("req-1", pairs, local)
@@ -203,7 +211,7 @@ def test_peer_killed_during_nixl_reads_fails_fast():
     with (
         NixlTransport(make_pool(5, num_blocks), "decode-kill-agent") as local,
         peer_process("--num-blocks", str(num_blocks)) as (proc, port),
-        KVTransferClient("127.0.0.1", port, 20) as client,
+        client_of(port) as client,
     ):
         peer = client.handshake(compat_of(local.pool), "decode-test")
         remote = add_peer(local, peer)

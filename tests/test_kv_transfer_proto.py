@@ -28,6 +28,6 @@ def test_regenerated_stubs_are_byte_identical_to_the_installed_ones(tmp_path):
 
 def test_stubs_describe_the_service_the_transport_uses():
     service = installed_pb2.DESCRIPTOR.services_by_name["KVTransfer"]
-    assert {m.name for m in service.methods} == {"Handshake", "ReadBlocks", "Release"}
+    assert {m.name for m in service.methods} == {"Challenge", "Handshake", "ReadBlocks", "Release"}
     assert service.methods_by_name["ReadBlocks"].server_streaming
     assert installed_grpc.KVTransferStub.__module__ == "pagefleet.proto.kv_transfer_pb2_grpc"

@@ -1,5 +1,5 @@
 """The gRPC KV transfer service in one process: handshake refusal, the TCP data path, release,
-unknown requests and holds that end mid-transfer."""
+unknown requests and holds that end mid-transfer (peers share the test fleet secret)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pagefleet.engine.kv_transfer.errors import (
 )
 from pagefleet.engine.kv_transfer.layout import CompatRecord, describe_pool
 from pagefleet.engine.kv_transfer.service import KVTransferClient, KVTransferServer
-from server_utils import free_port
+from server_utils import fleet_secret, free_port
 
 SHAPE = (2, 2, 2, 16, 4, 8)  # layers, k|v, kv heads, blocks, block size, head dim
 
@@ -35,7 +35,8 @@ def compat_of(pool: torch.Tensor) -> CompatRecord:
 
 
 class DictHeld:
-    """HeldBlocks over a dict; `on_lookup` runs on each blocks_of call (fault injection)."""
+    """HeldBlocks over a dict, for any reader; `on_lookup` runs on each blocks_of call (fault
+    injection)."""
 
     def __init__(self, held: dict[str, list[int]], on_lookup=None) -> None:
         self._held = dict(held)
@@ -43,23 +44,24 @@ class DictHeld:
         self._on_lookup = on_lookup
         self.lookups = 0
 
-    def blocks_of(self, request_id: str) -> list[int] | None:
+    def blocks_of(self, transfer_id: str, reader: str) -> list[int] | None:
         with self._lock:
             self.lookups += 1
             if self._on_lookup:
                 self._on_lookup(self)
-            return self._held.get(request_id)
+            return self._held.get(transfer_id)
 
-    def release(self, request_id: str) -> bool:
+    def release(self, transfer_id: str, reader: str) -> bool:
         with self._lock:
-            return self._held.pop(request_id, None) is not None
+            return self._held.pop(transfer_id, None) is not None
 
 
 @contextmanager
 def serving(held, pool, **kwargs):
+    kwargs.setdefault("secret", fleet_secret())
     server = KVTransferServer(held, pool, compat_of(pool), "prefill-0", **kwargs)
     port = server.start()
-    client = KVTransferClient("127.0.0.1", port, timeout=10)
+    client = KVTransferClient("127.0.0.1", port, timeout=10, secret=fleet_secret())
     try:
         yield server, client
     finally:
@@ -103,6 +105,7 @@ def test_tcp_read_copies_the_blocks_and_leaves_others_untouched(max_chunk_bytes)
     pairs = [(3, 20), (4, 21), (9, 0), (15, 7), (0, 8)]
     held = DictHeld({"req-1": [3, 4, 9, 15, 0, 11]})
     with serving(held, src, max_chunk_bytes=max_chunk_bytes) as (_, client):
+        client.handshake(compat_of(src), "decode-0")
         nbytes = client.read_blocks_tcp("req-1", pairs, dst)
     block = src[:, :, :, 0].numel() * src.element_size()
     assert nbytes == len(pairs) * block
@@ -116,16 +119,18 @@ def test_release_frees_the_hold_once_and_later_reads_are_refused():
     pool = make_pool(1)
     held = DictHeld({"req-1": [1, 2]})
     with serving(held, pool) as (_, client):
+        client.handshake(compat_of(pool), "decode-0")
         assert client.release("req-1") is True
         assert client.release("req-1") is False
-        with pytest.raises(UnknownRequest, match="req-1"):
+        with pytest.raises(UnknownRequest, match="no blocks held under this grant"):
             client.read_blocks_tcp("req-1", [(1, 1)], make_pool(3))
 
 
 def test_unknown_request_and_blocks_not_held_are_clear_errors():
     pool = make_pool(1)
     with serving(DictHeld({"req-1": [1, 2]}), pool) as (_, client):
-        with pytest.raises(UnknownRequest, match="no blocks held for request 'nope'"):
+        client.handshake(compat_of(pool), "decode-0")
+        with pytest.raises(UnknownRequest, match="no blocks held under this grant"):
             client.read_blocks_tcp("nope", [(1, 1)], make_pool(3))
         with pytest.raises(TransferError, match=r"blocks \[5\] are not held"):
             client.read_blocks_tcp("req-1", [(1, 1), (5, 2)], make_pool(3))
@@ -143,6 +148,7 @@ def test_a_hold_released_mid_transfer_aborts_the_stream():
         serving(held, pool, max_chunk_bytes=256) as (_, client),
         pytest.raises(UnknownRequest, match="released mid-transfer"),
     ):
+        client.handshake(compat_of(pool), "decode-0")
         client.read_blocks_tcp("req-1", [(i, i) for i in range(16)], make_pool(3))
 
 
@@ -150,7 +156,7 @@ def test_unreachable_peer_fails_fast():
     pool = make_pool(1)
     started = time.monotonic()
     with (
-        KVTransferClient("127.0.0.1", free_port(), timeout=20) as client,
+        KVTransferClient("127.0.0.1", free_port(), timeout=20, secret=fleet_secret()) as client,
         pytest.raises(PeerUnavailable, match="Connection refused"),
     ):
         client.handshake(compat_of(pool), "d")

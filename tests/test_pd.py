@@ -17,8 +17,16 @@ import pytest
 
 from pagefleet.engine.llm import LLM
 from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.router.pd import release_prefill
-from server_utils import free_port, metric_value, running_router, running_server
+from pagefleet.fleet_auth import FieldSigner
+from pagefleet.router.pd import release_prefill, signed_headers
+from server_utils import (
+    FLEET_ENV,
+    fleet_secret,
+    free_port,
+    metric_value,
+    running_router,
+    running_server,
+)
 
 MAX_LEN = 1024
 SHARED = list(range(3, 203))  # a 200-token shared prefix
@@ -48,13 +56,17 @@ def colocated(tiny_checkpoints):
 @contextlib.contextmanager
 def pd_fleet(path: str, connector: str, threshold: int = 48):
     with (
-        running_server(path, *kv_flags(connector, "kv_producer")) as (prefill, p_proc),
-        running_server(path, *kv_flags(connector, "kv_consumer")) as (decode, _),
+        running_server(path, *kv_flags(connector, "kv_producer"), env=FLEET_ENV) as (
+            prefill,
+            p_proc,
+        ),
+        running_server(path, *kv_flags(connector, "kv_consumer"), env=FLEET_ENV) as (decode, _),
         running_router(
             "--endpoints",
             f"{prefill}@prefill,{decode}@decode",
             "--pd-threshold-tokens",
             str(threshold),
+            env=FLEET_ENV,
         ) as (router, _),
     ):
         yield prefill, decode, router, p_proc
@@ -167,6 +179,12 @@ def black_hole():
         server.close()
 
 
+def as_router(base: str, body: dict) -> httpx.Response:
+    """POST with kv_transfer_params signed as the fleet's router signs them."""
+    headers = signed_headers({}, body, FieldSigner(fleet_secret()))
+    return httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=60)
+
+
 def test_faults_end_in_correct_answers_and_nothing_held(tiny_checkpoints, colocated):
     path = tiny_checkpoints["llama"]
     long_i = 10
@@ -178,22 +196,18 @@ def test_faults_end_in_correct_answers_and_nothing_held(tiny_checkpoints, coloca
             *kv_flags("nixl", "kv_consumer", transfer_timeout=1.0),
             "--served-model-name",
             "other-model",  # an incompatible peer: the handshake refuses it
+            env=FLEET_ENV,
         ) as (odd_decode, _),
     ):
         direct = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
         direct |= {"ignore_eos": True}
 
         def prefill_params() -> dict:
-            r = httpx.post(
-                f"{prefill}/v1/completions",
-                json={**direct, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
-                timeout=60,
-            )
-            return r.json()["kv_transfer_params"]
+            body = {**direct, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+            return as_router(prefill, body).json()["kv_transfer_params"]
 
         def decode_with(base: str, params: dict, model: str = "tiny") -> list[int]:
-            body = {**direct, "model": model, "kv_transfer_params": params}
-            r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+            r = as_router(base, {**direct, "model": model, "kv_transfer_params": params})
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["text"]
 
@@ -203,7 +217,8 @@ def test_faults_end_in_correct_answers_and_nothing_held(tiny_checkpoints, coloca
         assert metric_value(odd_decode, "pagefleet:kv_transfer_fallbacks_total") == fallbacks + 1
         assert_nothing_held(prefill, odd_decode)
 
-        # 2. A prefill pod that never answers: the pull times out (1 s), local prefill.
+        # 2. A prefill pod that never answers (the router signed its address): the pull times
+        #    out (1 s), local prefill.
         with black_hole() as port:
             params = prefill_params()
             started = time.monotonic()
@@ -211,7 +226,7 @@ def test_faults_end_in_correct_answers_and_nothing_held(tiny_checkpoints, coloca
                 expected
             )
             assert time.monotonic() - started < 10
-        release_prefill(params)  # the real hold was never read: freed as the router does
+        release_prefill(params, fleet_secret())  # never read: freed as the router does
         assert_nothing_held(prefill, odd_decode)
 
         # 3. Client disconnect while the request is on its way: clean abort, nothing held.

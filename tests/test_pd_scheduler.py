@@ -102,3 +102,18 @@ def test_loading_requests_count_against_max_num_seqs():
     sched.add_request(make_request("x", [1, 2], max_tokens=2))
     out, _ = step(sched)
     assert len(out.kv_loads) == 2 and not out.scheduled
+
+
+def test_a_pull_nixl_cannot_cancel_quarantines_its_blocks_for_good():
+    sched = make_scheduler(num_blocks=16)
+    remote = make_request("d", PROMPT, max_tokens=2)
+    remote.remote_source = "prefill-pod"
+    sched.add_request(remote)
+    step(sched)
+    sched.quarantine_remote_load("d")  # the READ may write into its 5 blocks any time
+    assert remote.status is RequestStatus.FINISHED_ABORTED and not sched.has_unfinished()
+    assert sched.kv_cache.num_free_blocks == 11
+    check_invariants(sched)
+    assert sched.finish_remote_load("d", ok=True) is None
+    step(sched)
+    assert sched.kv_cache.num_free_blocks == 11

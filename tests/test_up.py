@@ -8,12 +8,14 @@ import json
 import pytest
 
 from pagefleet.cli import build_parser
-from pagefleet.up import FleetOptions, plan_fleet
+from pagefleet.fleet_auth import load_fleet_secret
+from pagefleet.up import FleetOptions, plan_fleet, write_fleet_secret
 
 
 def plan(**kw):
     ports = itertools.count(9000, 10)
-    return plan_fleet(FleetOptions(model="/m", **kw), "pagefleet", lambda: next(ports))
+    opts = FleetOptions(model="/m", fleet_secret_file="/run/s", **kw)
+    return plan_fleet(opts, "pagefleet", lambda: next(ports))
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -40,10 +42,20 @@ def test_default_fleet_is_colocated_prefill_decode_and_a_precise_router():
     events = [json.loads(flag(e.argv, "--kv-events-config"))["endpoint"] for e in engines]
     assert flag(router, "--kv-events-endpoints").split(",") == events
     assert flag(router, "--prefix-index") == "precise" and flag(router, "--port") == "8000"
-    # Every engine command parses as `pagefleet serve` would parse it.
+    # Every child shares the fleet's secret file; every command parses as `pagefleet` would.
+    assert {flag(s.argv, "--fleet-secret-file") for s in specs} == {"/run/s"}
     for e in engines:
         build_parser().parse_args(e.argv[1:])
     build_parser().parse_args(router[1:])
+
+
+def test_each_run_writes_a_fresh_secret_only_its_user_can_read(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = write_fleet_secret(tmp_path / "a"), write_fleet_secret(tmp_path / "b")
+    assert first.stat().st_mode & 0o777 == 0o600
+    secrets = [load_fleet_secret(str(p)) for p in (first, second)]
+    assert secrets[0] != secrets[1] and len(secrets[0].value) >= 32
 
 
 def test_simulated_fleets_have_no_kv_transfer_and_bad_sizes_are_refused():

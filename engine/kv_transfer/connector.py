@@ -5,6 +5,10 @@ call `blocks_of` and `release` (the `HeldBlocks` the transfer service serves); e
 a worker thread (handshake, NIXL READ or TCP stream, release of the prefill side), so a
 transfer never stalls a step. Every pull ends in exactly one `LoadResult`, success or not: the
 engine then either continues from the pulled blocks or computes the prompt itself.
+
+A hold is a grant: 128 random bits (never derived from the client's request id), bound to the
+first engine that reads it, void after the hold timeout. Peers authenticate with the fleet
+secret both ways before any byte moves.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,13 +26,27 @@ from dataclasses import dataclass
 import torch
 
 from pagefleet.engine.kv_transfer.errors import TransferError, TransferTimeout
-from pagefleet.engine.kv_transfer.layout import CompatRecord
-from pagefleet.engine.kv_transfer.service import KVTransferClient, KVTransferServer, PeerInfo
+from pagefleet.engine.kv_transfer.layout import CompatRecord, geometry_of
+from pagefleet.engine.kv_transfer.service import (
+    KVTransferClient,
+    KVTransferServer,
+    PeerInfo,
+    chunk_message_limit,
+)
+from pagefleet.fleet_auth import FleetSecret
 
 logger = logging.getLogger("pagefleet.engine")
 CONNECTORS = ("nixl", "tcp")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_KV_PORT = 14579
+GRANT_BYTES = 16  # 128 bits
+# How long a worker keeps asking NIXL to cancel a READ before it gives up on those blocks.
+RELEASE_GIVE_UP_S = 10.0
+
+
+class ReadNotReleased(TransferError):
+    """NIXL could not cancel a READ: the local blocks may still be written and must never be
+    reused (the request is aborted, the blocks are quarantined)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +125,17 @@ class LoadResult:
     num_bytes: int = 0
     seconds: float = 0.0
     error: str | None = None
+    quarantined: bool = False  # its blocks may still be written: never reuse them
+
+
+@dataclass
+class _Hold:
+    """Blocks kept for a decode pod under one grant."""
+
+    request_id: str
+    block_ids: list[int]
+    deadline: float  # monotonic
+    reader: str | None = None  # the engine that read it first; only it may read again
 
 
 @dataclass
@@ -120,12 +150,21 @@ class TransferStats:
 
 class KVConnector:
     def __init__(
-        self, config: KVTransferConfig, pool: torch.Tensor, compat: CompatRecord, engine_id: str
+        self,
+        config: KVTransferConfig,
+        pool: torch.Tensor,
+        compat: CompatRecord,
+        engine_id: str,
+        secret: FleetSecret,
     ) -> None:
         self.config, self.pool, self.compat, self.engine_id = config, pool, compat, engine_id
+        self.secret = secret
         self.stats = TransferStats()
         self.wake: Callable[[], None] = lambda: None  # the engine loop's doorbell
-        self._held: dict[str, tuple[list[int], float]] = {}  # request -> (blocks, deadline)
+        self.release_give_up_s = RELEASE_GIVE_UP_S
+        self._message_limit = chunk_message_limit(geometry_of(pool))
+        self._held: dict[str, _Hold] = {}  # grant -> hold
+        self._held_lock = threading.Lock()
         self._releases: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
         self._result_ready = threading.Event()
@@ -145,8 +184,10 @@ class KVConnector:
                 pool,
                 compat,
                 engine_id,
+                secret=secret,
                 host=config.kv_bind_host or config.kv_ip,
                 port=config.kv_port,
+                advertised_host=config.kv_ip,
                 nixl_agent_name=self.nixl.agent_name if self.nixl else "",
                 nixl_metadata=self.nixl.metadata() if self.nixl else b"",
             )
@@ -155,8 +196,11 @@ class KVConnector:
     # ------------------------------------------------------------------ prefill side
 
     def hold(self, request_id: str, block_ids: Sequence[int], now: float) -> dict:
-        """Keep a finished prefill's blocks for a decode pod; returns its kv_transfer_params."""
-        self._held[request_id] = (list(block_ids), now + self.config.hold_timeout)
+        """Keep a finished prefill's blocks for a decode pod under a fresh grant; returns the
+        request's kv_transfer_params (`remote_request_id` is the grant)."""
+        grant = secrets.token_urlsafe(GRANT_BYTES)
+        with self._held_lock:
+            self._held[grant] = _Hold(request_id, list(block_ids), now + self.config.hold_timeout)
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -164,30 +208,44 @@ class KVConnector:
             "remote_host": self.config.kv_ip,
             "remote_port": self.port,
             "remote_block_ids": list(block_ids),
-            "remote_request_id": request_id,
+            "remote_request_id": grant,
         }
 
-    def blocks_of(self, request_id: str) -> list[int] | None:
-        held = self._held.get(request_id)
-        return held[0] if held is not None else None
+    def blocks_of(self, transfer_id: str, reader: str) -> list[int] | None:
+        """From a gRPC thread: the grant's blocks for this reader (binding it on first use)."""
+        with self._held_lock:
+            hold = self._held.get(transfer_id)
+            if hold is None or hold.deadline <= time.monotonic():
+                return None
+            if hold.reader is None:
+                hold.reader = reader
+            return hold.block_ids if hold.reader == reader else None
 
-    def release(self, request_id: str) -> bool:
-        """From a gRPC thread: the engine thread frees the blocks at its next step."""
-        known = request_id in self._held
-        if known:
-            self._releases.put(request_id)
+    def release(self, transfer_id: str, reader: str) -> bool:
+        """From a gRPC thread: the engine thread frees the blocks at its next step. The reader
+        that bound the grant, or a releaser (a router whose decode never came), may free it."""
+        with self._held_lock:
+            hold = self._held.get(transfer_id)
+            allowed = hold is not None and (
+                hold.reader in (None, reader) or reader.startswith("releaser/")
+            )
+        if allowed:
+            self._releases.put(transfer_id)
             self.wake()
-        return known
+        return allowed
 
     def due_releases(self, now: float) -> list[str]:
-        """Held requests to free now: released by their reader, or past their hold timeout."""
-        due = [rid for rid, (_, deadline) in self._held.items() if deadline <= now]
-        while True:
-            try:
-                due.append(self._releases.get_nowait())
-            except queue.Empty:
-                break
-        return [rid for rid in due if self._held.pop(rid, None) is not None]
+        """Request ids whose held blocks to free now: released by their reader, or past their
+        hold timeout."""
+        with self._held_lock:
+            due = [grant for grant, hold in self._held.items() if hold.deadline <= now]
+            while True:
+                try:
+                    due.append(self._releases.get_nowait())
+                except queue.Empty:
+                    break
+            done = [self._held.pop(grant, None) for grant in due]
+        return [hold.request_id for hold in done if hold is not None]
 
     # ------------------------------------------------------------------ decode side
 
@@ -224,6 +282,10 @@ class KVConnector:
             if pairs:
                 result.num_bytes = self._pull(source, pairs)
             result.ok = True
+        except ReadNotReleased as e:
+            result.error, result.quarantined = str(e), True
+            self._forget_peer(source)
+            logger.error("KV pull for %s: %s; its blocks are quarantined", request_id, e)
         except TransferError as e:
             result.error = str(e)
             self._forget_peer(source)
@@ -262,10 +324,19 @@ class KVConnector:
             client.read_blocks_tcp(source.request_id, pairs[:1], self.pool, timeout=timeout)
             return handle.num_bytes
         finally:
-            while not self.nixl.release(handle):
-                # NIXL could not cancel it: our blocks may still be written, so the request
-                # must not move on (or be freed) until the READ is really over.
-                time.sleep(0.01)
+            self._release_read(handle)
+
+    def _release_read(self, handle) -> None:
+        """Free a READ, retrying while NIXL cannot cancel it (our blocks may still be written,
+        so the request must not move on); raises ReadNotReleased after `release_give_up_s`."""
+        give_up = time.monotonic() + self.release_give_up_s
+        while not self.nixl.release(handle):
+            if time.monotonic() > give_up:
+                raise ReadNotReleased(
+                    f"NIXL could not cancel a READ from {handle.peer.agent_name} "
+                    f"in {self.release_give_up_s:.0f} s"
+                )
+            time.sleep(0.01)
 
     def _peer(self, source: RemoteSource):
         key = (source.host, source.port)
@@ -275,9 +346,15 @@ class KVConnector:
             return known
         if known is not None:  # the pod restarted under the same address
             self._forget_peer(source)
-        client = KVTransferClient(source.host, source.port, timeout=self.config.transfer_timeout)
+        client = KVTransferClient(
+            source.host,
+            source.port,
+            timeout=self.config.transfer_timeout,
+            secret=self.secret,
+            max_message_bytes=self._message_limit,
+        )
         try:
-            peer = client.handshake(self.compat, self.engine_id)
+            peer = client.handshake(self.compat, self.engine_id, source.engine_id)
             nixl_peer = None
             if self.nixl is not None and peer.nixl_agent_name:
                 nixl_peer = self.nixl.add_peer(
@@ -307,10 +384,14 @@ class KVConnector:
             if known is not None:  # the channel of the handshake: no new connection
                 known[0].release(source.request_id)
                 return
-            with KVTransferClient(source.host, source.port, timeout=2.0) as client:
+            # Our handshake failed (an incompatible peer): release under a releaser session.
+            with KVTransferClient(
+                source.host, source.port, timeout=2.0, secret=self.secret
+            ) as client:
+                client.authenticate_to_release(self.engine_id, source.engine_id)
                 client.release(source.request_id)
         except TransferError as e:
-            logger.info("release of %s on %s failed: %s", source.request_id, source.host, e)
+            logger.info("release of a grant on %s failed: %s", source.host, e)
 
     def close(self) -> None:
         self._workers.shutdown(wait=True, cancel_futures=False)

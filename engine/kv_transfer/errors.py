@@ -16,6 +16,10 @@ class IncompatiblePeer(TransferError):
         super().__init__(f"incompatible KV transfer peer {peer}: " + "; ".join(self.mismatches))
 
 
+class AuthenticationFailed(TransferError):
+    """The peer did not prove it holds the fleet secret (or we did not, to it)."""
+
+
 class UnknownRequest(TransferError):
     """The peer holds no blocks for this request id (never held, released or expired)."""
 

@@ -2,12 +2,16 @@
 it holds for remote decode, and the client a peer uses to handshake, pull blocks over TCP (the
 fallback data path) and release them.
 
-The server never decides what is held: the engine implements `HeldBlocks` (a request id maps to
-its held block ids until released or expired) and the server only reads those blocks.
+Only fleet members talk to it: a peer proves it holds the fleet secret (peer_auth) before it
+learns anything about the pool, and every later call carries the session that opens. The
+server never decides what is held: the engine implements `HeldBlocks` (a transfer grant maps to
+its held block ids until released or expired, bound to the first peer that reads it) and the
+server only reads those blocks. Message limits follow the real messages, not gRPC's defaults.
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent import futures
@@ -18,6 +22,7 @@ import grpc
 import torch
 
 from pagefleet.engine.kv_transfer.errors import (
+    AuthenticationFailed,
     IncompatiblePeer,
     PeerUnavailable,
     TransferError,
@@ -35,24 +40,42 @@ from pagefleet.engine.kv_transfer.layout import (
     geometry_of,
     wire_chunks,
 )
+from pagefleet.engine.kv_transfer.peer_auth import ClientHandshake, PeerAuthenticator
+from pagefleet.fleet_auth import FleetAuthError, FleetSecret, HandshakeContext
 from pagefleet.proto import kv_transfer_pb2 as pb
 from pagefleet.proto import kv_transfer_pb2_grpc as pb_grpc
 
 # gRPC's default receive limit is 4 MiB per message; chunks stay below it with room for the
-# envelope, and both ends allow a little more in case a single plane of a block is larger.
-DEFAULT_MAX_CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# envelope (a single plane of one block may be larger: then the limit grows to fit it).
+ENVELOPE_BYTES = 64 * 1024
+DEFAULT_MAX_CHUNK_BYTES = 4 * 1024 * 1024 - ENVELOPE_BYTES
+# What the server receives: a handshake (<1 KB) or a ReadBlocks of at most every block id
+# (a varint of <= 5 bytes each).
+REQUEST_BASE_BYTES = 16 * 1024
+BYTES_PER_BLOCK_ID = 5
+
+
+def chunk_message_limit(geometry: PoolGeometry, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES):
+    """The largest BlockChunk (or handshake reply) a transfer of this geometry sends."""
+    return max(max_chunk_bytes, geometry.chunk_bytes) + ENVELOPE_BYTES
+
+
+def request_message_limit(num_blocks: int) -> int:
+    """The largest request a server over `num_blocks` blocks needs to receive."""
+    return REQUEST_BASE_BYTES + BYTES_PER_BLOCK_ID * num_blocks
 
 
 class HeldBlocks(Protocol):
-    """What the engine holds for remote readers; both methods are called from gRPC threads."""
+    """What the engine holds for remote readers; both methods are called from gRPC threads.
+    `reader` names the authenticated caller (`engine/<id>` or `router/<id>`)."""
 
-    def blocks_of(self, request_id: str) -> list[int] | None:
-        """Block ids held for this request, or None if unknown, released or expired."""
+    def blocks_of(self, transfer_id: str, reader: str) -> list[int] | None:
+        """Block ids held under this grant, or None if unknown, released, expired or bound to
+        another reader (the first engine that reads a grant binds it)."""
         ...
 
-    def release(self, request_id: str) -> bool:
-        """Stop holding this request's blocks; False if it held none."""
+    def release(self, transfer_id: str, reader: str) -> bool:
+        """Stop holding the grant's blocks; False if it held none (or not for this reader)."""
         ...
 
 
@@ -143,42 +166,75 @@ class _Servicer(pb_grpc.KVTransferServicer):
     def __init__(self, server: KVTransferServer) -> None:
         self._server = server
 
+    def Challenge(self, request: pb.ChallengeRequest, context) -> pb.ChallengeReply:
+        s = self._server
+        try:
+            nonce, proof = s.auth.challenge(
+                request.client_nonce, request.peer_id, request.role, request.address, time.time()
+            )
+        except FleetAuthError as e:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"engine {s.engine_id}: {e}")
+        return pb.ChallengeReply(server_nonce=nonce, server_id=s.engine_id, server_proof=proof)
+
     def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeReply:
         s = self._server
-        mismatches = s.compat.mismatches(compat_from_proto(request.compat))
-        reply = pb.HandshakeReply(
-            engine_id=s.engine_id,
-            compat=compat_to_proto(s.compat),
-            accepted=not mismatches,
-            mismatches=mismatches,
+        ctx = HandshakeContext(
+            request.client_nonce,
+            request.server_nonce,
+            s.engine_id,
+            request.engine_id,
+            request.role,
+            request.address,
         )
-        if mismatches:
-            reply.reason = f"engine {s.engine_id} refuses {request.engine_id}: " + "; ".join(
-                mismatches
-            )
+        try:
+            peer = s.auth.verify(ctx, request.client_proof, time.time())
+        except FleetAuthError as e:
+            # Nothing about this server (record, pool, metadata) goes to an unproven peer.
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"engine {s.engine_id}: {e}")
+        reply = pb.HandshakeReply(engine_id=s.engine_id)
+        if peer.role == "releaser":  # a router, or an engine freeing a grant: no pool info
+            reply.accepted = True
+            reply.session = s.auth.open_session(peer, time.time())
             return reply
+        mismatches = s.compat.mismatches(compat_from_proto(request.compat))
+        reply.compat.CopyFrom(compat_to_proto(s.compat))
+        if mismatches:
+            reply.mismatches.extend(mismatches)
+            reply.reason = f"engine {s.engine_id} refuses {peer.peer_id}: " + "; ".join(mismatches)
+            return reply
+        reply.accepted = True
+        reply.session = s.auth.open_session(peer, time.time())
         reply.nixl_agent_name = s.nixl_agent_name
         reply.nixl_agent_metadata = s.nixl_metadata
         reply.pool.CopyFrom(pb.PoolInfo(**vars(s.pool_info)))
         return reply
 
+    def _peer(self, session: bytes, context):
+        try:
+            return self._server.auth.peer_of(session, time.time())
+        except FleetAuthError as e:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+
     def ReadBlocks(self, request: pb.ReadBlocksRequest, context) -> Iterator[pb.BlockChunk]:
         s = self._server
-        rid = request.request_id
-        held = s.held.blocks_of(rid)
+        peer = self._peer(request.session, context)
+        if peer.role != "reader":
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "this session may only release")
+        grant = request.request_id
+        held = s.held.blocks_of(grant, peer.reader)
         if held is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no blocks held for request {rid!r}")
+            context.abort(grpc.StatusCode.NOT_FOUND, "no blocks held under this grant for you")
         ids = list(request.block_ids)
         stray = sorted(set(ids) - set(held))
         if stray:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"blocks {stray[:8]} are not held for request {rid!r}",
+                f"blocks {stray[:8]} are not held under this grant",
             )
         for chunk in wire_chunks(len(ids), s.geometry, s.max_chunk_bytes):
             # A hold that expires mid-stream frees blocks that may be overwritten any moment.
-            if s.held.blocks_of(rid) is None:
-                context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid!r} released mid-transfer")
+            if s.held.blocks_of(grant, peer.reader) is None:
+                context.abort(grpc.StatusCode.NOT_FOUND, "the grant was released mid-transfer")
             yield pb.BlockChunk(
                 first_block=chunk.first_block,
                 num_blocks=chunk.num_blocks,
@@ -188,7 +244,8 @@ class _Servicer(pb_grpc.KVTransferServicer):
             )
 
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseReply:
-        return pb.ReleaseReply(released=self._server.held.release(request.request_id))
+        peer = self._peer(request.session, context)
+        return pb.ReleaseReply(released=self._server.held.release(request.request_id, peer.reader))
 
 
 def _target(host: str, port: int) -> str:
@@ -196,7 +253,10 @@ def _target(host: str, port: int) -> str:
 
 
 class KVTransferServer:
-    """Serves Handshake, ReadBlocks and Release for one engine on its own thread pool."""
+    """Serves Challenge, Handshake, ReadBlocks and Release for one engine on its own threads.
+
+    `advertised_host` is the address peers dial (default: `host`); handshakes dialled to any
+    other address are refused, so one cannot be relayed through another listener."""
 
     def __init__(
         self,
@@ -205,8 +265,10 @@ class KVTransferServer:
         compat: CompatRecord,
         engine_id: str,
         *,
+        secret: FleetSecret,
         host: str = "127.0.0.1",
         port: int = 0,
+        advertised_host: str | None = None,
         nixl_agent_name: str = "",
         nixl_metadata: bytes = b"",
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
@@ -222,17 +284,25 @@ class KVTransferServer:
         self.geometry = geometry_of(pool)
         self.pool_info = describe_pool(pool)
         self.host = host
+        send_limit = max(
+            chunk_message_limit(self.geometry, max_chunk_bytes), len(nixl_metadata) + ENVELOPE_BYTES
+        )
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-transfer"),
             options=[
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", send_limit),
+                (
+                    "grpc.max_receive_message_length",
+                    request_message_limit(self.geometry.num_blocks),
+                ),
             ],
         )
         pb_grpc.add_KVTransferServicer_to_server(_Servicer(self), self._server)
         self.port = self._server.add_insecure_port(_target(host, port))
         if self.port == 0:
             raise OSError(f"cannot bind the KV transfer service to {_target(host, port)}")
+        self.address = _target(advertised_host or host, self.port)
+        self.auth = PeerAuthenticator(secret, engine_id, self.address)
 
     def start(self) -> int:
         """Start serving; returns the bound port (useful with port=0)."""
@@ -248,6 +318,8 @@ def _translate(error: grpc.RpcError, what: str) -> TransferError:
     code, details = error.code(), error.details()
     if code == grpc.StatusCode.NOT_FOUND:
         return UnknownRequest(f"{what}: {details}")
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return AuthenticationFailed(f"{what}: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TransferTimeout(f"{what}: timed out")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
@@ -256,26 +328,81 @@ def _translate(error: grpc.RpcError, what: str) -> TransferError:
 
 
 class KVTransferClient:
-    """One peer's KV transfer service, seen from the engine that pulls blocks."""
+    """One peer's KV transfer service, seen from an engine that pulls blocks (`handshake`), or
+    from a router or engine that only releases a grant (`authenticate_to_release`)."""
 
-    def __init__(self, host: str, port: int, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        timeout: float = 10.0,
+        *,
+        secret: FleetSecret,
+        max_message_bytes: int = DEFAULT_MAX_CHUNK_BYTES + ENVELOPE_BYTES,
+    ) -> None:
         self.target = _target(host, port)
         self.timeout = timeout
+        self._secret = secret
+        self._session = b""
         self._channel = grpc.insecure_channel(
-            self.target, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+            self.target,
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+            ],
         )
         self._stub = pb_grpc.KVTransferStub(self._channel)
 
-    def handshake(self, local_compat: CompatRecord, local_engine_id: str) -> PeerInfo:
-        """Exchange compatibility records; raises IncompatiblePeer (with every reason) if the
-        peer refuses us or we cannot read its cache."""
+    def _prove(
+        self, peer_id: str, role: str, expected_server_id: str | None
+    ) -> tuple[ClientHandshake, pb.ChallengeReply, bytes]:
+        """Step 1: challenge the server and check its proof; returns ours."""
+        mine = ClientHandshake(self._secret, peer_id, role, self.target)
+        request = pb.ChallengeRequest(
+            client_nonce=mine.client_nonce, peer_id=peer_id, role=role, address=self.target
+        )
+        try:
+            reply = self._stub.Challenge(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise _translate(e, f"handshake with {self.target}") from e
+        if expected_server_id is not None and reply.server_id != expected_server_id:
+            raise AuthenticationFailed(
+                f"{self.target} is engine {reply.server_id[:64]!r}, not {expected_server_id!r}"
+            )
+        try:
+            proof = mine.check_server(reply.server_nonce, reply.server_id, reply.server_proof)
+        except FleetAuthError as e:
+            raise AuthenticationFailed(f"handshake with {self.target}: {e}") from None
+        return mine, reply, proof
+
+    def _handshake(self, mine, challenge, proof, compat: pb.CompatRecord) -> pb.HandshakeReply:
         request = pb.HandshakeRequest(
-            compat=compat_to_proto(local_compat), engine_id=local_engine_id
+            compat=compat,
+            engine_id=mine.peer_id,
+            client_nonce=mine.client_nonce,
+            server_nonce=challenge.server_nonce,
+            client_proof=proof,
+            role=mine.role,
+            address=self.target,
         )
         try:
             reply = self._stub.Handshake(request, timeout=self.timeout)
         except grpc.RpcError as e:
             raise _translate(e, f"handshake with {self.target}") from e
+        self._session = reply.session if reply.accepted else b""
+        return reply
+
+    def handshake(
+        self,
+        local_compat: CompatRecord,
+        local_engine_id: str,
+        expected_engine_id: str | None = None,
+    ) -> PeerInfo:
+        """Prove both sides hold the fleet secret, then exchange compatibility records; raises
+        AuthenticationFailed, or IncompatiblePeer (with every reason) if the peer refuses us or
+        we cannot read its cache."""
+        mine, challenge, proof = self._prove(local_engine_id, "reader", expected_engine_id)
+        reply = self._handshake(mine, challenge, proof, compat_to_proto(local_compat))
         peer = f"{reply.engine_id or '?'} at {self.target}"
         if not reply.accepted:
             raise IncompatiblePeer(peer, list(reply.mismatches) or [reply.reason])
@@ -292,14 +419,21 @@ class KVTransferClient:
             pool=pool_info_from_proto(reply.pool),
         )
 
+    def authenticate_to_release(self, peer_id: str, expected_engine_id: str | None = None):
+        """A session that may release grants and nothing else (it learns nothing of the pool):
+        for a router, or an engine whose own handshake failed."""
+        mine, challenge, proof = self._prove(peer_id, "releaser", expected_engine_id)
+        if not self._handshake(mine, challenge, proof, pb.CompatRecord()).accepted:
+            raise AuthenticationFailed(f"{self.target} refused a release session")
+
     def read_blocks_tcp(
         self,
-        request_id: str,
+        transfer_id: str,
         pairs: Sequence[tuple[int, int]],
         local_pool: torch.Tensor,
         timeout: float | None = None,
     ) -> int:
-        """Pull the peer's blocks (remote id, local id) held for `request_id` straight into
+        """Pull the peer's blocks (remote id, local id) held under `transfer_id` straight into
         `local_pool`'s blocks; returns the bytes received. Raises a TransferError on any
         failure, after which the local blocks hold partial data and must be recomputed."""
         geometry = geometry_of(local_pool)
@@ -307,8 +441,10 @@ class KVTransferClient:
         check_pairs(geometry, geometry, [(0, local) for _, local in pairs])
         remote_ids = [remote for remote, _ in pairs]
         local_ids = [local for _, local in pairs]
-        request = pb.ReadBlocksRequest(request_id=request_id, block_ids=remote_ids)
-        what = f"reading {len(pairs)} blocks of {request_id!r} from {self.target}"
+        request = pb.ReadBlocksRequest(
+            request_id=transfer_id, block_ids=remote_ids, session=self._session
+        )
+        what = f"reading {len(pairs)} blocks from {self.target}"
         received = 0
         try:
             stream = self._stub.ReadBlocks(request, timeout=timeout or self.timeout)
@@ -322,14 +458,13 @@ class KVTransferClient:
             raise TransferError(f"{what}: stream ended after {received} bytes")
         return received
 
-    def release(self, request_id: str) -> bool:
-        """Tell the peer to stop holding the request's blocks; False if it held none."""
+    def release(self, transfer_id: str) -> bool:
+        """Tell the peer to stop holding the grant's blocks; False if it held none."""
+        request = pb.ReleaseRequest(request_id=transfer_id, session=self._session)
         try:
-            reply = self._stub.Release(
-                pb.ReleaseRequest(request_id=request_id), timeout=self.timeout
-            )
+            reply = self._stub.Release(request, timeout=self.timeout)
         except grpc.RpcError as e:
-            raise _translate(e, f"releasing {request_id!r} on {self.target}") from e
+            raise _translate(e, f"releasing a grant on {self.target}") from e
         return reply.released
 
     def close(self) -> None:

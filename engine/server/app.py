@@ -24,6 +24,8 @@ from pagefleet import __version__
 from pagefleet.engine.async_llm import AsyncLLM
 from pagefleet.engine.outputs import RequestOutput, TokenLogprobs
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.server.fleet_fields import check_fleet_fields
+from pagefleet.engine.server.limits import RequestLimits, Tokenization, max_token_bytes
 from pagefleet.engine.server.metrics import EngineMetrics
 from pagefleet.engine.server.protocol import (
     ChatCompletionRequest,
@@ -31,7 +33,15 @@ from pagefleet.engine.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagefleet.http_errors import check_api_key, error_body, error_response, wait_disconnect
+from pagefleet.fleet_auth import FieldSigner
+from pagefleet.http_errors import (
+    APIError,
+    BodyLimit,
+    check_api_key,
+    error_body,
+    error_response,
+    wait_disconnect,
+)
 
 
 @dataclass
@@ -40,69 +50,29 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting_requests: int | None = None
     max_body_bytes: int = 4 << 20
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        headers: dict | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-        self.headers = headers
-
-
-class BodyLimit:
-    """ASGI middleware: a body over the limit gets 413 before any handler reads it."""
-
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._reject(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge
-            return message
-
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await self._reject(scope, receive, send)
-
-    async def _reject(self, scope, receive, send):
-        response = error_response(
-            413, f"request body larger than {self.limit} bytes", "invalid_request_error"
-        )
-        await response(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
+    fleet_signer: FieldSigner | None = None  # verifies the router's kv_transfer_params
+    max_sequences_per_request: int | None = None  # prompts x n; default: --max-num-seqs
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="pagefleet", version=__version__)
+    # Inside the key check (middleware added later wraps it): bodies of clients without the
+    # key are never read.
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     app.state.draining = False
     core = engine.engine
     tokenizer = engine.tokenizer
     metrics = EngineMetrics(core, config.served_model_name)
+    engine.stall_observers.append(metrics.stall_aborts.inc)
     app.state.metrics = metrics
     max_model_len = core.max_model_len
+    limits = RequestLimits(
+        max_model_len,
+        max_token_bytes(tokenizer),
+        config.max_sequences_per_request or core.args.max_num_seqs,
+        config.max_waiting_requests,
+    )
+    tokens = Tokenization(tokenizer, limits)
 
     @app.exception_handler(APIError)
     async def _apierror_response(_, exc: APIError):
@@ -124,6 +94,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def _http(_, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_, exc: Exception):  # JSON, never plain text; details stay in the log
+        return error_response(500, "internal error (see the server log)", "internal_error")
 
     @app.middleware("http")
     async def _auth_and_ids(request: Request, call_next):
@@ -150,16 +124,16 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
                 "model",
             )
 
-    def check_capacity() -> None:
-        limit = config.max_waiting_requests
-        waiting = engine.num_unfinished - core.scheduler.num_running
-        if limit is not None and waiting >= limit:
-            raise APIError(
-                503,
-                f"the waiting queue is full ({limit} requests); retry later",
-                "service_unavailable",
-                headers={"Retry-After": "1"},
-            )
+    def check_capacity(sequences: int) -> None:
+        # Every sequence counts: n samples of each of a request's prompts.
+        limits.check_capacity(
+            engine.num_unfinished_sequences - core.scheduler.num_running, sequences
+        )
+
+    def check_fleet(req, request: Request) -> None:
+        check_fleet_fields(
+            req.kv_transfer_params, request.headers, config.fleet_signer, time.time()
+        )
 
     def fit_max_tokens(prompt_len: int, requested: int | None) -> int:
         if prompt_len >= max_model_len:
@@ -181,25 +155,17 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
             )
         return requested
 
-    def encode(prompt: str | list[int]) -> list[int]:
+    async def encode(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return tokenizer.encode(prompt)
+            return await tokens.encode(prompt)
         vocab = core.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return list(prompt)
 
-    def chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+    async def chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            out = tokenizer.apply_chat_template(
-                messages,
-                tokenize=True,
-                add_generation_prompt=getattr(req, "add_generation_prompt", True),
-            )
-        except Exception as e:  # a template that rejects the conversation
-            raise APIError(400, f"chat template failed: {e}", param="messages") from None
-        return list(out if isinstance(out, list) else out["input_ids"])
+        return await tokens.chat(messages, getattr(req, "add_generation_prompt", True))
 
     def request_id(request: Request, prefix: str) -> str:
         return f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
@@ -283,7 +249,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
                     "object": "model",
                     "created": int(time.time()),
                     "owned_by": "pagefleet",
-                    "root": core.args.model,
+                    "root": config.served_model_name,  # never the checkpoint's path
                     "max_model_len": max_model_len,
                 }
             ],
@@ -293,10 +259,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def tokenize(req: TokenizeRequest):
         check_model(req.model)
         if req.messages is not None:
-            tokens = chat_prompt(req)
+            ids = await chat_prompt(req)
         else:
-            tokens = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
+            ids = await tokens.encode(req.prompt, req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
@@ -304,18 +270,20 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         vocab = core.model_config.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": tokenizer.decode(req.tokens)}
+        return {"prompt": await tokens.decode(req.tokens)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
-        prompts = [encode(p) for p in req.prompts()]
+        check_fleet(req, request)
+        sequences = limits.check_sequences(len(req.prompts()), req.n)
+        prompts = [await encode(p) for p in req.prompts()]
         if any(not p for p in prompts):
             raise APIError(400, "prompt must not be empty", param="prompt")
         max_tokens = [fit_max_tokens(len(p), req.max_tokens) for p in prompts]
         params = [_params(req, m, req.logprobs) for m in max_tokens]
         rid = request_id(request, "cmpl")
-        check_capacity()  # and submit at once, with no await in between
+        check_capacity(sequences)  # and submit at once, with no await in between
         gens = [
             submit(f"{rid}-{i}", p, sp)
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
@@ -355,12 +323,14 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
         check_model(req.model)
-        prompt = chat_prompt(req)
+        check_fleet(req, request)
+        sequences = limits.check_sequences(1, req.n)
+        prompt = await chat_prompt(req)
         max_tokens = fit_max_tokens(len(prompt), req.requested_max_tokens())
         rid = request_id(request, "chatcmpl")
         top = req.top_logprobs or 0
         params = _params(req, max_tokens, top if req.logprobs else None)
-        check_capacity()  # and submit at once, with no await in between
+        check_capacity(sequences)  # and submit at once, with no await in between
         gen = submit(rid, prompt, params)
         created = int(time.time())
         if req.stream:
@@ -390,7 +360,6 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
             **_kv_transfer_params([final]),
         }
 
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     return app
 
 
@@ -435,8 +404,10 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 
 async def _merge(gens) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they come, tagged with the stream's index."""
-    queue: asyncio.Queue = asyncio.Queue()
+    """Outputs of several streams as they come, tagged with the stream's index. The queue is
+    bounded: when the client stops reading, the streams stop being drained (each keeps only
+    its latest output, and aborts its request once stalled too long)."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(gens) + 1)
     done = object()
 
     async def pump(i, gen):

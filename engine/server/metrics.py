@@ -201,6 +201,12 @@ class EngineMetrics:
             ["model_name", "finished_reason"],
             registry=reg,
         )
+        self.stall_aborts = Counter(
+            "pagefleet:client_stall_aborts",
+            "Requests aborted because their client left output unread too long.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         self.transfer_seconds = hist(
             "pagefleet:kv_transfer_duration_seconds",
             "Time to pull one request's KV blocks (handshake, transfer, release).",

@@ -11,6 +11,7 @@ import signal
 import uvicorn
 
 from pagefleet.engine.config import EngineArgs
+from pagefleet.fleet_auth import FieldSigner, load_fleet_secret
 
 logger = logging.getLogger("pagefleet.server")
 
@@ -113,6 +114,26 @@ def add_serve_parser(sub) -> None:
         type=int,
         default=None,
         help="answer 503 with Retry-After beyond this many waiting requests",
+    )
+    p.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=None,
+        help="answer 400 beyond this many sequences (prompts x n) in one request "
+        "(default: --max-num-seqs)",
+    )
+    p.add_argument(
+        "--client-stall-timeout",
+        type=float,
+        default=30.0,
+        help="abort a request whose client leaves its output unread this long, in seconds (30)",
+    )
+    p.add_argument(
+        "--fleet-secret-file",
+        default=None,
+        help="file holding the secret this engine's router and KV peers share (or set "
+        "PAGEFLEET_FLEET_SECRET_FILE or PAGEFLEET_FLEET_SECRET); needed for "
+        "--kv-transfer-config, and for kv_transfer_params from the router",
     )
     p.add_argument(
         "--max-request-body-bytes",
@@ -220,20 +241,33 @@ def run_serve(args: argparse.Namespace, banner: str | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    secret = load_fleet_secret(args.fleet_secret_file)
     publisher = None
     if args.kv_events_config:
         from pagefleet.engine.kv_event_publisher import KVEventsConfig, ZmqEventPublisher
 
         events_config = KVEventsConfig.from_json(args.kv_events_config)
         if events_config.enable_kv_cache_events and events_config.publisher == "zmq":
-            publisher = ZmqEventPublisher(events_config)
-    engine = AsyncLLM.from_engine_args(engine_args_from(args), publisher.add if publisher else None)
+            publisher = ZmqEventPublisher(events_config, secret)
+    engine = AsyncLLM.from_engine_args(
+        engine_args_from(args),
+        publisher.add if publisher else None,
+        secret,
+        args.client_stall_timeout,
+    )
     if publisher is not None:
         engine.engine.step_observers.append(lambda _: publisher.flush())
     name = args.served_model_name or args.model
     app = build_app(
         engine,
-        ServerConfig(name, args.api_key, args.max_waiting_requests, args.max_request_body_bytes),
+        ServerConfig(
+            name,
+            args.api_key,
+            args.max_waiting_requests,
+            args.max_request_body_bytes,
+            FieldSigner(secret) if secret else None,
+            args.max_sequences_per_request,
+        ),
     )
     config = uvicorn.Config(
         app,
