@@ -15,6 +15,10 @@ MODEL_SOURCES = ("pvc", "image", "hostPath")
 DEPLOYMENT_MODES = ("colocated", "disaggregated")
 KV_CONNECTORS = ("nixl", "tcp")
 SCORERS = ("prefix", "queue", "kv-usage", "inflight")
+PREFIX_INDEXES = ("precise", "approximate")
+# Kubernetes' names: a Secret's name is a DNS subdomain, its keys [-._a-zA-Z0-9]+.
+DNS_SUBDOMAIN_PATTERN = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY_PATTERN = "^[-._a-zA-Z0-9]+$"
 # The served name is also a label value, so it must be one (the router selects pods by it).
 MODEL_NAME_PATTERN = "^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"
 
@@ -30,7 +34,11 @@ AUTOSCALING_DEFAULTS: dict[str, Any] = {
     "maxScaleUpStep": 4,
 }
 SCORER_DEFAULTS: dict[str, float] = {"prefix": 3, "queue": 2, "kv-usage": 2, "inflight": 1}
-ROUTER_DEFAULTS: dict[str, Any] = {"replicas": 1, "pdThresholdTokens": 512}
+ROUTER_DEFAULTS: dict[str, Any] = {
+    "replicas": 1,
+    "pdThresholdTokens": 512,
+    "prefixIndex": "precise",
+}
 
 
 def _obj(properties: dict[str, Any], required: list[str] | None = None, **extra: Any) -> dict:
@@ -160,8 +168,26 @@ def router_schema() -> dict:
             "replicas": _int(0, ROUTER_DEFAULTS["replicas"]),
             "scorerWeights": _obj(weights),
             "pdThresholdTokens": _int(0, ROUTER_DEFAULTS["pdThresholdTokens"]),
+            "prefixIndex": {
+                "type": "string",
+                "enum": list(PREFIX_INDEXES),
+                "default": ROUTER_DEFAULTS["prefixIndex"],
+                "description": "precise: engines publish KV events (on their pod IP) and the "
+                "router follows them; approximate: no events, the router remembers what it sent",
+            },
         },
         default={},
+    )
+
+
+def secret_key_ref_schema(description: str) -> dict:
+    return _obj(
+        {
+            "name": {"type": "string", "pattern": DNS_SUBDOMAIN_PATTERN, "maxLength": 253},
+            "key": {"type": "string", "pattern": SECRET_KEY_PATTERN, "maxLength": 253},
+        },
+        ["name", "key"],
+        description=description,
     )
 
 
@@ -182,6 +208,10 @@ def spec_schema() -> dict:
             "kvTransfer": _obj(
                 {"connector": {"type": "string", "enum": list(KV_CONNECTORS), "default": "nixl"}},
                 default={},
+            ),
+            "apiKeySecret": secret_key_ref_schema(
+                "Secret key holding the API key clients must send the router (Bearer); the "
+                "engines always require a key of their own, generated in <name>-fleet-secret"
             ),
         },
         ["model"],

@@ -5,6 +5,7 @@ builtin autoscaler, and write status. No finalizer: owner references do the clea
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime
 import json
 import logging
@@ -15,6 +16,7 @@ from typing import Any
 
 import kopf
 
+from pagefleet.fleet_auth import generate_fleet_secret
 from pagefleet.operator.autoscale import (
     Observation,
     PoolReplicas,
@@ -30,14 +32,17 @@ from pagefleet.operator.metrics_source import (
     ready_pod_ips,
 )
 from pagefleet.operator.names import GROUP, KIND, PLURAL, VERSION
+from pagefleet.operator.network_policy import PolicyPeers
 from pagefleet.operator.reconcile import (
+    ENGINE_API_KEY,
+    FLEET_SECRET_KEY,
     RenderOptions,
     desired_objects,
     pool_object_name,
     pool_selector,
     retired_objects,
 )
-from pagefleet.operator.spec import Pool, Spec, SpecError, parse_spec
+from pagefleet.operator.spec import Pool, SecretKeyRef, Spec, SpecError, parse_spec
 from pagefleet.operator.status import Observed, PoolObserved, build_status
 
 log = logging.getLogger("pagefleet.operator")
@@ -52,6 +57,10 @@ class OperatorConfig:
     # evaluation, so the two never race on the same Deployment.
     autoscale_interval: float = 15.0
     api_url: str | None = None  # log in to this URL without credentials (tests, kubectl proxy)
+    # NetworkPolicies per ModelDeployment with these outside peers; None: none emitted.
+    network_policy: PolicyPeers | None = field(default_factory=PolicyPeers)
+    # Folders hostPath model sources may be under (none by default: hostPath is refused).
+    allowed_host_paths: tuple[str, ...] = ()
 
 
 class ApiError(RuntimeError):
@@ -82,8 +91,7 @@ class KubeClient:
     @staticmethod
     def path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
         base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
-        # Every kind the operator touches has the plain plural (deployments, rolebindings...).
-        path = f"{base}/namespaces/{namespace}/{kind.lower()}s"
+        path = f"{base}/namespaces/{namespace}/{plural(kind)}"
         return f"{path}/{name}" if name else path
 
     def request(
@@ -128,6 +136,12 @@ class KubeClient:
         return self.request(
             "PATCH", path + subresource, patch, content_type="application/merge-patch+json"
         )
+
+
+def plural(kind: str) -> str:
+    """The resource name of a kind the operator touches (deployments, networkpolicies...)."""
+    lower = kind.lower()
+    return lower[:-1] + "ies" if lower.endswith("y") else lower + "s"
 
 
 def contains(actual: Any, wanted: Any) -> bool:
@@ -200,6 +214,45 @@ def apply(client: KubeClient, obj: dict, owner_uid: str) -> str:
         return "unchanged"
     client.merge_patch(current, obj)
     return "patched"
+
+
+def new_fleet_keys() -> dict[str, str]:
+    """The fleet Secret's `data`: 256 random bits per key, as URL-safe text (headers and files
+    take it as it is), base64-encoded as the API stores Secret data."""
+    return {
+        key: base64.b64encode(generate_fleet_secret().encode()).decode()
+        for key in (FLEET_SECRET_KEY, ENGINE_API_KEY)
+    }
+
+
+def secret_keys(secret: dict) -> set[str]:
+    return {*(secret.get("data") or {}), *(secret.get("stringData") or {})}
+
+
+def apply_fleet_secret(client: KubeClient, obj: dict, owner_uid: str) -> str:
+    """Create the fleet Secret with fresh keys when it does not exist; otherwise leave it as
+    it is (never a new secret: running pods hold the old one; the operator has no patch right
+    on Secrets). "incomplete" when one of ours lacks a key, "foreign" when not ours."""
+    meta = obj["metadata"]
+    current = client.get("v1", "Secret", meta["namespace"], meta["name"])
+    if current is None:
+        client.create({**obj, "data": new_fleet_keys()})
+        return "created"
+    if not controlled_by(current, owner_uid):
+        return "foreign"
+    return (
+        "unchanged" if {FLEET_SECRET_KEY, ENGINE_API_KEY} <= secret_keys(current) else "incomplete"
+    )
+
+
+def missing_secret_key(client: KubeClient, namespace: str, ref: SecretKeyRef) -> str | None:
+    """Why pods cannot read this Secret key yet (they wait for it), or None."""
+    found = client.get("v1", "Secret", namespace, ref.name)
+    if found is None:
+        return f"Secret {ref.name} not found"
+    if ref.key not in secret_keys(found):
+        return f"Secret {ref.name} has no key {ref.key}"
+    return None
 
 
 def foreign_message(objects: list[str]) -> str:
@@ -380,8 +433,14 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
             else:
                 memories[pool.name] = remembered(state, md, pool, now)
         replicas = {p: m.replicas for p, m in memories.items() if m.replicas is not None}
-        options = RenderOptions(config.default_image, config.prometheus_url, replicas)
-        foreign = apply_all(client, md, options)
+        options = RenderOptions(
+            config.default_image,
+            config.prometheus_url,
+            replicas,
+            config.network_policy,
+            config.allowed_host_paths,
+        )
+        foreign, incomplete = apply_all(client, md, options)
         for pool in spec.pools:
             current, ready = _deployment(client, namespace, pool_object_name(name, pool.name), uid)
             desired = replicas.get(
@@ -392,10 +451,17 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
             window = memory.window if memory is not None else None
             pools.append(PoolObserved(pool.name, current, ready, desired, reason, window))
         router = _deployment(client, namespace, f"{name}-router", uid)
+        missing = None
+        if spec.api_key_secret is not None:
+            missing = missing_secret_key(client, namespace, spec.api_key_secret)
         if foreign:
             error = ("ForeignObject", foreign_message(foreign))
+        elif incomplete:
+            error = ("FleetSecretIncomplete", incomplete_message(incomplete))
+        elif missing:
+            error = ("SecretMissing", f"spec.apiKeySecret: {missing}; the router waits for it")
     except SpecError as e:
-        error = ("InvalidSpec", str(e))
+        error = (e.reason, str(e))
     except ApiError as e:
         error = ("ApplyFailed", str(e))
     previous = md.get("status") or {}
@@ -408,22 +474,35 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
         client.merge_patch(md, {"status": patch}, "/status")
 
 
-def apply_all(client: KubeClient, md: dict, options: RenderOptions) -> list[str]:
+def incomplete_message(secret: str) -> str:
+    return (
+        f"Secret {secret} lacks the key {FLEET_SECRET_KEY} or {ENGINE_API_KEY}: the operator "
+        "never rewrites it; delete it and the operator makes a new one (then restart the pods)"
+    )
+
+
+def apply_all(client: KubeClient, md: dict, options: RenderOptions) -> tuple[list[str], str]:
     """Apply what the ModelDeployment owns and retire what it no longer wants; returns the
-    objects of its names that it does not control (left alone)."""
+    objects of its names that it does not control (left alone), and the name of its fleet
+    Secret if that lacks a key (else "")."""
     meta = md["metadata"]
     namespace, uid = meta["namespace"], meta["uid"]
-    foreign = []
+    foreign, incomplete = [], ""
     for obj in desired_objects(md, options):
-        done = apply(client, obj, uid)
+        if obj["kind"] == "Secret":
+            done = apply_fleet_secret(client, obj, uid)
+        else:
+            done = apply(client, obj, uid)
         if done == "foreign":
             foreign.append(f"{obj['kind']} {obj['metadata']['name']}")
+        elif done == "incomplete":
+            incomplete = obj["metadata"]["name"]
         elif done != "unchanged":
             log.info("%s %s/%s %s", done, obj["kind"], namespace, obj["metadata"]["name"])
     for patch in retired_objects(md):
         if retire(client, patch, uid):
             log.info("retired %s/%s %s", patch["kind"], namespace, patch["metadata"]["name"])
-    return foreign
+    return foreign, incomplete
 
 
 def announce(client: KubeClient, md: dict, reason: str, message: str) -> None:

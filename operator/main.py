@@ -53,6 +53,30 @@ def add_operator_parser(sub) -> None:
         default=None,
         help="serve kopf's liveness probe here, e.g. http://0.0.0.0:8081/healthz",
     )
+    p.add_argument(
+        "--allowed-host-paths",
+        action="append",
+        default=[],
+        metavar="DIR[,DIR]",
+        help="folders hostPath model sources may be under (repeatable; default: none, so "
+        "hostPath sources are refused)",
+    )
+    p.add_argument(
+        "--network-policies",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="emit NetworkPolicies (ingress and egress) for each ModelDeployment's router and "
+        "engines (on)",
+    )
+    p.add_argument(
+        "--network-policy-peers",
+        default=None,
+        metavar="JSON",
+        help='peers outside a ModelDeployment: {"operatorFrom": [..], "metricsFrom": [..], '
+        '"clientsFrom": [..], "apiServer": {"to": [..], "ports": [..]}, "dns": {"to": [..]}} '
+        "(NetworkPolicyPeer lists; an empty list is any peer, except for operatorFrom and "
+        "metricsFrom; default: the chart's operator pods, any client, API server and DNS)",
+    )
     p.add_argument("--verbose", action="store_true", help="kopf debug logging")
     commands = p.add_subparsers(dest="operator_command", metavar="SUBCOMMAND")
     crd = commands.add_parser("crd", help="print the ModelDeployment CRD (YAML) and exit")
@@ -65,6 +89,24 @@ def print_crd(args: argparse.Namespace) -> int:
 
     sys.stdout.write(render_crd())
     return 0
+
+
+def allowed_host_paths(values: list[str]) -> tuple[str, ...]:
+    paths = tuple(p.strip() for value in values for p in value.split(",") if p.strip())
+    relative = [p for p in paths if not p.startswith("/")]
+    if relative:
+        raise ValueError(f"--allowed-host-paths: {', '.join(relative)} must be absolute")
+    return paths
+
+
+def network_policy_peers(args: argparse.Namespace):
+    from pagefleet.operator.network_policy import PolicyPeers
+
+    if not args.network_policies:
+        if args.network_policy_peers:
+            raise ValueError("--network-policy-peers needs --network-policies")
+        return None
+    return PolicyPeers.from_json(args.network_policy_peers or "{}")
 
 
 def run_operator(args: argparse.Namespace) -> int:
@@ -91,6 +133,8 @@ def run_operator(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         autoscale_interval=args.autoscale_interval,
         api_url=args.kubernetes_api,
+        network_policy=network_policy_peers(args),
+        allowed_host_paths=allowed_host_paths(args.allowed_host_paths),
     )
     registry = build_registry(OperatorState(config, KubeClient(config.api_url)))
     asyncio.run(

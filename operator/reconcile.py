@@ -12,12 +12,15 @@ import yaml
 
 from pagefleet.operator.crd import POOL_NAMES
 from pagefleet.operator.names import GROUP, KIND, LABEL_MODEL, LABEL_ROLE, VERSION
+from pagefleet.operator.network_policy import PolicyInputs, PolicyPeers, pool_policy, router_policy
 from pagefleet.operator.spec import (
     JSON_ENGINE_ARGS,
     EngineArg,
     Pool,
+    SecretKeyRef,
     Spec,
     SpecError,
+    check_host_path,
     json_object,
     parse_spec,
 )
@@ -31,15 +34,28 @@ MODEL_MOUNT = "/models"
 LABEL_INSTANCE = "pagefleet.io/deployment"
 LABEL_POOL = "pagefleet.io/pool"
 ROUTER_CONFIG_FILE = "/etc/pagefleet/router.yaml"
+# The engine container's own pod IP (downward API); the kubelet expands $(POD_IP) in commands.
+POD_IP_ENV = "POD_IP"
+# Bound to the pod's own address, never every interface; only the router subscribes.
 KV_EVENTS_CONFIG = {
     "enable_kv_cache_events": True,
     "publisher": "zmq",
-    "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+    "endpoint": f"tcp://$({POD_IP_ENV}):{KV_EVENTS_PORT}",
     # A router that starts (or restarts) late replays what it missed here: it dials port + 1.
-    "replay_endpoint": f"tcp://*:{KV_REPLAY_PORT}",
+    "replay_endpoint": f"tcp://$({POD_IP_ENV}):{KV_REPLAY_PORT}",
 }
-# The engine container's own pod IP (downward API); the kubelet expands $(POD_IP) in commands.
-POD_IP_ENV = "POD_IP"
+# The fleet secret (pagefleet/fleet_auth.py): one Secret per ModelDeployment, made once by the
+# operator, mounted into the router and every engine. Its second key is the API key engines
+# require and the router sends them (so a client's key never opens an engine).
+FLEET_SECRET_KEY = "secret"
+ENGINE_API_KEY = "engine-api-key"
+FLEET_SECRET_DIR = "/var/run/secrets/pagefleet.io/fleet"
+FLEET_SECRET_FILE = f"{FLEET_SECRET_DIR}/{FLEET_SECRET_KEY}"
+API_KEY_ENV = "PAGEFLEET_API_KEY"
+UPSTREAM_API_KEY_ENV = "PAGEFLEET_UPSTREAM_API_KEY"
+# NIXL's UCX TCP transport listens on a random port; pinned to this range on prefill and decode
+# pods (UCX_TCP_PORT_RANGE) so that NetworkPolicies can open exactly it between them.
+UCX_PORTS = (14580, 14609)
 # vLLM's NixlConnector roles: prefill produces KV blocks, decode consumes them.
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # KEDA (2.13+) stops scaling a ScaledObject with this annotation set to "true".
@@ -52,21 +68,30 @@ class RenderOptions:
     prometheus_url: str | None = None  # needed by KEDA triggers
     # Replicas the builtin autoscaler chose, per pool name; absent pools start at spec.replicas.
     replicas: dict[str, int] = field(default_factory=dict)
+    # NetworkPolicies for each ModelDeployment with these outside peers; None: none emitted.
+    network_policy: PolicyPeers | None = field(default_factory=PolicyPeers)
+    # Folders hostPath model sources may be under; None: not checked (rendering only).
+    allowed_host_paths: tuple[str, ...] | None = None
 
 
 def desired_objects(md: dict[str, Any], options: RenderOptions | None = None) -> list[dict]:
-    """Every object the ModelDeployment owns, in apply order. Raises SpecError on a bad spec."""
+    """Every object the ModelDeployment owns, in apply order. Raises SpecError on a bad spec.
+    The fleet Secret comes without data: the operator fills it once, when it creates it."""
     options = options or RenderOptions()
     spec = parse_spec(md.get("spec"), options.default_image)
+    if options.allowed_host_paths is not None:
+        check_host_path(spec.model, options.allowed_host_paths)
     meta = md["metadata"]
     ctx = _Context(meta["name"], meta["namespace"], _owner(md), spec)
-    objects: list[dict] = []
+    objects: list[dict] = [fleet_secret(ctx)]
     for pool in spec.pools:
         objects.append(engine_deployment(ctx, pool, _pool_replicas(pool, options)))
         objects.append(engine_service(ctx, pool))
         if pool.autoscaling.mode == "keda":
             objects.append(scaled_object(ctx, pool, options.prometheus_url))
     objects.extend(router_objects(ctx))
+    if options.network_policy is not None:
+        objects.extend(network_policies(ctx, options.network_policy))
     # A JSON round trip: no object shares a dict with another (callers may mutate them).
     return json.loads(json.dumps(objects))
 
@@ -160,6 +185,41 @@ def _common_labels(ctx: _Context, component: str) -> dict[str, str]:
     }
 
 
+def fleet_secret_name(md_name: str) -> str:
+    return f"{md_name}-fleet-secret"
+
+
+def fleet_secret(ctx: _Context) -> dict:
+    """The fleet Secret as the ModelDeployment owns it (the garbage collector deletes it with
+    the ModelDeployment); its keys are random values the operator writes once, at creation."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(ctx, fleet_secret_name(ctx.name), _common_labels(ctx, "fleet")),
+        "type": "Opaque",
+    }
+
+
+def _fleet_secret_volume(ctx: _Context) -> dict:
+    items = [{"key": FLEET_SECRET_KEY, "path": FLEET_SECRET_KEY}]
+    return {
+        "name": "fleet-secret",
+        # Group-readable: the kubelet gives the file to the pod's fsGroup.
+        "secret": {"secretName": fleet_secret_name(ctx.name), "items": items, "defaultMode": 0o440},
+    }
+
+
+_FLEET_SECRET_MOUNT = {"name": "fleet-secret", "mountPath": FLEET_SECRET_DIR, "readOnly": True}
+
+
+def _secret_env(name: str, ref: SecretKeyRef) -> dict:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+
+
+def engine_api_key(ctx: _Context) -> SecretKeyRef:
+    return SecretKeyRef(fleet_secret_name(ctx.name), ENGINE_API_KEY)
+
+
 def engine_flags(args: dict[str, EngineArg]) -> list[str]:
     """vLLM-style flags: `--key value`, bools as `--key` / `--no-key`."""
     flags: list[str] = []
@@ -194,8 +254,11 @@ def kv_transfer_config(spec: Spec, pool: Pool) -> dict[str, Any]:
 
 def json_engine_args(spec: Spec, pool: Pool) -> dict[str, dict[str, Any]]:
     """The JSON-valued flags: the operator's keys, then the deployment-wide engineArgs' keys,
-    then the pool's, each merged over the last (a user's kv_connector keeps the pod's kv_ip)."""
-    merged: dict[str, dict[str, Any]] = {"kv-events-config": dict(KV_EVENTS_CONFIG)}
+    then the pool's, each merged over the last (a user's kv_connector keeps the pod's kv_ip).
+    KV events only where the router follows them (precise index)."""
+    merged: dict[str, dict[str, Any]] = {}
+    if spec.router.precise:
+        merged["kv-events-config"] = dict(KV_EVENTS_CONFIG)
     if pool.role in KV_ROLES:
         merged["kv-transfer-config"] = kv_transfer_config(spec, pool)
     layers = (
@@ -222,6 +285,8 @@ def engine_command(spec: Spec, pool: Pool) -> list[str]:
         str(HTTP_PORT),
         "--served-model-name",
         spec.model.name,
+        "--fleet-secret-file",
+        FLEET_SECRET_FILE,
     ]
     for key, config in json_engine_args(spec, pool).items():
         command += [f"--{key}", json.dumps(config, separators=(",", ":"))]
@@ -307,22 +372,23 @@ def engine_deployment(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
     }
     volume, init_containers = _model_volume(spec)
     ports = [
-        {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
-        {"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
-        {"name": "kv-replay", "containerPort": KV_REPLAY_PORT, "protocol": "TCP"},
+        {"name": port, "containerPort": number, "protocol": "TCP"}
+        for port, number in engine_ports(spec, pool).items()
     ]
-    if pool.role in KV_ROLES:
-        ports.append({"name": "kv-transfer", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"})
+    env = [
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        _secret_env(API_KEY_ENV, engine_api_key(ctx)),
+    ]
+    if _uses_ucx(spec, pool):
+        env.append({"name": "UCX_TCP_PORT_RANGE", "value": f"{UCX_PORTS[0]}-{UCX_PORTS[1]}"})
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.image,
         "command": engine_command(spec, pool),
         "ports": ports,
-        "env": [
-            {"name": "HF_HUB_OFFLINE", "value": "1"},
-            {"name": "HOME", "value": "/tmp"},
-            {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        ],
+        "env": env,
         "readinessProbe": _http_probe("/health", "http", 5, 3),
         "livenessProbe": _http_probe("/health", "http", 10, 6),
         # Loading weights and warming up can take long: up to 30 minutes before liveness.
@@ -332,11 +398,14 @@ def engine_deployment(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
             {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": spec.model.source != "image"},
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "shm", "mountPath": "/dev/shm"},
+            _FLEET_SECRET_MOUNT,
         ],
     }
     if pool.resources:
         container["resources"] = pool.resources
     pod_spec: dict[str, Any] = {
+        # Engines never call the Kubernetes API: no token for a compromised engine to use.
+        "automountServiceAccountToken": False,
         "securityContext": _pod_security(),
         "containers": [container],
         "volumes": [
@@ -344,6 +413,7 @@ def engine_deployment(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
             {"name": "tmp", "emptyDir": {}},
             # PyTorch and NIXL use shared memory; the runtime's 64 MiB default is too small.
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+            _fleet_secret_volume(ctx),
         ],
         "terminationGracePeriodSeconds": 60,
     }
@@ -367,23 +437,29 @@ def engine_deployment(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
     }
 
 
+def engine_ports(spec: Spec, pool: Pool) -> dict[str, int]:
+    """An engine container's named ports: HTTP, KV events where the router follows them, the
+    KV-transfer port on prefill and decode pods."""
+    ports = {"http": HTTP_PORT}
+    if spec.router.precise:
+        ports.update({"kv-events": KV_EVENTS_PORT, "kv-replay": KV_REPLAY_PORT})
+    if pool.role in KV_ROLES:
+        ports["kv-transfer"] = KV_TRANSFER_PORT
+    return ports
+
+
+def _uses_ucx(spec: Spec, pool: Pool) -> bool:
+    """Whether the pool's pods move KV with NIXL (UCX), whose ports NetworkPolicies open."""
+    return pool.role in KV_ROLES and spec.kv_connector == "nixl"
+
+
 def engine_service(ctx: _Context, pool: Pool) -> dict:
     """Headless: clients (the router) address engine pods one by one."""
     selector = pool_selector(ctx.name, pool.name)
     ports = [
-        {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
-        {"name": "kv-events", "port": KV_EVENTS_PORT, "targetPort": "kv-events", "protocol": "TCP"},
-        {"name": "kv-replay", "port": KV_REPLAY_PORT, "targetPort": "kv-replay", "protocol": "TCP"},
+        {"name": port, "port": number, "targetPort": port, "protocol": "TCP"}
+        for port, number in engine_ports(ctx.spec, pool).items()
     ]
-    if pool.role in KV_ROLES:
-        ports.append(
-            {
-                "name": "kv-transfer",
-                "port": KV_TRANSFER_PORT,
-                "targetPort": "kv-transfer",
-                "protocol": "TCP",
-            }
-        )
     labels = {**_common_labels(ctx, "engine"), **selector}
     return {
         "apiVersion": "v1",
@@ -448,6 +524,41 @@ def scaled_object(ctx: _Context, pool: Pool, prometheus_url: str | None) -> dict
     }
 
 
+def network_policies(ctx: _Context, peers: PolicyPeers) -> list[dict]:
+    """One NetworkPolicy for the router's pods and one per engine pool (network_policy.py)."""
+    spec = ctx.spec
+    inputs = PolicyInputs(
+        name=ctx.name,
+        router_selector=router_selector(ctx.name),
+        engines_selector={LABEL_INSTANCE: ctx.name, "app.kubernetes.io/component": "engine"},
+        pool_selectors={p.name: pool_selector(ctx.name, p.name) for p in spec.pools},
+        router_port=ROUTER_PORT,
+        engine_port=HTTP_PORT,
+        events_ports=(KV_EVENTS_PORT, KV_REPLAY_PORT) if spec.router.precise else (),
+        kv_transfer_port=KV_TRANSFER_PORT,
+        ucx_ports=UCX_PORTS if any(_uses_ucx(spec, p) for p in spec.pools) else None,
+    )
+    labels = _common_labels(ctx, "network-policy")
+    policies = [(f"{ctx.name}-router", router_policy(inputs, peers))]
+    for pool in spec.pools:
+        policies.append(
+            (pool_object_name(ctx.name, pool.name), pool_policy(inputs, pool.name, peers))
+        )
+    return [
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _metadata(ctx, name, labels),
+            "spec": policy,
+        }
+        for name, policy in policies
+    ]
+
+
+def router_selector(md_name: str) -> dict[str, str]:
+    return {LABEL_INSTANCE: md_name, "app.kubernetes.io/component": "router"}
+
+
 def router_config(spec: Spec) -> str:
     config = {
         "filters": ["healthy", "model", "role"],
@@ -462,7 +573,7 @@ def router_objects(ctx: _Context) -> list[dict]:
     spec = ctx.spec
     name = f"{ctx.name}-router"
     labels = _common_labels(ctx, "router")
-    selector = {LABEL_INSTANCE: ctx.name, "app.kubernetes.io/component": "router"}
+    selector = router_selector(ctx.name)
     config_text = router_config(spec)
     config_map = {
         "apiVersion": "v1",
@@ -497,6 +608,9 @@ def router_objects(ctx: _Context) -> list[dict]:
         str(ROUTER_PORT),
         "--kubernetes-namespace",
         ctx.namespace,
+        # Discovery trusts only pods of this ModelDeployment's own engine Deployments.
+        "--deployment",
+        ctx.name,
         "--selector",
         # The deployment's own engines only: another ModelDeployment may serve the same model.
         f"{LABEL_INSTANCE}={ctx.name},{LABEL_MODEL}={spec.model.name}",
@@ -506,15 +620,26 @@ def router_objects(ctx: _Context) -> list[dict]:
         spec.model.name,
         "--config",
         ROUTER_CONFIG_FILE,
-        # Follow the engines' KV events (replayed from port + 1 when the router starts, so a
-        # restarted router rebuilds its index), hashing prompts with the engines' tokenizer.
-        "--prefix-index",
-        "precise",
-        "--kv-events-port",
-        str(KV_EVENTS_PORT),
+        # Signs kv_transfer_params for the engines and opens their encrypted KV events.
+        "--fleet-secret-file",
+        FLEET_SECRET_FILE,
+        # Hash prompts with the engines' tokenizer.
         "--tokenizer",
         _model_path(spec),
+        "--prefix-index",
+        spec.router.prefix_index,
     ]
+    if spec.router.precise:
+        # Follow the engines' KV events (replayed from port + 1 when the router starts, so a
+        # restarted router rebuilds its index).
+        command += ["--kv-events-port", str(KV_EVENTS_PORT)]
+    env = [
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "HOME", "value": "/tmp"},
+        _secret_env(UPSTREAM_API_KEY_ENV, engine_api_key(ctx)),
+    ]
+    if spec.api_key_secret is not None:
+        env.append(_secret_env(API_KEY_ENV, spec.api_key_secret))
     # A config change must roll the router: the pods read the file once at start.
     config_hash = hashlib.sha256(config_text.encode()).hexdigest()[:16]
     model_volume, init_containers = _tokenizer_volume(spec)
@@ -523,10 +648,7 @@ def router_objects(ctx: _Context) -> list[dict]:
         "image": spec.image,
         "command": command,
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
-        "env": [
-            {"name": "HF_HUB_OFFLINE", "value": "1"},
-            {"name": "HOME", "value": "/tmp"},
-        ],
+        "env": env,
         # Ready while an engine is healthy; alive while the process serves (/health would
         # restart the router while engines load, in an outage and at zero replicas).
         "readinessProbe": _http_probe("/health", "http", 5, 3),
@@ -536,16 +658,20 @@ def router_objects(ctx: _Context) -> list[dict]:
             {"name": "config", "mountPath": "/etc/pagefleet", "readOnly": True},
             {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
+            _FLEET_SECRET_MOUNT,
         ],
     }
     pod_spec: dict[str, Any] = {
+        # Discovery watches pods with this account's token (its Role: pods, read-only).
         "serviceAccountName": name,
+        "automountServiceAccountToken": True,
         "securityContext": _pod_security(),
         "containers": [container],
         "volumes": [
             {"name": "config", "configMap": {"name": name}},
             model_volume,
             {"name": "tmp", "emptyDir": {}},
+            _fleet_secret_volume(ctx),
         ],
     }
     if init_containers:

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any
 
 from pagefleet import __version__
@@ -13,12 +15,15 @@ from pagefleet.operator.crd import (
     AUTOSCALING_DEFAULTS,
     AUTOSCALING_MODES,
     DEPLOYMENT_MODES,
+    DNS_SUBDOMAIN_PATTERN,
     KV_CONNECTORS,
     MODEL_NAME_PATTERN,
     MODEL_SOURCES,
     POOL_NAMES,
+    PREFIX_INDEXES,
     ROUTER_DEFAULTS,
     SCORER_DEFAULTS,
+    SECRET_KEY_PATTERN,
 )
 
 DEFAULT_IMAGE = f"ghcr.io/pagefleet/pagefleet:{__version__}"
@@ -31,6 +36,14 @@ JSON_ENGINE_ARGS = ("kv-events-config", "kv-transfer-config")
 
 class SpecError(ValueError):
     """The spec cannot work; the message says which field and why."""
+
+    reason = "InvalidSpec"  # the Degraded condition's reason
+
+
+class HostPathNotAllowed(SpecError):
+    """A hostPath model source outside the folders the operator was started to allow."""
+
+    reason = "HostPathNotAllowed"
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,19 @@ class RouterSpec:
     replicas: int = ROUTER_DEFAULTS["replicas"]
     scorer_weights: dict[str, float] = field(default_factory=lambda: dict(SCORER_DEFAULTS))
     pd_threshold_tokens: int = ROUTER_DEFAULTS["pdThresholdTokens"]
+    prefix_index: str = ROUTER_DEFAULTS["prefixIndex"]  # precise: follow the engines' KV events
+
+    @property
+    def precise(self) -> bool:
+        return self.prefix_index == "precise"
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    """One key of a Secret in the ModelDeployment's namespace."""
+
+    name: str
+    key: str
 
 
 @dataclass(frozen=True)
@@ -84,6 +110,7 @@ class Spec:
     engine_args: dict[str, EngineArg]
     router: RouterSpec
     kv_connector: str
+    api_key_secret: SecretKeyRef | None = None  # the key clients must send the router
 
     def pool(self, name: str) -> Pool:
         return next(p for p in self.pools if p.name == name)
@@ -214,7 +241,9 @@ def parse_model(raw: Any) -> Model:
 
 def parse_router(raw: Any) -> RouterSpec:
     r = {**ROUTER_DEFAULTS, **_mapping(raw, "spec.router")}
-    _reject_unknown(r, {"replicas", "scorerWeights", "pdThresholdTokens"}, "spec.router")
+    _reject_unknown(
+        r, {"replicas", "scorerWeights", "pdThresholdTokens", "prefixIndex"}, "spec.router"
+    )
     weights = {**SCORER_DEFAULTS, **_mapping(r.get("scorerWeights"), "spec.router.scorerWeights")}
     _reject_unknown(weights, set(SCORER_DEFAULTS), "spec.router.scorerWeights")
     for key, value in weights.items():
@@ -224,13 +253,53 @@ def parse_router(raw: Any) -> RouterSpec:
         replicas=_int(r["replicas"], "spec.router.replicas", 0),
         scorer_weights=weights,
         pd_threshold_tokens=_int(r["pdThresholdTokens"], "spec.router.pdThresholdTokens", 0),
+        prefix_index=_choice(r["prefixIndex"], "spec.router.prefixIndex", PREFIX_INDEXES),
+    )
+
+
+def parse_secret_key_ref(raw: Any, where: str) -> SecretKeyRef | None:
+    if raw is None:
+        return None
+    ref = _mapping(raw, where)
+    _reject_unknown(ref, {"name", "key"}, where)
+    name, key = ref.get("name"), ref.get("key")
+    if not isinstance(name, str) or not re.match(DNS_SUBDOMAIN_PATTERN, name):
+        raise SpecError(f"{where}.name must name a Secret (a DNS subdomain), not {name!r}")
+    if not isinstance(key, str) or not re.match(SECRET_KEY_PATTERN, key):
+        raise SpecError(f"{where}.key must be a Secret key ([-._a-zA-Z0-9]+), not {key!r}")
+    return SecretKeyRef(name, key)
+
+
+def check_host_path(model: Model, allowed: tuple[str, ...]) -> None:
+    """Refuse a hostPath model source outside every allowed folder (compared by path
+    components after normalising, so `/srv/models/../etc` is not under `/srv/models`)."""
+    if model.source != "hostPath" or model.path is None:
+        return
+    path = PurePosixPath(posixpath.normpath(model.path))
+    if path.is_absolute() and any(
+        path.is_relative_to(posixpath.normpath(root)) for root in allowed
+    ):
+        return
+    roots = ", ".join(allowed) if allowed else "none"
+    raise HostPathNotAllowed(
+        f"spec.model.path {model.path!r}: hostPath model sources must be under a folder the "
+        f"operator allows (--allowed-host-paths, the chart's operator.allowedHostPaths: {roots})"
     )
 
 
 def parse_spec(raw: Any, default_image: str | None = None) -> Spec:
     """Parse and validate `spec` (a dict as stored by the API server, defaults applied or not)."""
     s = _mapping(raw, "spec")
-    known = {"model", "image", "engineArgs", "mode", "pools", "router", "kvTransfer"}
+    known = {
+        "model",
+        "image",
+        "engineArgs",
+        "mode",
+        "pools",
+        "router",
+        "kvTransfer",
+        "apiKeySecret",
+    }
     _reject_unknown(s, known, "spec")
     if "model" not in s:
         raise SpecError("spec.model is required")
@@ -257,4 +326,5 @@ def parse_spec(raw: Any, default_image: str | None = None) -> Spec:
         kv_connector=_choice(
             kv.get("connector", "nixl"), "spec.kvTransfer.connector", KV_CONNECTORS
         ),
+        api_key_secret=parse_secret_key_ref(s.get("apiKeySecret"), "spec.apiKeySecret"),
     )

@@ -30,6 +30,8 @@ RESOURCES = {
     "v1/events": ("Event", True, ()),
     "v1/services": ("Service", True, ()),
     "v1/configmaps": ("ConfigMap", True, ()),
+    "v1/secrets": ("Secret", True, ()),
+    "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, ()),
     "v1/serviceaccounts": ("ServiceAccount", True, ()),
     "apps/v1/deployments": ("Deployment", True, ()),
     "rbac.authorization.k8s.io/v1/roles": ("Role", True, ()),

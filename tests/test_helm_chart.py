@@ -344,6 +344,7 @@ VALIDATORS: dict[tuple[str, str], Callable[[dict], None]] = {
         for key in [
             ("v1", "ServiceAccount"),
             ("v1", "ConfigMap"),
+            ("v1", "Secret"),
             ("v1", "Service"),
             ("v1", "PersistentVolumeClaim"),
             ("apps/v1", "Deployment"),
@@ -508,6 +509,34 @@ def test_a_schema_violation_fails_install_naming_each_key(helm):
         (["--set", "operator.prometheusUrl=prometheus:9090"], "at '/operator/prometheusUrl'"),
         (
             [
+                *("--set", "modelDeployment.model.source=hostPath"),
+                *("--set", "modelDeployment.model.path=/srv/models/../../etc"),
+                *("--set", "operator.allowedHostPaths={/srv/models}"),
+            ],
+            "modelDeployment.model.path /srv/models/../../etc is not under "
+            "operator.allowedHostPaths (/srv/models)",
+        ),
+        (
+            [
+                *("--set", "modelDeployment.model.source=hostPath"),
+                *("--set", "modelDeployment.model.path=/srv/models-evil/x"),
+                *("--set", "operator.allowedHostPaths={/srv/models}"),
+            ],
+            "is not under operator.allowedHostPaths",
+        ),
+        (
+            [
+                *("--set", "modelDeployment.model.source=hostPath"),
+                *("--set", "modelDeployment.model.path=/srv/models/x"),
+            ],
+            "is not under operator.allowedHostPaths ()",
+        ),
+        (
+            ["--set", "modelDeployment.apiKeySecret.name=Not_A_Name"],
+            "at '/modelDeployment/apiKeySecret/name'",
+        ),
+        (
+            [
                 "--set",
                 "modelDeployment.pools.decode=null",
                 "--set",
@@ -521,6 +550,57 @@ def test_inconsistent_values_fail_with_a_clear_message(helm, flags, needle):
     out = run_helm(helm, "template", RELEASE, str(CHART), *flags)
     assert out.returncode != 0
     assert needle in out.stderr, out.stderr
+
+
+def test_a_host_path_under_the_allowlist_reaches_the_operator_and_passes_it(helm):
+    from pagefleet.operator.main import allowed_host_paths
+    from pagefleet.operator.reconcile import RenderOptions, desired_objects
+
+    docs = template(
+        helm,
+        *("--set", "modelDeployment.model.source=hostPath"),
+        *("--set", "modelDeployment.model.path=/srv/models/llama"),
+        *("--set", "operator.allowedHostPaths={/data,/srv/models}"),
+    )
+    allowed = allowed_host_paths(operator_args(docs).allowed_host_paths)
+    assert allowed == ("/data", "/srv/models")
+    md = one(docs, "ModelDeployment")
+    stored = {**md, "metadata": {**md["metadata"], "uid": "uid-chart"}}
+    engine = one(
+        desired_objects(stored, RenderOptions(allowed_host_paths=allowed)), "Deployment", "engine"
+    )
+    volumes = engine["spec"]["template"]["spec"]["volumes"]
+    assert {
+        "name": "model",
+        "hostPath": {"path": "/srv/models/llama", "type": "Directory"},
+    } in volumes
+
+
+def test_api_key_secrets_reach_the_routers(rendered, helm):
+    """modelDeployment.apiKeySecret becomes spec.apiKeySecret (the operator's router reads it
+    from the Secret); the standalone router's keys come from Secrets too, never as text."""
+    md = one(rendered["disaggregated"], "ModelDeployment")
+    assert md["spec"]["apiKeySecret"] == {"name": "llama-pd-api-key", "key": "api-key"}
+    router = one(owned_objects(md, {}), "Deployment", "router")
+    env = {e["name"]: e for e in router["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PAGEFLEET_API_KEY"]["valueFrom"]["secretKeyRef"] == md["spec"]["apiKeySecret"]
+    assert "apiKeySecret" not in one(rendered["defaults"], "ModelDeployment")["spec"]
+    docs = rendered["standalone-router"]
+    (container,) = one(docs, "Deployment", "router")["spec"]["template"]["spec"]["containers"]
+    assert not [e for e in container["env"] if "API_KEY" in e["name"]]  # none set
+    docs = template(
+        helm,
+        *("-f", str(VALUES_FILES["standalone-router"])),
+        *("--set", "router.standalone.apiKeySecret.name=clients"),
+        *("--set", "router.standalone.upstreamApiKeySecret.name=engines"),
+        *("--set", "router.standalone.upstreamApiKeySecret.key=token"),
+    )
+    (container,) = one(docs, "Deployment", "router")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
+    assert env == {
+        "PAGEFLEET_API_KEY": {"name": "clients", "key": "api-key"},
+        "PAGEFLEET_UPSTREAM_API_KEY": {"name": "engines", "key": "token"},
+    }
 
 
 def test_colocated_engine_args_gpus_and_placement_reach_the_spec_and_the_pods(rendered):
@@ -657,7 +737,7 @@ def test_keda_values_reach_the_spec_and_the_operator_emits_a_scaled_object(rende
 def test_minimal_values_run_only_the_operator(rendered):
     docs = rendered["minimal"]
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["Deployment", "Role", "RoleBinding", "ServiceAccount"]
+    assert kinds == ["Deployment", "NetworkPolicy", "Role", "RoleBinding", "ServiceAccount"]
 
 
 def _rules(obj: dict) -> set[tuple[str, str, str]]:
@@ -671,7 +751,10 @@ def _rules(obj: dict) -> set[tuple[str, str, str]]:
 
 
 def _plural(kind: str) -> str:
-    return kind.lower() + "s"
+    from pagefleet.operator.handlers import plural
+
+    assert plural("NetworkPolicy") == "networkpolicies" and plural("Secret") == "secrets"
+    return plural(kind)
 
 
 # The HTTP methods the operator's client sends, as RBAC verbs.
@@ -693,6 +776,8 @@ def test_operator_rbac_is_least_privilege_and_covers_what_it_creates(rendered):
     assert not [r for r in granted if "*" in r], "no wildcards"
     owned_verbs = operator_http_verbs()
     assert owned_verbs == {"get", "create", "patch"}
+    # Secrets: create the fleet Secret once, get one by name; never list, watch or patch.
+    secret_verbs = {"get", "create"}
     expected = {
         *(("pagefleet.io", "modeldeployments", v) for v in ("get", "list", "watch", "patch")),
         ("pagefleet.io", "modeldeployments/status", "patch"),
@@ -704,12 +789,14 @@ def test_operator_rbac_is_least_privilege_and_covers_what_it_creates(rendered):
             for r in ("roles", "rolebindings")
             for v in owned_verbs
         ),
+        *(("networking.k8s.io", "networkpolicies", v) for v in owned_verbs),
+        *(("", "secrets", v) for v in secret_verbs),
         *(("", "pods", v) for v in ("get", "list", "watch")),
         ("", "events", "create"),
         *(("keda.sh", "scaledobjects", v) for v in owned_verbs),
     }
     assert granted == expected
-    # No secrets, no nodes, no cluster scope in namespace mode.
+    # No nodes, no cluster scope in namespace mode.
     assert not objects_of(rendered["defaults"], "ClusterRole")
 
     # Everything the operator derives from every values file is within the grant, and every
@@ -720,11 +807,19 @@ def test_operator_rbac_is_least_privilege_and_covers_what_it_creates(rendered):
             for obj in owned_objects(md, {"operator": {"prometheusUrl": "http://p:9090"}}):
                 group = obj["apiVersion"].rpartition("/")[0]
                 kinds.add(obj["kind"])
-                for verb in owned_verbs:
+                for verb in secret_verbs if obj["kind"] == "Secret" else owned_verbs:
                     assert (group, _plural(obj["kind"]), verb) in granted, obj["kind"]
                 if obj["kind"] == "Role":
                     assert _rules(obj) <= granted
-    assert {"Deployment", "Service", "ScaledObject", "Role", "RoleBinding"} <= kinds
+    assert {
+        "Deployment",
+        "Service",
+        "ScaledObject",
+        "Role",
+        "RoleBinding",
+        "Secret",
+        "NetworkPolicy",
+    } <= kinds
 
 
 def test_uninstall_deletes_the_model_deployment_after_the_operator_is_gone(rendered):
@@ -852,50 +947,140 @@ def test_every_pod_runs_non_root_read_only_without_privileges(rendered):
             assert any(m["mountPath"] == "/tmp" for m in container["volumeMounts"])
 
 
-def test_network_policies_open_kv_ports_only_to_the_right_pods(rendered):
-    policies = {
-        p["metadata"]["name"]: p["spec"]
-        for p in objects_of(rendered["disaggregated"], "NetworkPolicy")
-    }
-    kv = policies[f"{RELEASE}-pagefleet-kv-transfer"]
-    assert kv["podSelector"]["matchLabels"]["pagefleet.io/role"] == "prefill"
-    # Decode pods read blocks (the transfer port and UCX's ports); routers release the blocks
-    # of a prefill no decode pod took (the transfer port only).
-    decode_rule, router_rule = kv["ingress"]
-    assert {"port": 14579, "protocol": "TCP"} in decode_rule["ports"]
-    assert {"port": 30000, "endPort": 30100, "protocol": "TCP"} in decode_rule["ports"]
-    (peer,) = decode_rule["from"]
-    assert peer["podSelector"]["matchLabels"]["pagefleet.io/role"] == "decode"
-    assert router_rule["ports"] == [{"port": 14579, "protocol": "TCP"}]
-    (router_peer,) = router_rule["from"]
+def operator_args(docs: list[dict]):
+    from pagefleet.cli import build_parser
 
-    engines = policies[f"{RELEASE}-pagefleet-engines"]
-    by_port = {r["ports"][0]["port"]: r["from"] for r in engines["ingress"]}
-    assert set(by_port) == {8000, 5557}
-    assert all(
-        p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
-        for p in by_port[5557]
-    )
-    # Labels the operator really puts on its pods are the ones the policies select.
-    md = one(rendered["disaggregated"], "ModelDeployment")
-    owned = owned_objects(md, {})
-    prefill_labels = next(
-        d["spec"]["template"]["metadata"]["labels"]
-        for d in objects_of(owned, "Deployment")
-        if d["spec"]["template"]["metadata"]["labels"].get("pagefleet.io/role") == "prefill"
-    )
-    assert kv["podSelector"]["matchLabels"].items() <= prefill_labels.items()
-    router_labels = one(owned, "Deployment", "router")["spec"]["template"]["metadata"]["labels"]
-    assert by_port[5557][0]["podSelector"]["matchLabels"].items() <= router_labels.items()
-    assert router_peer["podSelector"]["matchLabels"].items() <= router_labels.items()
-    standalone = one(rendered["standalone-router"], "Deployment", "router")
-    standalone_labels = standalone["spec"]["template"]["metadata"]["labels"]
-    assert router_peer["podSelector"]["matchLabels"].items() <= standalone_labels.items()
-    colocated = {
-        p["metadata"]["name"]: p for p in objects_of(rendered["colocated"], "NetworkPolicy")
+    (container,) = one(docs, "Deployment", "operator")["spec"]["template"]["spec"]["containers"]
+    return build_parser().parse_args(container["args"])
+
+
+def chart_peers(docs: list[dict]):
+    """The peers the chart hands the operator (its --network-policy-peers), as it parses them."""
+    from pagefleet.operator.main import network_policy_peers
+
+    return network_policy_peers(operator_args(docs))
+
+
+def policy_flows(policy: dict, direction: str) -> set[tuple[str, int, int | None, str]]:
+    """(protocol, port, endPort, peer as JSON or "any") for every port x peer of the rules."""
+    key = "from" if direction == "ingress" else "to"
+    return {
+        (port["protocol"], port["port"], port.get("endPort"), json.dumps(peer, sort_keys=True))
+        for rule in policy["spec"][direction]
+        for port in rule["ports"]
+        for peer in rule.get(key) or ["any"]
     }
-    metrics_peer = ci_values("colocated")["networkPolicy"]["metricsFrom"][0]
-    assert metrics_peer in colocated[f"{RELEASE}-pagefleet-engines"]["spec"]["ingress"][0]["from"]
+
+
+def pod_labels(docs: list[dict], component: str) -> dict[str, str]:
+    return one(docs, "Deployment", component)["spec"]["template"]["metadata"]["labels"]
+
+
+ANY = json.dumps("any")
+DNS = {("TCP", 53, None, ANY), ("UDP", 53, None, ANY)}
+
+
+def test_network_policies_are_on_by_default_for_the_charts_pods_and_the_operators(rendered):
+    """The chart renders the policies of its own pods (the operator); the operator, given the
+    chart's peers, those of each ModelDeployment. The operator's pods are the peer that may
+    scrape the engines, and nothing may connect to the operator."""
+    docs = rendered["defaults"]
+    policy = one(docs, "NetworkPolicy")
+    assert policy["metadata"]["name"] == f"{RELEASE}-pagefleet-operator"
+    operator_labels = pod_labels(docs, "operator")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= operator_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert policy["spec"]["ingress"] == []
+    engines_in_namespace = {
+        "podSelector": {
+            "matchLabels": {
+                "app.kubernetes.io/component": "engine",
+                "app.kubernetes.io/managed-by": "pagefleet-operator",
+            }
+        },
+        "namespaceSelector": {
+            "matchExpressions": [
+                {"key": "kubernetes.io/metadata.name", "operator": "In", "values": [NAMESPACE]}
+            ]
+        },
+    }
+    assert policy_flows(policy, "egress") == {
+        *DNS,
+        ("TCP", 443, None, ANY),
+        ("TCP", 6443, None, ANY),
+        ("TCP", 8000, None, json.dumps(engines_in_namespace, sort_keys=True)),
+    }
+    # The operator's own policies for the chart's ModelDeployment, with the chart's peers.
+    peers = chart_peers(docs)
+    (operator_peer,) = peers.operator_from
+    assert operator_peer["namespaceSelector"] == {
+        "matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}
+    }
+    assert operator_peer["podSelector"]["matchLabels"].items() <= operator_labels.items()
+    from pagefleet.operator.reconcile import RenderOptions, desired_objects
+
+    md = one(docs, "ModelDeployment")
+    stored = {**md, "metadata": {**md["metadata"], "uid": "uid-chart"}}
+    owned = desired_objects(stored, RenderOptions(network_policy=peers))
+    engines = next(
+        p
+        for p in objects_of(owned, "NetworkPolicy")
+        if p["metadata"]["name"] == "llama-3-8b-colocated"
+    )
+    assert ("TCP", 8000, None, json.dumps(operator_peer, sort_keys=True)) in policy_flows(
+        engines, "ingress"
+    )
+    for obj in owned:
+        validate(obj)
+
+
+def test_network_policy_values_reach_both_sources(rendered):
+    """clientsFrom, metricsFrom and apiServer from the values: in the chart's policies and in
+    the peers the operator is given, for its ModelDeployments' policies."""
+    docs = rendered["disaggregated"]
+    values = ci_values("disaggregated")["networkPolicy"]
+    peers = chart_peers(docs)
+    assert list(peers.clients_from) == values["clientsFrom"]
+    assert list(peers.api_server_to) == values["apiServer"]["to"]
+    assert peers.api_server_ports == (443,)
+    # Cluster scope: the operator may scrape engines in every namespace.
+    policy = one(docs, "NetworkPolicy")
+    scrape = [r for r in policy["spec"]["egress"] if r["ports"][0]["port"] == 8000]
+    assert scrape[0]["to"][0]["namespaceSelector"] == {}
+    api = [r for r in policy["spec"]["egress"] if r["ports"][0]["port"] == 443]
+    assert api == [{"ports": [{"port": 443, "protocol": "TCP"}], "to": values["apiServer"]["to"]}]
+    colocated = rendered["colocated"]
+    assert (
+        list(chart_peers(colocated).metrics_from)
+        == ci_values("colocated")["networkPolicy"]["metricsFrom"]
+    )
+    # The operator reaches Prometheus on its URL's port (keda values: :9090).
+    keda = one(rendered["keda"], "NetworkPolicy")
+    assert ("TCP", 9090, None, ANY) in policy_flows(keda, "egress")
+
+
+def test_the_standalone_routers_policy(rendered):
+    docs = rendered["standalone-router"]
+    policy = one(docs, "NetworkPolicy")
+    assert (
+        policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels(docs, "router").items()
+    )
+    assert policy_flows(policy, "ingress") == {("TCP", 8080, None, ANY)}
+    model_pods = {"podSelector": {"matchLabels": {"pagefleet.io/model": "llama-3-8b"}}}
+    assert policy_flows(policy, "egress") == {
+        *DNS,
+        ("TCP", 443, None, ANY),
+        ("TCP", 6443, None, ANY),
+        ("TCP", 8000, None, json.dumps(model_pods, sort_keys=True)),
+    }
+
+
+def test_network_policies_off_means_none_from_either_source(helm):
+    docs = template(helm, "--set", "networkPolicy.enabled=false")
+    assert not objects_of(docs, "NetworkPolicy")
+    args = operator_args(docs)
+    assert args.network_policies is False and args.network_policy_peers is None
+    assert chart_peers(docs) is None
 
 
 def test_service_monitor_selects_the_services_the_operator_creates(rendered):
@@ -974,6 +1159,22 @@ def test_notes_show_how_to_reach_the_router(helm):
     md = one(template(helm), "ModelDeployment")
     routers = [s["metadata"]["name"] for s in objects_of(owned_objects(md, {}), "Service")]
     assert "llama-3-8b-router" in routers
+    assert "Authorization" not in notes
+    # With an API key from a Secret, the example reads it from there and sends it.
+    out = run_helm(
+        helm,
+        "install",
+        RELEASE,
+        str(CHART),
+        "--dry-run=client",
+        "-n",
+        NAMESPACE,
+        "-f",
+        str(VALUES_FILES["disaggregated"]),
+    )
+    notes = out.stdout.split("NOTES:", 1)[1]
+    assert "get secret llama-pd-api-key -o jsonpath='{.data.api-key}' | base64 -d" in notes
+    assert '-H "Authorization: Bearer $KEY"' in notes
 
 
 def _leaves(values: dict, prefix: str = "") -> list[str]:

@@ -29,7 +29,13 @@ MODEL_PATHS = {
 }
 # The operator's flags: before every engineArgs flag (argparse keeps the last value, so a user
 # can override any of them).
-OPERATOR_FLAGS = ("--host", "--port", "--served-model-name", "--kv-events-config")
+OPERATOR_FLAGS = (
+    "--host",
+    "--port",
+    "--served-model-name",
+    "--fleet-secret-file",
+    "--kv-events-config",
+)
 # Each engine Deployment's engineArgs (deployment-wide, then the pool's), as the example says.
 USER_FLAGS = {
     "llama-colocated": ["--max-model-len", "--max-num-seqs", "--enable-prefix-caching"],
@@ -41,12 +47,14 @@ USER_FLAGS = {
     "llama-pd-decode": ["--max-model-len", "--max-num-seqs"],
     "qwen-colocated": [],
 }
+# Bound to the pod's own IP (the kubelet expands $(POD_IP)), not to every interface.
 KV_EVENTS = {
     "enable_kv_cache_events": True,
     "publisher": "zmq",
-    "endpoint": "tcp://*:5557",
-    "replay_endpoint": "tcp://*:5558",  # the router replays from port + 1
+    "endpoint": "tcp://$(POD_IP):5557",
+    "replay_endpoint": "tcp://$(POD_IP):5558",  # the router replays from port + 1
 }
+FLEET_SECRET_FILE = "/var/run/secrets/pagefleet.io/fleet/secret"
 ENGINE_PORTS = {"http": 8000, "kv-events": 5557, "kv-replay": 5558}
 POD_IP_ENV = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
@@ -161,8 +169,10 @@ def test_router_probes_discovery_and_precise_index(name):
     c = container(router)
     command = c["command"]
     assert command[:2] == ["pagefleet", "router"]
-    # Its own deployment's engines only: two ModelDeployments may serve one model name.
+    # Its own deployment's engines only: two ModelDeployments may serve one model name, and a
+    # pod with copied labels is not one of its Deployments' pods.
     assert flag(command, "--selector") == f"pagefleet.io/deployment={md},pagefleet.io/model={model}"
+    assert flag(command, "--deployment") == md
     assert flag(command, "--kubernetes-namespace") == "serving"
     assert flag(command, "--engine-port") == "8000"
     # Precise index from the engines' KV events (replayed from 5558 after a restart), hashed
@@ -192,3 +202,184 @@ def test_keda_leaves_replicas_to_the_scaled_object():
         'sum(vllm:num_requests_waiting{namespace="serving",pod=~"qwen-colocated-.*",'
         'model_name="qwen2-7b"})'
     )
+
+
+def secret_ref(env: list[dict], name: str) -> dict | None:
+    found = [e for e in env if e["name"] == name]
+    assert len(found) <= 1, name
+    return found[0]["valueFrom"]["secretKeyRef"] if found else None
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_fleet_secret_reaches_the_router_and_every_engine_read_only(name):
+    """The Secret the operator fills once, mounted read-only at the file each process is given
+    with --fleet-secret-file; its second key is the API key engines require and the router
+    sends them. Engines get no service-account token; the router keeps its own (discovery)."""
+    md, _, _ = CASES[name]
+    objects = golden(name)
+    (secret,) = [o for o in objects if o["kind"] == "Secret"]
+    assert secret["metadata"]["name"] == f"{md}-fleet-secret"
+    assert secret["type"] == "Opaque"
+    assert "data" not in secret and "stringData" not in secret  # random, made at creation
+    engine_key = {"name": f"{md}-fleet-secret", "key": "engine-api-key"}
+    for deployment in deployments(objects).values():
+        pod = deployment["spec"]["template"]["spec"]
+        c = container(deployment)
+        assert flag(c["command"], "--fleet-secret-file") == FLEET_SECRET_FILE
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "fleet-secret"]
+        assert mount == {
+            "name": "fleet-secret",
+            "mountPath": "/var/run/secrets/pagefleet.io/fleet",
+            "readOnly": True,
+        }
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "fleet-secret"]
+        assert volume["secret"]["secretName"] == f"{md}-fleet-secret"
+        assert volume["secret"]["items"] == [{"key": "secret", "path": "secret"}]
+        assert volume["secret"]["defaultMode"] == 0o440  # the pod's fsGroup reads it
+        component = deployment["metadata"]["labels"]["app.kubernetes.io/component"]
+        if component == "engine":
+            assert pod["automountServiceAccountToken"] is False
+            assert "serviceAccountName" not in pod
+            assert secret_ref(c["env"], "PAGEFLEET_API_KEY") == engine_key
+            assert secret_ref(c["env"], "PAGEFLEET_UPSTREAM_API_KEY") is None
+        else:
+            assert component == "router"
+            assert pod["automountServiceAccountToken"] is True
+            assert secret_ref(c["env"], "PAGEFLEET_UPSTREAM_API_KEY") == engine_key
+            # The examples set no spec.apiKeySecret: clients need no key.
+            assert secret_ref(c["env"], "PAGEFLEET_API_KEY") is None
+
+
+def test_only_pd_pods_pin_nixls_ucx_ports():
+    """NetworkPolicies open exactly UCX_TCP_PORT_RANGE between decode and prefill pods."""
+    for name in sorted(CASES):
+        for deployment in deployments(golden(name)).values():
+            env = {e["name"]: e.get("value") for e in container(deployment)["env"]}
+            role = deployment["spec"]["template"]["metadata"]["labels"].get("pagefleet.io/role")
+            expected = "14580-14609" if role in ("prefill", "decode") else None
+            assert env.get("UCX_TCP_PORT_RANGE") == expected, deployment["metadata"]["name"]
+
+
+# The peers the policies name, by hand (NetworkPolicyPeer objects), for ModelDeployment `md`.
+def pods_labelled(**labels: str) -> dict:
+    return {"podSelector": {"matchLabels": labels}}
+
+
+def peers_of(md: str) -> dict[str, dict]:
+    return {
+        "router": pods_labelled(
+            **{"app.kubernetes.io/component": "router", "pagefleet.io/deployment": md}
+        ),
+        "engines": pods_labelled(
+            **{"app.kubernetes.io/component": "engine", "pagefleet.io/deployment": md}
+        ),
+        "prefill": pods_labelled(**{"pagefleet.io/deployment": md, "pagefleet.io/pool": "prefill"}),
+        "decode": pods_labelled(**{"pagefleet.io/deployment": md, "pagefleet.io/pool": "decode"}),
+        "colocated": pods_labelled(
+            **{"pagefleet.io/deployment": md, "pagefleet.io/pool": "colocated"}
+        ),
+        # The chart's operator pods, in any namespace (an operator started without
+        # --network-policy-peers; the chart passes its own release's).
+        "operator": {
+            "namespaceSelector": {},
+            **pods_labelled(
+                **{"app.kubernetes.io/name": "pagefleet", "app.kubernetes.io/component": "operator"}
+            ),
+        },
+    }
+
+
+def network_policies(name: str) -> dict[str, dict]:
+    return {p["metadata"]["name"]: p for p in golden(name) if p["kind"] == "NetworkPolicy"}
+
+
+def flows(policy: dict, direction: str, md: str) -> set[tuple[str, str, int, int | None]]:
+    """(peer, protocol, port, endPort) for every peer x port a policy's rules allow in one
+    direction; peer "any" where a rule names none (a peer not named above fails)."""
+    names = {json.dumps(p, sort_keys=True): n for n, p in peers_of(md).items()}
+    key = "from" if direction == "ingress" else "to"
+    out = set()
+    for rule in policy["spec"].get(direction, []):
+        peers = [names[json.dumps(p, sort_keys=True)] for p in rule.get(key, [])] or ["any"]
+        for peer in peers:
+            for port in rule["ports"]:
+                out.add((peer, port["protocol"], port["port"], port.get("endPort")))
+    return out
+
+
+def test_disaggregated_network_policies_allow_exactly_the_fleets_flows():
+    """Read by hand: every pod denies what is not listed (both directions); nothing but the
+    decode pods and the router reaches a prefill pod's KV-transfer port, nothing but the router
+    the KV-event ports; the engines may call nothing but DNS (and decode pods their prefill
+    pods); the router reaches the API server (discovery) and its own engines only."""
+    md = "llama-pd"
+    policies = network_policies("disaggregated.yaml")
+    assert sorted(policies) == ["llama-pd-decode", "llama-pd-prefill", "llama-pd-router"]
+    for policy in policies.values():
+        assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    dns = {("any", "TCP", 53, None), ("any", "UDP", 53, None)}
+    api_server = {("any", "TCP", 443, None), ("any", "TCP", 6443, None)}
+    http_in = {("router", "TCP", 8000, None), ("operator", "TCP", 8000, None)}
+    events_in = {("router", "TCP", 5557, None), ("router", "TCP", 5558, None)}
+
+    peers = peers_of(md)
+    router = policies["llama-pd-router"]
+    assert router["spec"]["podSelector"] == peers["router"]["podSelector"]
+    assert flows(router, "ingress", md) == {("any", "TCP", 8080, None)}  # clients
+    assert flows(router, "egress", md) == {
+        ("engines", "TCP", 8000, None),
+        ("engines", "TCP", 5557, None),
+        ("engines", "TCP", 5558, None),
+        ("prefill", "TCP", 14579, None),  # releases of blocks no decode pod took
+        *api_server,
+        *dns,
+    }
+    prefill = policies["llama-pd-prefill"]
+    assert prefill["spec"]["podSelector"] == peers["prefill"]["podSelector"]
+    assert flows(prefill, "ingress", md) == {
+        *http_in,
+        *events_in,
+        ("decode", "TCP", 14579, None),
+        ("router", "TCP", 14579, None),
+        ("decode", "TCP", 14580, 14609),  # UCX (UCX_TCP_PORT_RANGE)
+    }
+    assert flows(prefill, "egress", md) == dns
+    decode = policies["llama-pd-decode"]
+    assert decode["spec"]["podSelector"] == peers["decode"]["podSelector"]
+    assert flows(decode, "ingress", md) == {*http_in, *events_in}
+    assert flows(decode, "egress", md) == {
+        *dns,
+        ("prefill", "TCP", 14579, None),
+        ("prefill", "TCP", 14580, 14609),
+    }
+    # Each selector picks the pods it names, and no other pod of the deployment.
+    pods = {
+        d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+        for d in deployments(golden("disaggregated.yaml")).values()
+    }
+
+    def picks(peer: dict) -> set[str]:
+        wanted = peer["podSelector"]["matchLabels"].items()
+        return {name for name, labels in pods.items() if wanted <= labels.items()}
+
+    assert picks(peers["router"]) == {"llama-pd-router"}
+    assert picks(peers["engines"]) == {"llama-pd-prefill", "llama-pd-decode"}
+    assert picks(peers["prefill"]) == {"llama-pd-prefill"}
+    assert picks(peers["decode"]) == {"llama-pd-decode"}
+
+
+def test_colocated_network_policies_open_no_kv_transfer_port():
+    md = "llama"
+    policies = network_policies("colocated.yaml")
+    assert sorted(policies) == ["llama-colocated", "llama-router"]
+    engines = policies["llama-colocated"]
+    assert engines["spec"]["podSelector"] == peers_of(md)["colocated"]["podSelector"]
+    assert flows(engines, "ingress", md) == {
+        ("router", "TCP", 8000, None),
+        ("operator", "TCP", 8000, None),
+        ("router", "TCP", 5557, None),
+        ("router", "TCP", 5558, None),
+    }
+    assert flows(engines, "egress", md) == {("any", "TCP", 53, None), ("any", "UDP", 53, None)}
+    router = flows(policies["llama-router"], "egress", md)
+    assert {port for _, _, port, _ in router} == {8000, 5557, 5558, 443, 6443, 53}

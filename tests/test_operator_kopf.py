@@ -3,6 +3,7 @@ idempotence, ownerReferences, bad specs, and builtin autoscaling from fake pods'
 
 from __future__ import annotations
 
+import base64
 import signal
 import subprocess
 import threading
@@ -537,3 +538,131 @@ def test_objects_of_our_names_that_others_own_are_left_alone_and_reported():
             next_pass(state)
             next_pass(state)
             assert len(foreign_events()) == 2
+
+
+def fleet_keys(client: KubeClient, name: str = "llama") -> dict[str, bytes]:
+    secret = get(client, "v1", "Secret", f"{name}-fleet-secret") or {}
+    return {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
+
+
+def test_the_fleet_secret_is_made_once_kept_and_owned():
+    """One Secret per ModelDeployment with two random keys (>= 32 bytes of randomness each),
+    owned by it (the garbage collector deletes it with it), never regenerated: a spec edit, a
+    drift pass and a restarted operator leave it as it was; another ModelDeployment gets its
+    own. Its NetworkPolicies come with it."""
+    with emulator() as url:
+        client = KubeClient(url)
+        with operator(url, client, autoscale_interval=0.3) as state:
+            client.create(model_deployment())
+            keys = wait_for(lambda: fleet_keys(client), what="the fleet Secret")
+            assert set(keys) == {"secret", "engine-api-key"}
+            for value in keys.values():
+                # 32 random bytes, URL-safe base64 text (what files and headers carry).
+                assert len(base64.urlsafe_b64decode(value + b"=")) == 32
+            assert keys["secret"] != keys["engine-api-key"]
+            secret = get(client, "v1", "Secret", "llama-fleet-secret")
+            (owner,) = secret["metadata"]["ownerReferences"]
+            assert (owner["uid"], owner["controller"]) == ("uid-llama", True)
+            md = get(client, MD_API, "ModelDeployment", "llama")
+            client.merge_patch(md, {"spec": {"engineArgs": {"max-model-len": 4096}}})
+            next_pass(state)
+            next_pass(state)
+            client.create(model_deployment("other"))
+            other = wait_for(lambda: fleet_keys(client, "other"), what="the other's Secret")
+            assert other["secret"] != keys["secret"]
+            policies = {"llama-router", "llama-colocated"}
+            for name in policies:
+                policy = wait_for(
+                    lambda n=name: get(client, "networking.k8s.io/v1", "NetworkPolicy", n),
+                    what=name,
+                )
+                assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"
+        with operator(url, KubeClient(url), autoscale_interval=0.3) as state:
+            next_pass(state)
+            assert fleet_keys(client) == keys
+
+
+def test_a_tampered_fleet_secret_is_reported_never_rewritten():
+    """A fleet Secret that lost a key: the operator (which may not patch Secrets) says so in
+    Degraded and leaves it; a Secret of that name it does not own is a foreign object."""
+    with emulator() as url:
+        client = KubeClient(url)
+        with operator(url, client, autoscale_interval=0.3):
+            client.create(model_deployment())
+            wait_for(lambda: fleet_keys(client), what="the fleet Secret")
+            secret = get(client, "v1", "Secret", "llama-fleet-secret")
+            client.merge_patch(secret, {"data": {"engine-api-key": None}})
+            degraded = wait_degraded(client, "FleetSecretIncomplete")
+            assert "llama-fleet-secret" in degraded["message"]
+            assert set(fleet_keys(client)) == {"secret"}
+        theirs = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "other-fleet-secret", "namespace": NS},
+            "data": {"secret": base64.b64encode(b"chosen by someone else").decode()},
+        }
+        client.create(theirs)
+        with operator(url, client, autoscale_interval=0.3):
+            client.create(model_deployment("other"))
+            degraded = wait_degraded(client, "ForeignObject", name="other")
+            assert "Secret other-fleet-secret" in degraded["message"]
+            now = get(client, "v1", "Secret", "other-fleet-secret")
+            assert now["data"] == theirs["data"] and not now["metadata"].get("ownerReferences")
+
+
+def test_host_paths_outside_the_allowlist_are_refused_with_a_condition():
+    """Catches hostPath model sources reading any node folder: outside --allowed-host-paths the
+    operator creates nothing for the ModelDeployment and says why."""
+    host_path = {"name": "tiny", "source": "hostPath", "path": "/etc/kubernetes"}
+    with emulator() as url:
+        client = KubeClient(url)
+        with operator(url, client, autoscale_interval=0.3, allowed_host_paths=("/srv/models",)):
+            md = model_deployment()
+            md["spec"]["model"] = host_path
+            client.create(md)
+            degraded = wait_degraded(client, "HostPathNotAllowed")
+            assert "/etc/kubernetes" in degraded["message"]
+            assert "/srv/models" in degraded["message"]
+            assert get(client, "apps/v1", "Deployment", "llama-colocated") is None
+            assert get(client, "v1", "Secret", "llama-fleet-secret") is None
+            md = get(client, MD_API, "ModelDeployment", "llama")
+            client.merge_patch(md, {"spec": {"model": {"path": "/srv/models/tiny"}}})
+            deployment = wait_for(lambda: get(client, "apps/v1", "Deployment", "llama-colocated"))
+            volumes = deployment["spec"]["template"]["spec"]["volumes"]
+            assert {
+                "name": "model",
+                "hostPath": {"path": "/srv/models/tiny", "type": "Directory"},
+            } in (volumes)
+            wait_for(
+                lambda: condition(md_status(client), "Degraded").get("status") == "False",
+                what="Degraded cleared",
+            )
+
+
+def test_a_missing_api_key_secret_is_reported_until_it_exists():
+    with emulator() as url:
+        client = KubeClient(url)
+        with operator(url, client, autoscale_interval=0.3):
+            client.create(
+                model_deployment(apiKeySecret={"name": "llama-api-key", "key": "api-key"})
+            )
+            degraded = wait_degraded(client, "SecretMissing")
+            assert "Secret llama-api-key not found" in degraded["message"]
+            router = wait_for(lambda: get(client, "apps/v1", "Deployment", "llama-router"))
+            env = router["spec"]["template"]["spec"]["containers"][0]["env"]
+            assert {
+                "name": "PAGEFLEET_API_KEY",
+                "valueFrom": {"secretKeyRef": {"name": "llama-api-key", "key": "api-key"}},
+            } in env
+            key = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "llama-api-key"}}
+            key["metadata"]["namespace"] = NS
+            client.create({**key, "data": {"other": base64.b64encode(b"x").decode()}})
+            wait_for(
+                lambda: "has no key api-key" in condition(md_status(client), "Degraded")["message"],
+                what="the missing key reported",
+            )
+            client.merge_patch(key, {"data": {"api-key": base64.b64encode(b"k" * 32).decode()}})
+            wait_for(
+                lambda: condition(md_status(client), "Degraded").get("status") == "False",
+                what="Degraded cleared",
+            )

@@ -75,7 +75,9 @@ def test_crd_validates_strictly(version):
 
 def test_strict_validation_catches_a_broken_manifest():
     """The validator above is not a rubber stamp: a typo'd field fails it."""
-    deployment = copy.deepcopy(render("colocated.yaml")[0])
+    deployment = copy.deepcopy(
+        next(o for o in render("colocated.yaml") if o["kind"] == "Deployment")
+    )
     deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, "1.30.0", strict=True)
@@ -109,8 +111,8 @@ def test_engine_pods_follow_the_shared_contract():
         "kv_consumer"
     )
     events = json.loads(command[command.index("--kv-events-config") + 1])
-    assert events["endpoint"] == "tcp://*:5557" and events["enable_kv_cache_events"] is True
-    assert events["replay_endpoint"] == "tcp://*:5558"
+    assert events["endpoint"] == "tcp://$(POD_IP):5557" and events["enable_kv_cache_events"]
+    assert events["replay_endpoint"] == "tcp://$(POD_IP):5558"
     container = pod["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
@@ -309,7 +311,7 @@ def test_engine_args_override_the_operators_flags_and_merge_into_its_json_config
         "transfer_timeout": 60,
     }
     events = json.loads(args.kv_events_config)
-    assert events["buffer_steps"] == 500 and events["replay_endpoint"] == "tcp://*:5558"
+    assert events["buffer_steps"] == 500 and events["replay_endpoint"] == "tcp://10.42.0.8:5558"
     assert decode.count("--kv-transfer-config") == 1 and decode.count("--kv-events-config") == 1
     prefill = _container(objects, "llama-pd-prefill")["command"]
     assert json.loads(prefill[prefill.index("--kv-transfer-config") + 1])["kv_connector"] == "nixl"
@@ -323,9 +325,10 @@ def test_a_kv_config_engine_arg_must_be_a_json_object(value):
         parse_spec(md["spec"])
 
 
-def test_engines_publish_a_replay_endpoint_on_the_port_the_router_dials():
-    """Catches KV events without a replay endpoint: a restarted router dials port + 1 to catch
-    up and nothing answers."""
+def test_engines_publish_events_on_their_pod_ip_with_a_replay_endpoint_the_router_dials():
+    """Catches KV events without a replay endpoint (a restarted router dials port + 1 to catch
+    up and nothing answers) and events bound to every interface (`tcp://*`) instead of the one
+    address the router dials."""
     from pagefleet.engine.kv_event_publisher import KVEventsConfig
 
     pods = [
@@ -333,12 +336,29 @@ def test_engines_publish_a_replay_endpoint_on_the_port_the_router_dials():
         _container(render("disaggregated.yaml"), "llama-pd-prefill"),
     ]
     for container in pods:
-        command = container["command"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        command = expand(container["command"], {"POD_IP": "10.42.0.7"})
         config = KVEventsConfig.from_json(command[command.index("--kv-events-config") + 1])
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert config.endpoint == f"tcp://*:{ports['kv-events']}"
-        assert config.replay_endpoint == f"tcp://*:{ports['kv-events'] + 1}"
+        assert config.endpoint == f"tcp://10.42.0.7:{ports['kv-events']}"
+        assert config.replay_endpoint == f"tcp://10.42.0.7:{ports['kv-events'] + 1}"
         assert ports["kv-replay"] == ports["kv-events"] + 1
+
+
+def test_an_approximate_index_means_no_kv_events_anywhere():
+    """Catches engines publishing KV events (every prompt's block hashes) that no router reads:
+    with `router.prefixIndex: approximate` there is no publisher, no event port on the pods,
+    their Service or their NetworkPolicy, and the router subscribes to nothing."""
+    from pagefleet.cli import build_parser
+
+    md = load_example("disaggregated.yaml")
+    md["spec"]["router"]["prefixIndex"] = "approximate"
+    objects = desired_objects(md)
+    router = build_parser().parse_args(_container(objects, "llama-pd-router")["command"][1:])
+    assert router.prefix_index == "approximate"
+    text = json.dumps(objects)
+    assert "kv-events" not in text and "5557" not in text and "5558" not in text
 
 
 @pytest.mark.parametrize("example", ["colocated.yaml", "keda.yaml", "hostpath-minimal.yaml"])
@@ -398,3 +418,119 @@ def test_the_routers_copy_from_a_weights_image_is_a_loadable_tokenizer_without_w
     assert any(p.suffix == ".safetensors" for p in Path(source).iterdir())
     tokenizer = load_tokenizer(tmp_path)
     assert tokenizer("a cache block").input_ids == load_tokenizer(source)("a cache block").input_ids
+
+
+@pytest.mark.parametrize(
+    ("path", "allowed"),
+    [
+        ("/srv/models/tiny", True),
+        ("/srv/models", True),
+        ("/srv/models/", True),
+        ("/srv/models/../../etc", False),  # normalised before comparing
+        ("/srv/models-evil/tiny", False),  # a prefix of the text, not of the path
+        ("/etc", False),
+        ("srv/models/tiny", False),  # relative: the kubelet's working directory
+        ("/data/llama", True),
+    ],
+)
+def test_host_path_model_sources_only_inside_the_allowlist(path, allowed):
+    """Catches a hostPath model source reading any folder of the node (/etc, the kubelet's
+    credentials) into engine pods: the operator renders it only under --allowed-host-paths."""
+    from pagefleet.operator.spec import HostPathNotAllowed
+
+    md = load_example("hostpath-minimal.yaml")
+    md["spec"]["model"]["path"] = path
+    options = RenderOptions(allowed_host_paths=("/srv/models", "/data/"))
+    if allowed:
+        objects = desired_objects(md, options)
+        volume = _deployment_named(objects, "tiny-colocated")["spec"]["template"]["spec"]
+        assert {"name": "model", "hostPath": {"path": path, "type": "Directory"}} in (
+            volume["volumes"]
+        )
+    else:
+        with pytest.raises(HostPathNotAllowed, match="--allowed-host-paths") as refused:
+            desired_objects(md, options)
+        assert refused.value.reason == "HostPathNotAllowed"
+    # No allowlist (the operator's default) refuses every hostPath source.
+    with pytest.raises(HostPathNotAllowed, match="none"):
+        desired_objects(md, RenderOptions(allowed_host_paths=()))
+
+
+def test_api_key_secret_reaches_the_router_and_never_the_engines():
+    """spec.apiKeySecret: the key clients must send the router, from the Secret (never in the
+    pod spec as text); engines keep their own key from the fleet Secret, so a client's key does
+    not open an engine."""
+    md = load_example("colocated.yaml")
+    md["spec"]["apiKeySecret"] = {"name": "llama-api-key", "key": "api-key"}
+    assert schema_errors(md) == []
+    objects = desired_objects(md)
+    router_env = {e["name"]: e for e in _container(objects, "llama-router")["env"]}
+    assert router_env["PAGEFLEET_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "llama-api-key", "key": "api-key"}
+    }
+    assert router_env["PAGEFLEET_UPSTREAM_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "llama-fleet-secret", "key": "engine-api-key"}
+    }
+    engine_env = {e["name"]: e for e in _container(objects, "llama-colocated")["env"]}
+    assert engine_env["PAGEFLEET_API_KEY"] == router_env["PAGEFLEET_UPSTREAM_API_KEY"] | {
+        "name": "PAGEFLEET_API_KEY"
+    }
+    assert "llama-api-key" not in json.dumps(_deployment_named(objects, "llama-colocated"))
+    for bad, needle in [
+        ({"name": "Llama_Key", "key": "k"}, "must name a Secret"),
+        ({"name": "llama-api-key", "key": "a/b"}, "must be a Secret key"),
+        ({"name": "llama-api-key"}, "must be a Secret key"),
+        ({"name": "llama-api-key", "key": "k", "value": "hunter2"}, "unknown field"),
+    ]:
+        md["spec"]["apiKeySecret"] = bad
+        with pytest.raises(SpecError, match=needle):
+            parse_spec(md["spec"])
+        assert schema_errors(md), bad  # the CRD's schema refuses it too
+
+
+def test_network_policy_peers_from_the_operators_flag():
+    from pagefleet.operator.network_policy import DEFAULT_OPERATOR_PEER, PeersError, PolicyPeers
+
+    assert PolicyPeers.from_json("{}") == PolicyPeers()
+    assert PolicyPeers().operator_from == (DEFAULT_OPERATOR_PEER,)
+    prometheus = {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}
+    api = {"ipBlock": {"cidr": "10.0.0.1/32"}}
+    peers = PolicyPeers.from_json(
+        json.dumps({"metricsFrom": [prometheus], "apiServer": {"to": [api], "ports": [443]}})
+    )
+    assert peers.metrics_from == (prometheus,) and peers.api_server_to == (api,)
+    assert peers.api_server_ports == (443,)
+    md = load_example("colocated.yaml")
+    objects = desired_objects(md, RenderOptions(network_policy=peers))
+    policies = {o["metadata"]["name"]: o for o in objects if o["kind"] == "NetworkPolicy"}
+    engines, router = policies["llama-colocated"], policies["llama-router"]
+    (metrics_rule,) = [r for r in engines["spec"]["ingress"] if r["ports"][0]["port"] == 8000]
+    assert prometheus in metrics_rule["from"]
+    assert {"ports": [{"port": 443, "protocol": "TCP"}], "to": [api]} in router["spec"]["egress"]
+    for bad in [
+        '{"metricFrom": []}',
+        "[]",
+        '{"apiServer": {"ports": [0]}}',
+        '{"dns": {"to": [{}]}}',
+    ]:
+        with pytest.raises(PeersError):
+            PolicyPeers.from_json(bad)
+    # Off: no policy at all.
+    off = desired_objects(md, RenderOptions(network_policy=None))
+    assert not [o for o in off if o["kind"] == "NetworkPolicy"]
+
+
+def test_operator_flags_for_host_paths_and_network_policies():
+    from pagefleet.cli import build_parser
+    from pagefleet.operator.main import allowed_host_paths, network_policy_peers
+
+    parser = build_parser()
+    args = parser.parse_args(
+        ["operator", "--allowed-host-paths", "/srv/models,/data", "--allowed-host-paths", "/x"]
+    )
+    assert allowed_host_paths(args.allowed_host_paths) == ("/srv/models", "/data", "/x")
+    assert network_policy_peers(args) is not None  # on by default
+    assert allowed_host_paths(parser.parse_args(["operator"]).allowed_host_paths) == ()
+    with pytest.raises(ValueError, match="absolute"):
+        allowed_host_paths(["models"])
+    assert network_policy_peers(parser.parse_args(["operator", "--no-network-policies"])) is None

@@ -163,6 +163,19 @@ def default_pod_spec(spec: dict) -> None:
                 volume[source].setdefault("defaultMode", 0o644)
 
 
+def default_templates(kind: str, obj: dict) -> None:
+    """Defaults of every write, not only of creation: a merge patch that replaces a list (the
+    containers) gets its defaults back, so a template the patch did not change keeps its hash
+    (a Deployment does not roll because its operator re-applied it)."""
+    spec = obj.get("spec")
+    if not isinstance(spec, dict):
+        return
+    if kind == "Pod":
+        default_pod_spec(spec)
+    elif kind in {"Deployment", "ReplicaSet"} and isinstance(spec.get("template"), dict):
+        default_pod_spec(spec["template"].setdefault("spec", {}))
+
+
 def apply_defaults(kind: str, obj: dict, allocate_ip: Callable[[], str]) -> None:
     spec = obj.setdefault("spec", {}) if kind in {"Pod", "Deployment", "ReplicaSet"} else None
     if kind == "Pod":
@@ -553,6 +566,8 @@ class LabApi(kmock.KubernetesEmulator):
                     meta[owned] = old["metadata"][owned]
             meta["resourceVersion"] = old["metadata"]["resourceVersion"]
             new["apiVersion"], new["kind"] = old["apiVersion"], old["kind"]
+            if subresource != "status":
+                default_templates(info.kind, new)
             if subresource != "status" and _content(new) != _content(old):
                 meta["generation"] = old["metadata"].get("generation", 1) + 1
             if new == old:

@@ -3,20 +3,27 @@ a ModelDeployment's pods and router, talk to them from inside the lab, read thei
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from .images import REPO_ROOT
+from .flows import Connection, namespace_labels, observed_connections, violations
+from .images import PROJECT_REPOSITORY, REPO_ROOT, project_image
 from .lab import Lab
+from .net import enter_netns
+from .podspec import Image
 
 PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
 HELM = str(Path(sys.executable).parent / "helm")
@@ -25,6 +32,7 @@ CRD_FILE = CHART / "crds" / "modeldeployments.pagefleet.io.yaml"
 EXAMPLES = REPO_ROOT / "examples" / "modeldeployments"
 MD = ("pagefleet.io/v1alpha1", "ModelDeployment")
 ENGINE_PORT, ROUTER_PORT = 8000, 8080
+T = TypeVar("T")
 # The examples size the KV cache for GPUs; on CPU the engine would take 4 GiB per pod.
 CPU_ENGINE_ARGS = {"kv-cache-memory": 0.05}
 
@@ -183,6 +191,24 @@ def metrics(lab: Lab, pod: dict) -> dict[str, float]:
     return out
 
 
+def router_pods(lab, url: str) -> set[str]:
+    """The engine pods the router knows (its per-pod gauge)."""
+    text = lab.in_lab(httpx.get, f"{url}/metrics", timeout=10).text
+    return {
+        s.labels["pod"]
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "pagefleet_router:inflight"
+    }
+
+
+def router_metric(lab, url: str, name: str) -> float:
+    text = lab.in_lab(httpx.get, f"{url}/metrics", timeout=10).text
+    return sum(
+        s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name
+    )
+
+
 def openai_client(base_url: str):
     import openai
 
@@ -241,6 +267,41 @@ class Offline:
         ids = list(ids if isinstance(ids, list) else ids["input_ids"])
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
         return self.llm.generate([ids], params, use_tqdm=False)[0].outputs[0].text
+
+
+def tcp_only_image() -> Image:
+    """The project's image where UCX may only use TCP, as between pods on different nodes
+    without RDMA (on one machine it would copy through CMA, which no NetworkPolicy sees)."""
+    image = project_image()
+    return dataclasses.replace(image, env={**image.env, "UCX_TLS": "tcp"})
+
+
+def images_tcp_only() -> dict[str, Image]:
+    return {PROJECT_REPOSITORY: tcp_only_image()}
+
+
+def policy_check(lab: Lab, namespace: str) -> tuple[list[Connection], list[str]]:
+    """The connections the namespace's pods hold now, and those its NetworkPolicies would drop
+    (flows.py)."""
+    pods = [
+        p
+        for p in lab.kube.pods(namespace)
+        if p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp")
+    ]
+    policies = lab.kube.list("networking.k8s.io/v1", "NetworkPolicy", namespace)
+    namespaces = {
+        n["metadata"]["name"]: namespace_labels(n) for n in lab.kube.list("v1", "Namespace")
+    }
+    connections = observed_connections(pods, dict(lab.network.pod_netns))
+    return connections, violations(connections, pods, policies, namespaces)
+
+
+def in_pod(lab: Lab, pod: dict, fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn` in a thread inside the pod's network namespace (what a process of that pod
+    would reach, from the pod's IP)."""
+    netns = lab.network.pod_netns[pod["metadata"]["uid"]]
+    with ThreadPoolExecutor(1, initializer=enter_netns, initargs=(netns,)) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def elapsed(since: float) -> float:

@@ -302,10 +302,14 @@ class PodWorker:
         if files is None:
             raise ConfigError(f"the sources of volume {name!r} are missing")
         path.mkdir(parents=True, exist_ok=True)
+        fs_group = (self.pod["spec"].get("securityContext") or {}).get("fsGroup")
         for rel, (content, mode) in files.items():
             target = path / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(content)
+            if fs_group is not None:  # SetVolumeOwnership: the group's, group-readable
+                os.chown(target, -1, fs_group)
+                mode |= 0o440
             target.chmod(mode)
         return str(path), True
 

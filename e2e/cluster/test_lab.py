@@ -301,11 +301,19 @@ def test_rolling_update_scaling_and_garbage_collection(lab):
         30,
         "replacement",
     )
+    # Re-applied with a new replica count by a merge patch, which replaces the containers list
+    # without the defaults the server added: the server defaults it again, so it scales and
+    # rolls nothing (as an operator re-applying its Deployment expects).
+    again = deployment("web", "import time; time.sleep(600)", replicas=3)
+    d = lab.kube.patch(d, {"spec": again["spec"]})
+    lab.wait_for(lambda: len(lab.kube.ready_pods("default", "app=web")) == 3, 30, "3 pods")
+    assert {p["metadata"]["labels"]["pod-template-hash"] for p in pods()} == {rs_name[4:]}
+    assert [r["metadata"]["name"] for r in lab.kube.list("apps/v1", "ReplicaSet")] == [rs_name]
     d = lab.kube.patch(d, {"spec": {"template": {"metadata": {"annotations": {"rev": "2"}}}}})
     lab.wait_for(
         lambda: (
             (live := [p for p in pods() if not p["metadata"].get("deletionTimestamp")])
-            and len(live) == 2
+            and len(live) == 3
             and all(p["metadata"]["labels"]["pod-template-hash"] != rs_name[4:] for p in live)
             and all(p["status"]["phase"] == "Running" for p in live)
         ),

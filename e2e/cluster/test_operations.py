@@ -20,6 +20,8 @@ from .fleet import (
     operator_ready,
     prepare_namespace,
     ready,
+    router_metric,
+    router_pods,
     router_url,
     simulated_deployment,
     start_operator,
@@ -70,30 +72,6 @@ def pod(lab, name: str) -> dict:
 
 def restarts(lab, name: str) -> int:
     return pod(lab, name)["status"]["containerStatuses"][0]["restartCount"]
-
-
-def router_pods(lab, url: str) -> set[str]:
-    """The engine pods the router knows (its per-pod gauge)."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = lab.in_lab(httpx.get, f"{url}/metrics", timeout=10).text
-    return {
-        s.labels["pod"]
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "pagefleet_router:inflight"
-    }
-
-
-def router_metric(lab, url: str, name: str) -> float:
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = lab.in_lab(httpx.get, f"{url}/metrics", timeout=10).text
-    return sum(
-        s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name
-    )
 
 
 def test_operator_restart_changes_nothing_and_keeps_the_scale_down_window(tmp_path, model_store):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from pagefleet.operator.reconcile import KV_TRANSFER_PORT, UCX_PORTS
+
 from .conftest import open_lab
 from .fleet import (
     EXAMPLES,
@@ -14,9 +16,11 @@ from .fleet import (
     example,
     for_cpu,
     helm_template,
+    images_tcp_only,
     md_pods,
     metrics,
     operator_ready,
+    policy_check,
     prepare_namespace,
     router_url,
     start_operator,
@@ -67,6 +71,13 @@ def test_the_charts_default_model_deployment_serves_on_cpu(tmp_path, model_store
             for c in p["status"]["containerStatuses"]
         ]
         assert restarts == [0] * len(restarts), lab.describe()
+        # The chart's policy (the operator) and the operator's (router, engines) let through
+        # what runs: the operator and router watch the API, the router follows the engine.
+        connections, dropped = policy_check(lab, "serving")
+        assert not dropped, (dropped, connections)
+        opened = {(c.client.rsplit("-", 2)[0], c.port) for c in connections}  # by Deployment
+        assert {("pf-pagefleet-operator", 6443), ("llama-3-8b-router", 8000)} <= opened
+        assert ("llama-3-8b-router", 5557) in opened, connections
 
 
 def test_every_valid_example_serves_on_cpu(tmp_path, model_store, offline):
@@ -85,7 +96,10 @@ def test_every_valid_example_serves_on_cpu(tmp_path, model_store, offline):
         lab.kube.create(KEDA_CRD)  # the keda example needs KEDA's CRD (not its controller)
         # keda pools need a Prometheus URL; nothing answers there, so builtin pools hold.
         start_operator(
-            lab, "--autoscale-interval", "1", "--prometheus-url", "http://prometheus.invalid:9090"
+            lab,
+            *("--autoscale-interval", "1"),
+            *("--prometheus-url", "http://prometheus.invalid:9090"),
+            *("--allowed-host-paths", "/srv/models"),
         )
         deployments = {name: for_cpu(example(name)) for name in valid}
         for md in deployments.values():
@@ -101,15 +115,22 @@ def test_every_valid_example_serves_on_cpu(tmp_path, model_store, offline):
             wait_serving(lab, meta["namespace"], meta["name"], engines[name], timeout=300)
             url = router_url(lab, meta["namespace"], meta["name"])
             assert_serves_as_offline(lab, url, md["spec"]["model"]["name"], offline)
-        qwen = md_pods(lab, "serving", "qwen")[0]
-        assert qwen["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+        # The weights image's files are copied as the pods' non-root user, the weights into
+        # the engine's volume and the tokenizer's into the router's.
+        for qwen in [*md_pods(lab, "serving", "qwen"), *md_pods(lab, "serving", "qwen", "router")]:
+            (init,) = qwen["status"]["initContainerStatuses"]
+            assert init["state"]["terminated"]["exitCode"] == 0, init
 
 
 def test_disaggregated_prefill_hands_kv_to_decode_between_pod_ips(tmp_path, model_store, offline):
-    """A long prompt is prefilled on the prefill pod and pulled over NIXL by the decode pod from
-    the prefill pod's IP: the decode pod computes at most the uncached tail, the text equals the
-    offline engine's, and the prefill pod lets its held blocks go right after the hand-off."""
-    with open_lab(tmp_path / "lab", claims={"models": str(model_store)}) as lab:
+    """A long prompt is prefilled on the prefill pod and pulled over NIXL (UCX over TCP, as
+    between nodes) by the decode pod from the prefill pod's IP, both holding the fleet secret
+    the operator made: the decode pod computes at most the uncached tail, the text equals the
+    offline engine's, and the prefill pod lets its held blocks go right after the hand-off.
+    Every connection the pods hold then is one their NetworkPolicies allow, UCX's included."""
+    with open_lab(
+        tmp_path / "lab", claims={"models": str(model_store)}, images=images_tcp_only()
+    ) as lab:
         prepare_namespace(lab, "serving")
         start_operator(lab, "--autoscale-interval", "1")
         md = for_cpu(example("disaggregated.yaml"))
@@ -124,6 +145,7 @@ def test_disaggregated_prefill_hands_kv_to_decode_between_pod_ips(tmp_path, mode
             for p in md_pods(lab, "serving", "llama-pd")
         }
         prefill, decode = pods["prefill"], pods["decode"]
+        prefill_name, decode_name = prefill["metadata"]["name"], decode["metadata"]["name"]
         url = router_url(lab, "serving", "llama-pd")
         before = metrics(lab, decode)
         text = complete(lab, url, "llama-3-8b", LONG)
@@ -152,3 +174,12 @@ def test_disaggregated_prefill_hands_kv_to_decode_between_pod_ips(tmp_path, mode
         )
         print(f"prefill blocks released {time.monotonic() - handed_off:.2f} s after the answer")
         assert prefill["status"]["podIP"] != decode["status"]["podIP"]
+        connections, dropped = policy_check(lab, "serving")
+        assert not dropped, (dropped, connections)
+        to_prefill = {
+            c.port for c in connections if (c.client, c.server) == (decode_name, prefill_name)
+        }
+        # The KV-transfer handshake and UCX's own connection, inside the pinned range.
+        assert KV_TRANSFER_PORT in to_prefill, connections
+        assert any(UCX_PORTS[0] <= p <= UCX_PORTS[1] for p in to_prefill), connections
+        assert not [c for c in connections if c.client == prefill_name], connections

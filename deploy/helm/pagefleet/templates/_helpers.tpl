@@ -99,3 +99,37 @@ nulling of the other pools). */}}
 {{- define "pagefleet.containerSecurityContext" -}}
 {{- toYaml .Values.containerSecurityContext -}}
 {{- end -}}
+
+{{/* The operator's pods as a NetworkPolicyPeer (from any namespace's policy). */}}
+{{- define "pagefleet.operator.peer" -}}
+{{- $labels := include "pagefleet.selectorLabels" . | fromYaml -}}
+{{- $_ := set $labels "app.kubernetes.io/component" "operator" -}}
+{{- toJson (dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace)) "podSelector" (dict "matchLabels" $labels)) -}}
+{{- end -}}
+
+{{/* --network-policy-peers: the peers outside a ModelDeployment its NetworkPolicies name. */}}
+{{- define "pagefleet.networkPolicy.peers" -}}
+{{- $np := .Values.networkPolicy -}}
+{{- $peers := dict "operatorFrom" (list (include "pagefleet.operator.peer" . | fromJson)) "metricsFrom" $np.metricsFrom "clientsFrom" $np.clientsFrom "apiServer" $np.apiServer "dns" $np.dns -}}
+{{- toJson $peers -}}
+{{- end -}}
+
+{{/* NetworkPolicy egress rules for DNS and the API server (empty `to`: any address). */}}
+{{- define "pagefleet.networkPolicy.infrastructure" -}}
+{{- $np := .Values.networkPolicy -}}
+- ports:
+    - {port: 53, protocol: TCP}
+    - {port: 53, protocol: UDP}
+  {{- with $np.dns.to }}
+  to:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+- ports:
+    {{- range $np.apiServer.ports }}
+    - {port: {{ . }}, protocol: TCP}
+    {{- end }}
+  {{- with $np.apiServer.to }}
+  to:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end -}}
