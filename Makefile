@@ -3,22 +3,13 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The editable install is a tree of links to the role folders (setuptools' strict mode, needed
-# because operator/ is a namespace folder). Adding or removing a module re-links it.
-SOURCES := $(sort $(wildcard pagefleet/*.py engine/*.py engine/*/*.py router/*.py router/*/*.py \
-             operator/*.py operator/*/*.py proto/*.py))
-SOURCE_LIST := build/.sources
 
-.PHONY: up demo test lint bench clean helm FORCE
+.PHONY: up demo test lint bench clean helm venv
 
-$(SOURCE_LIST): FORCE
-	@mkdir -p build
-	@echo '$(SOURCES)' | cmp -s - $@ || echo '$(SOURCES)' > $@
-
-$(STAMP): pyproject.toml $(SOURCE_LIST)
+$(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]' --config-settings editable_mode=strict
+	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -30,10 +30,10 @@ from functools import partial
 import numpy as np
 import torch
 
+from pagefleet.common.fleet_auth import FleetSecret
 from pagefleet.engine.kv_transfer.layout import CompatRecord, block_regions
 from pagefleet.engine.kv_transfer.nixl_transport import NixlTransport
 from pagefleet.engine.kv_transfer.service import KVTransferClient, KVTransferServer, PeerInfo
-from pagefleet.fleet_auth import FleetSecret
 
 PORT_MARK = "KV-TRANSFER-PORT"
 REQUEST_ID = "bench"

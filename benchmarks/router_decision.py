@@ -20,10 +20,10 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pagefleet.block_hash import hash_blocks
-from pagefleet.cache import demo_checkpoint
-from pagefleet.engine.model.loader import load_tokenizer
-from pagefleet.kv_events import BlockStored
+from pagefleet.common.block_hash import hash_blocks
+from pagefleet.common.kv_events import BlockStored
+from pagefleet.common.tokenizer import load_tokenizer
+from pagefleet.engine.cache import demo_checkpoint
 from pagefleet.router.app import Router, RouterConfig
 from pagefleet.router.pods import PodRegistry
 from pagefleet.router.prefix_index import PrefixIndex

@@ -33,9 +33,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx
 
-from pagefleet.block_hash import hash_blocks
-from pagefleet.cache import demo_checkpoint
-from pagefleet.up import free_port
+from pagefleet.common.block_hash import hash_blocks
+from pagefleet.engine.cache import demo_checkpoint
+from pagefleet.fleet.up import free_port
 
 PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
 BLOCK = 16

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagefleet.up import free_port
+from pagefleet.fleet.up import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

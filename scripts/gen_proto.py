@@ -1,4 +1,4 @@
-"""Regenerate the committed gRPC stubs of proto/*.proto (run after editing a .proto file).
+"""Regenerate the committed gRPC stubs of proto/src/pagefleet/proto/*.proto (after editing one).
 
 protoc derives import paths from the .proto's path below its include root, so each file is
 compiled from a temporary tree laid out as pagefleet/proto/NAME.proto: the stubs then import
@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTO_DIR = ROOT / "proto"
+PROTO_DIR = ROOT / "proto" / "src" / "pagefleet" / "proto"
 
 
 def generate(out_dir: Path, proto_dir: Path = PROTO_DIR) -> list[Path]:

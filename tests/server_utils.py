@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from pagefleet.up import free_port, free_port_pair  # noqa: F401 - shared with tests
+from pagefleet.fleet.up import free_port, free_port_pair  # noqa: F401 - shared with tests
 
 PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
 # The secret a test fleet's router and engines share (passed as the environment variable).
@@ -22,7 +22,7 @@ FLEET_ENV = {"PAGEFLEET_FLEET_SECRET": FLEET_SECRET}
 
 
 def fleet_secret():
-    from pagefleet.fleet_auth import FleetSecret
+    from pagefleet.common.fleet_auth import FleetSecret
 
     return FleetSecret(FLEET_SECRET.encode())
 

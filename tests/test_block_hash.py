@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from pagefleet.block_hash import hash_block, hash_blocks
+from pagefleet.common.block_hash import hash_block, hash_blocks
 
 
 def test_only_full_blocks_are_hashed():
@@ -38,7 +38,7 @@ def test_hash_is_the_same_in_another_process_with_another_hash_seed():
     tokens = list(range(100, 164))
     here = [h.hex() for h in hash_blocks(tokens, 16)]
     code = (
-        "from pagefleet.block_hash import hash_blocks;"
+        "from pagefleet.common.block_hash import hash_blocks;"
         "print(','.join(h.hex() for h in hash_blocks(list(range(100, 164)), 16)))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pagefleet
+from pagefleet.common import __version__
 
 PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
 
@@ -18,7 +18,7 @@ def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 def test_version_and_help():
     out = _run("--version")
-    assert out.returncode == 0 and out.stdout.strip() == f"pagefleet {pagefleet.__version__}"
+    assert out.returncode == 0 and out.stdout.strip() == f"pagefleet {__version__}"
     out = _run("--help")
     assert out.returncode == 0 and "demo" in out.stdout
 

@@ -686,7 +686,7 @@ def test_disaggregated_pools_get_their_own_args_gpus_and_roles(rendered):
 
 
 def test_engine_args_in_every_values_file_are_flags_pagefleet_serve_accepts(rendered):
-    from pagefleet.cli import build_parser
+    from pagefleet.common.cli import build_parser
     from pagefleet.operator.reconcile import engine_flags
 
     parser = build_parser()
@@ -764,7 +764,7 @@ HTTP_VERBS = {"GET": "get", "POST": "create", "PATCH": "patch", "PUT": "update",
 def operator_http_verbs() -> set[str]:
     """RBAC verbs of the requests operator/handlers.py's client makes (read from its source, so
     a new kind of request fails the RBAC test below until the chart grants it)."""
-    source = (ROOT / "operator" / "handlers.py").read_text()
+    source = (ROOT / "operator" / "src" / "pagefleet" / "operator" / "handlers.py").read_text()
     methods = set(re.findall(r'request\(\s*"([A-Z]+)"', source))
     assert methods, "no requests found: has the operator's client moved?"
     return {HTTP_VERBS[m] for m in methods}
@@ -865,7 +865,7 @@ def test_cluster_scope_uses_a_cluster_role_and_watches_every_namespace(rendered)
 
 
 def test_operator_command_is_one_pagefleet_accepts(helm):
-    from pagefleet.cli import build_parser
+    from pagefleet.common.cli import build_parser
 
     docs = template(
         helm,
@@ -896,7 +896,7 @@ def test_operator_command_is_one_pagefleet_accepts(helm):
 
 
 def test_standalone_router_command_config_probes_and_rbac(rendered):
-    from pagefleet.cli import build_parser
+    from pagefleet.common.cli import build_parser
     from pagefleet.router.scoring import Pipeline
 
     docs = rendered["standalone-router"]
@@ -948,7 +948,7 @@ def test_every_pod_runs_non_root_read_only_without_privileges(rendered):
 
 
 def operator_args(docs: list[dict]):
-    from pagefleet.cli import build_parser
+    from pagefleet.common.cli import build_parser
 
     (container,) = one(docs, "Deployment", "operator")["spec"]["template"]["spec"]["containers"]
     return build_parser().parse_args(container["args"])
@@ -1228,8 +1228,6 @@ def test_install_script_is_idempotent_and_offline_once_installed(helm, tmp_path,
 @pytest.mark.parametrize("flavour", ["cpu", "cuda"])
 def test_dockerfiles_match_what_the_chart_and_operator_run(rendered, flavour):
     """The images cannot be built here; what pods assume of them is checked instead."""
-    import tomllib
-
     text = (ROOT / "deploy" / "docker" / f"Dockerfile.{flavour}").read_text()
     assert 'ENTRYPOINT ["pagefleet"]' in text
     user = re.findall(r"^USER (\d+):(\d+)$", text, flags=re.M)
@@ -1252,10 +1250,10 @@ def test_dockerfiles_match_what_the_chart_and_operator_run(rendered, flavour):
         p["containerPort"] for pod in pods for c in pod["containers"] for p in c.get("ports", [])
     }
     assert used and used <= exposed
-    # Every role folder the package maps is copied into the image.
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    for folder in set(pyproject["tool"]["setuptools"]["package-dir"].values()):
-        assert f"COPY {folder} ./{folder}" in text, folder
+    # The engine image installs the engine's distribution and those it stands on, no other.
     ignore = (ROOT / "deploy" / "docker" / f"Dockerfile.{flavour}.dockerignore").read_text()
-    for folder in set(pyproject["tool"]["setuptools"]["package-dir"].values()):
-        assert f"!{folder}/" in ignore
+    installs = re.findall(r"pip install --no-cache-dir (\./.+?) \\$", text, flags=re.M)
+    assert installs == ["./proto ./pagefleet ./engine"]
+    for folder in ("proto", "pagefleet", "engine"):
+        assert f"COPY {folder} ./{folder}" in text and f"!{folder}/" in ignore, folder
+    assert "router" not in ignore and "operator" not in ignore

@@ -8,16 +8,16 @@ import time
 import msgpack
 import pytest
 
-from pagefleet.block_hash import hash_blocks
-from pagefleet.engine import LLM, SamplingParams
-from pagefleet.engine.kv_event_publisher import KVEventsConfig, ZmqEventPublisher
-from pagefleet.kv_events import (
+from pagefleet.common.block_hash import hash_blocks
+from pagefleet.common.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     decode_batch,
     encode_batch,
 )
+from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.kv_event_publisher import KVEventsConfig, ZmqEventPublisher
 from pagefleet.router.kv_subscriber import KVEventSubscriber
 from pagefleet.router.prefix_index import PrefixIndex
 

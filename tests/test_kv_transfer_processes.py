@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_kv_transfer_service import DictHeld, compat_of, make_pool
 
-from pagefleet.engine.kv_transfer.errors import (
+from pagefleet.common.kv_errors import (
     IncompatiblePeer,
     PeerUnavailable,
     TransferError,

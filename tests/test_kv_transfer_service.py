@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from pagefleet.engine.kv_transfer.errors import (
+from pagefleet.common.kv_errors import (
     IncompatiblePeer,
     PeerUnavailable,
     TransferError,

@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pagefleet.cli import main
+from pagefleet.common.cli import main
 from pagefleet.operator.crd import crd, openapi_schema, render_crd
 from pagefleet.operator.reconcile import RenderOptions, desired_objects, engine_flags
 from pagefleet.operator.spec import SpecError, parse_spec
@@ -269,8 +269,8 @@ def expand(command: list[str], env: dict[str, str]) -> list[str]:
 def test_pd_pods_advertise_and_bind_their_own_pod_ip():
     """Catches prefill/decode pods binding and advertising 127.0.0.1 for KV transfer (a decode
     pod then dials its own loopback and every prefill pod holds its blocks for 120 s)."""
+    from pagefleet.common.kv_peer import peer_target
     from pagefleet.engine.kv_transfer.connector import KVTransferConfig
-    from pagefleet.engine.kv_transfer.service import _target
 
     objects = render("disaggregated.yaml")
     for name, role in (("llama-pd-prefill", "kv_producer"), ("llama-pd-decode", "kv_consumer")):
@@ -284,14 +284,14 @@ def test_pd_pods_advertise_and_bind_their_own_pod_ip():
         assert (config.kv_bind_host or config.kv_ip) == "10.42.0.7"
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert config.kv_port == ports["kv-transfer"]
-        assert _target(config.kv_bind_host or config.kv_ip, config.kv_port) == "10.42.0.7:14579"
+        assert peer_target(config.kv_bind_host or config.kv_ip, config.kv_port) == "10.42.0.7:14579"
 
 
 def test_engine_args_override_the_operators_flags_and_merge_into_its_json_configs():
     """Catches the operator's flags coming after engineArgs (argparse keeps the last, so a user
     could not override them) and a user's kv-transfer-config replacing the operator's whole
     JSON (dropping kv_ip, back to 127.0.0.1)."""
-    from pagefleet.cli import build_parser
+    from pagefleet.common.cli import build_parser
 
     md = load_example("disaggregated.yaml")
     md["spec"]["engineArgs"]["host"] = "::"
@@ -350,7 +350,7 @@ def test_an_approximate_index_means_no_kv_events_anywhere():
     """Catches engines publishing KV events (every prompt's block hashes) that no router reads:
     with `router.prefixIndex: approximate` there is no publisher, no event port on the pods,
     their Service or their NetworkPolicy, and the router subscribes to nothing."""
-    from pagefleet.cli import build_parser
+    from pagefleet.common.cli import build_parser
 
     md = load_example("disaggregated.yaml")
     md["spec"]["router"]["prefixIndex"] = "approximate"
@@ -366,7 +366,7 @@ def test_router_lives_on_livez_and_follows_engine_kv_events_with_the_models_toke
     """Catches a router liveness probe on /health (503 while no engine is healthy: restarts
     while engines load) and a router without the precise index (a restarted router could not
     rebuild it by replay) or without the tokenizer that makes its hashes match the engines'."""
-    from pagefleet.cli import build_parser
+    from pagefleet.common.cli import build_parser
 
     objects = render(example)
     deployments = [o for o in objects if o["kind"] == "Deployment"]
@@ -402,7 +402,7 @@ def test_the_routers_copy_from_a_weights_image_is_a_loadable_tokenizer_without_w
     the copy (as `pagefleet router --tokenizer` loads it), and no weights were copied."""
     import subprocess
 
-    from pagefleet.engine.model.loader import load_tokenizer
+    from pagefleet.common.tokenizer import load_tokenizer
 
     objects = render("keda.yaml")
     router = _deployment_named(objects, "qwen-router")
@@ -521,7 +521,7 @@ def test_network_policy_peers_from_the_operators_flag():
 
 
 def test_operator_flags_for_host_paths_and_network_policies():
-    from pagefleet.cli import build_parser
+    from pagefleet.common.cli import build_parser
     from pagefleet.operator.main import allowed_host_paths, network_policy_peers
 
     parser = build_parser()

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pagefleet.common.fleet_auth import FieldSigner
 from pagefleet.engine.llm import LLM
 from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.fleet_auth import FieldSigner
 from pagefleet.router.pd import release_prefill, signed_headers
 from server_utils import (
     FLEET_ENV,

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagefleet.block_hash import hash_blocks
-from pagefleet.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pagefleet.common.block_hash import hash_blocks
+from pagefleet.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from pagefleet.router.prefix_index import PrefixIndex
 from pagefleet.router.scoring import (
     ACTIVE_BLOCK_COST,

@@ -10,9 +10,9 @@ import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagefleet.block_hash import hash_blocks
-from pagefleet.engine.model.loader import load_tokenizer
-from pagefleet.kv_events import BlockStored
+from pagefleet.common.block_hash import hash_blocks
+from pagefleet.common.kv_events import BlockStored
+from pagefleet.common.tokenizer import load_tokenizer
 from pagefleet.router.app import Router, RouterConfig
 from pagefleet.router.pods import PodRegistry
 from pagefleet.router.prefix_index import PrefixIndex

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from pagefleet.engine.kv_transfer.peer_auth import (
+from pagefleet.common.fleet_auth import (
+    FieldSigner,
+    FleetAuthError,
+    FleetSecret,
+    load_fleet_secret,
+)
+from pagefleet.common.peer_auth import (
     CHALLENGE_TTL_S,
     MAX_SESSIONS,
     SESSION_IDLE_S,
     ClientHandshake,
     PeerAuthenticator,
-)
-from pagefleet.fleet_auth import (
-    FieldSigner,
-    FleetAuthError,
-    FleetSecret,
-    load_fleet_secret,
 )
 
 SECRET = FleetSecret(b"unit-test-fleet-secret-0123456789")

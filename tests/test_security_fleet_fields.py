@@ -18,11 +18,11 @@ import httpx
 import pytest
 import torch
 
+from pagefleet.common.fleet_auth import FieldSigner, FleetSecret
 from pagefleet.engine.kv_transfer.layout import CompatRecord
 from pagefleet.engine.kv_transfer.service import KVTransferServer
 from pagefleet.engine.llm import LLM
 from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.fleet_auth import FieldSigner, FleetSecret
 from pagefleet.router.pd import signed_headers
 from server_utils import (
     FLEET_ENV,

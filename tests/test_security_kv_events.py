@@ -12,9 +12,9 @@ import time
 import httpx
 import zmq
 
-from pagefleet.engine.model.loader import load_tokenizer
-from pagefleet.fleet_auth import FleetSecret, curve_keys
-from pagefleet.kv_events import BlockStored, decode_batch
+from pagefleet.common.fleet_auth import FleetSecret, curve_keys
+from pagefleet.common.kv_events import BlockStored, decode_batch
+from pagefleet.common.tokenizer import load_tokenizer
 from server_utils import free_port_pair, running_server
 
 SECRET = "security-test-fleet-secret-0123456789"

@@ -16,8 +16,9 @@ import torch
 from test_kv_transfer_processes import PAIRS, add_peer, assert_pulled, client_of, peer_process
 from test_kv_transfer_service import compat_of, make_pool
 
+from pagefleet.common.fleet_auth import FleetSecret
+from pagefleet.common.kv_errors import AuthenticationFailed, UnknownRequest
 from pagefleet.engine.kv_transfer.connector import KVConnector, KVTransferConfig, RemoteSource
-from pagefleet.engine.kv_transfer.errors import AuthenticationFailed, UnknownRequest
 from pagefleet.engine.kv_transfer.nixl_transport import NixlTransport
 from pagefleet.engine.kv_transfer.service import (
     KVTransferClient,
@@ -25,7 +26,6 @@ from pagefleet.engine.kv_transfer.service import (
     compat_to_proto,
     pool_info_from_proto,
 )
-from pagefleet.fleet_auth import FleetSecret
 from pagefleet.proto import kv_transfer_pb2 as pb
 from pagefleet.proto import kv_transfer_pb2_grpc as pb_grpc
 from server_utils import fleet_secret

@@ -8,10 +8,10 @@ import time
 import httpx
 import pytest
 
+from pagefleet.common.kv_events import BlockStored
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.scheduler import SchedulerOutput
 from pagefleet.engine.simulated import FIRST_FILLER_TOKEN, SimulatedRunner, SimulationProfile
-from pagefleet.kv_events import BlockStored
 from server_utils import metric_value, running_server
 
 FAST = SimulationProfile(speedup=1000.0)

@@ -18,7 +18,7 @@ import torch
 import triton_interpret_cases as cases
 
 from hf_reference import assert_greedy_equal
-from pagefleet.cli import build_parser
+from pagefleet.common.cli import build_parser
 from pagefleet.engine.attention.backend import PagedBatch, select_backend
 from pagefleet.engine.attention.triton_backend import work_list
 from pagefleet.engine.attention.triton_kernels import choose_num_splits, tile_config

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from pagefleet.cli import build_parser
-from pagefleet.fleet_auth import load_fleet_secret
-from pagefleet.up import FleetOptions, plan_fleet, write_fleet_secret
+from pagefleet.common.cli import build_parser
+from pagefleet.common.fleet_auth import load_fleet_secret
+from pagefleet.fleet.up import FleetOptions, plan_fleet, write_fleet_secret
 
 
 def plan(**kw):

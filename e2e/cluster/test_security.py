@@ -14,10 +14,10 @@ import httpx
 import pytest
 import yaml
 
-from pagefleet.engine.kv_transfer.errors import AuthenticationFailed
+from pagefleet.common.fleet_auth import FleetSecret
+from pagefleet.common.kv_errors import AuthenticationFailed
 from pagefleet.engine.kv_transfer.layout import CompatRecord
 from pagefleet.engine.kv_transfer.service import KVTransferClient
-from pagefleet.fleet_auth import FleetSecret
 from pagefleet.operator.reconcile import KV_TRANSFER_PORT, RenderOptions, desired_objects
 from pagefleet.proto import kv_transfer_pb2 as pb
 from pagefleet.proto import kv_transfer_pb2_grpc as pb_grpc

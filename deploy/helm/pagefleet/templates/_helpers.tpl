@@ -56,7 +56,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{/* The namespaces the operator watches when scope is "namespace" (a YAML list). */}}
-{{- define "pagefleet.operator.namespaces" -}}
+{{- define "pagefleet.common.namespaces" -}}
 {{- toYaml (default (list .Release.Namespace) .Values.operator.watchNamespaces | uniq) -}}
 {{- end -}}
 

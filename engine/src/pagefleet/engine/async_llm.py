@@ -1,0 +1,265 @@
+"""AsyncLLM: the engine on its own thread, driven from asyncio.
+
+The forward pass blocks, so it runs on a dedicated thread that owns the `LLMEngine`; the event
+loop only queues commands (add, abort) and receives outputs. HTTP handling therefore never
+stalls a step, and a step never stalls HTTP. An abort (or a cancelled consumer) takes effect at
+the next step boundary, where the request's blocks are freed.
+
+Outputs are cumulative, so each request keeps only its newest undelivered one: a consumer that
+stops reading costs one output, not one per step. One that leaves output unread for longer
+than `client_stall_timeout` has its request aborted (its blocks freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from pagefleet.common.fleet_auth import FleetSecret
+from pagefleet.common.kv_events import KVEventListener
+from pagefleet.engine.config import EngineArgs
+from pagefleet.engine.llm_engine import LLMEngine
+from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagefleet.engine")
+_STOP = object()
+_TICK = ("tick",)  # wakes the loop for KV-transfer work
+
+
+class _Slot:
+    """One request's undelivered output, on the consumer's event loop. The newest output
+    replaces an unread one (outputs are cumulative); a failure is never replaced. Output left
+    unread for longer than `stall_timeout` calls `on_stall` once."""
+
+    def __init__(self, on_stall: Callable[[], None], stall_timeout: float | None) -> None:
+        self.item: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+        self.on_stall, self.stall_timeout = on_stall, stall_timeout
+        self.unread_since: float | None = None
+        self.stalled = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(self.item, BaseException):
+            return
+        now = time.monotonic()
+        if self.item is None:
+            self.unread_since = now
+        elif self._stalled(now) and not getattr(item, "finished", True):
+            self.stalled = True
+            self.on_stall()
+        self.item = item
+        self.ready.set()
+
+    def _stalled(self, now: float) -> bool:
+        return (
+            not self.stalled
+            and self.stall_timeout is not None
+            and now - self.unread_since > self.stall_timeout
+        )
+
+    async def take(self) -> RequestOutput | BaseException:
+        await self.ready.wait()
+        item, self.item, self.unread_since = self.item, None, None
+        self.ready.clear()
+        return item
+
+
+class RequestStream:
+    """Async iterator over one request's outputs. Its registration is released when it ends,
+    when it is closed, or when it is garbage-collected unread (a finalizer), so a client that
+    vanished before reading never leaks a request."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str, slot: _Slot) -> None:
+        self.request_id = request_id
+        self._slot = slot
+        self._state = {"finished": False}
+        self._release = weakref.finalize(self, _release, weakref.ref(llm), request_id, self._state)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._release.alive:
+            raise StopAsyncIteration
+        try:
+            item = await self._slot.take()
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            self._release()
+            raise
+        if isinstance(item, BaseException):
+            self._state["finished"] = True  # it never started in the engine
+            self._release()
+            raise item
+        if item.finished:
+            self._state["finished"] = True
+            self._release()
+        return item
+
+    async def aclose(self) -> None:
+        self._release()
+
+
+def _release(llm_ref, request_id: str, state: dict) -> None:
+    llm = llm_ref()
+    if llm is not None:
+        llm._release(request_id, state["finished"])
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine, client_stall_timeout: float | None = None) -> None:
+        self.engine = engine
+        self.client_stall_timeout = client_stall_timeout
+        self.stall_observers: list[Callable[[], None]] = []  # on the loop, per stalled abort
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # request id -> (consumer's loop, its slot, sequences: n)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Slot, int]] = {}
+        # Re-entrant: a RequestStream's finalizer (garbage collection can run it at any
+        # allocation, on whichever thread holds this lock) releases its stream under it.
+        self._lock = threading.RLock()
+        self._thread = threading.Thread(target=self._run, name="pagefleet-engine", daemon=True)
+        self._error: BaseException | None = None
+        # The server tokenizes on the event loop while the engine thread detokenizes: HF fast
+        # tokenizers are not safe to share across threads, so each side has its own.
+        from pagefleet.common.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(engine.args.model)
+        if engine.connector is not None:  # a finished pull or a release wakes an idle loop
+            engine.connector.wake = lambda: self._commands.put(_TICK)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(
+        cls,
+        args: EngineArgs,
+        kv_event_listener: KVEventListener | None = None,
+        fleet_secret: FleetSecret | None = None,
+        client_stall_timeout: float | None = None,
+    ) -> AsyncLLM:
+        return cls(LLMEngine(args, kv_event_listener, fleet_secret), client_stall_timeout)
+
+    # ------------------------------------------------------------------ asyncio side
+
+    def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> RequestStream:
+        """Submit now (synchronously: the request counts as unfinished from this call on) and
+        return its stream: the cumulative output after every step that advances it. Closing
+        the stream early, or dropping it unread, aborts the request."""
+        if self._error is not None:
+            raise RuntimeError("the engine loop has died") from self._error
+        if not self._thread.is_alive():
+            raise RuntimeError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        slot = _Slot(lambda: self._abort_stalled(request_id), self.client_stall_timeout)
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._streams[request_id] = (loop, slot, params.n)
+        self._commands.put(("add", request_id, prompt, params))
+        return RequestStream(self, request_id, slot)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests submitted and not yet finished or released."""
+        return len(self._streams)
+
+    @property
+    def num_unfinished_sequences(self) -> int:
+        """Their sequences (n of each): what admission control counts."""
+        with self._lock:
+            return sum(n for _, _, n in self._streams.values())
+
+    def _abort_stalled(self, request_id: str) -> None:
+        logger.warning(
+            "request %s: its client left output unread for %.0f s; aborting it",
+            request_id,
+            self.client_stall_timeout,
+        )
+        self.abort(request_id)
+        for observer in self.stall_observers:
+            observer()
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        if not finished:
+            self.abort(request_id)
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine to drop the request at the next step; safe from any thread."""
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._commands.put(_STOP)
+        self._thread.join(timeout)
+        self.engine.close()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                # Held blocks expire by time: an idle loop still wakes now and then.
+                if not self._drain(block, 0.25 if self.engine.holds_blocks else None):
+                    return
+                for output in self.engine.step():
+                    self._deliver(output.request_id, output)
+        except BaseException as e:  # deliver the failure to every waiting consumer
+            self._error = e
+            with self._lock:
+                streams = list(self._streams)
+            for request_id in streams:
+                self._deliver(request_id, RuntimeError(f"engine loop failed: {e!r}"))
+            raise
+
+    def _drain(self, block: bool, timeout: float | None = None) -> bool:
+        """Apply queued commands (waiting for one if idle); False when asked to stop."""
+        try:
+            command = self._commands.get(block=block, timeout=timeout if block else None)
+        except queue.Empty:
+            return True
+        while True:
+            if command is _STOP:
+                return False
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, command: tuple[Any, ...]) -> None:
+        if command is _TICK:
+            return  # the step that follows does the work
+        if command[0] == "abort":
+            output = self.engine.abort_request(command[1])
+            if output is not None:  # a consumer still reading gets the final, aborted output
+                self._deliver(command[1], output)
+            return
+        _, request_id, prompt, params = command
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except Exception as e:  # a bad request fails alone, never the engine loop
+            error = e if isinstance(e, ValueError) else ValueError(f"invalid request: {e!r}")
+            self._deliver(request_id, error)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, slot, _ = target
+            # A closed consumer loop raises RuntimeError: nobody is left to tell.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(slot.put, item)

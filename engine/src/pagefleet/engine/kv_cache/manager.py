@@ -1,0 +1,146 @@
+"""KV-cache manager: per-request block tables over the block pool, with automatic prefix caching.
+
+The scheduler calls it; it never calls the scheduler. All-or-nothing allocation means a step
+that cannot get its blocks changes nothing, so the scheduler can preempt and retry.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagefleet.common.kv_events import KVEventListener
+from pagefleet.engine.kv_cache.block_pool import Block, BlockPool
+
+if TYPE_CHECKING:  # request.py imports the kv_cache package for Block
+    from pagefleet.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        listener: KVEventListener | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, listener)
+        # Prefix-cache accounting in tokens, as vLLM's prefix_cache_queries/hits counters.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live requests (0..1); cached-but-free blocks don't count."""
+        return self.pool.usage()
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks still holding reusable prefixes (evicted only when space is needed)."""
+        return self.pool.num_cached_free
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def find_cached_prefix(self, request: Request) -> list[Block]:
+        """The longest run of the request's leading full blocks found in the cache."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
+        cached = self.pool.cached
+        hits: list[Block] = []
+        for block_hash in request.block_hashes:
+            block = cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def num_computed_after_hit(self, request: Request, hits: list[Block]) -> int:
+        """Tokens a hit saves. A full hit still computes the last token, for its logits only."""
+        return min(len(hits) * self.block_size, request.num_tokens - 1)
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, hits: list[Block] | None = None
+    ) -> bool:
+        """Make room for `num_new_tokens` more tokens; all or nothing.
+
+        `hits` (from find_cached_prefix) is given once, when a request without blocks is
+        admitted; the request then starts with those blocks computed.
+        """
+        bs = self.block_size
+        table = request.block_table
+        if not hits:
+            # The common decode case: the current last block has room.
+            num_needed = request.num_computed_tokens + num_new_tokens
+            if num_needed <= len(table) * bs:
+                return True
+            num_new_blocks = (num_needed + bs - 1) // bs - len(table)
+            if num_new_blocks > self.pool.free_queue.num_free:
+                return False
+            new_blocks = self.pool.allocate(num_new_blocks)
+            table.extend(new_blocks)
+            request.block_ids.extend(b.block_id for b in new_blocks)
+            if hits is not None:  # admission without a hit still counts as a query
+                self._count_query(request, 0)
+            return True
+
+        assert not table, "prefix hits are only taken by a request without blocks"
+        num_computed = self.num_computed_after_hit(request, hits)
+        num_new_blocks = (num_computed + num_new_tokens + bs - 1) // bs - len(hits)
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.free_queue.num_free - num_revived:
+            return False
+        self.pool.touch(hits)
+        new_blocks = self.pool.allocate(max(num_new_blocks, 0))
+        table.extend(hits)
+        table.extend(new_blocks)
+        request.block_ids.extend(b.block_id for b in table)
+        request.num_cached_blocks = len(hits)
+        request.num_cached_tokens = len(hits) * bs
+        request.num_computed_tokens = num_computed
+        self._count_query(request, request.num_cached_tokens)
+        return True
+
+    def _count_query(self, request: Request, num_hit_tokens: int) -> None:
+        # Counted once per request: a resumption after preemption re-finds its own blocks,
+        # which says nothing about how well prompts share a cache.
+        if self.enable_prefix_caching and request.num_preemptions == 0:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's newly full, computed blocks for reuse by later requests."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = request.num_computed_tokens // bs
+        start = request.num_cached_blocks
+        if num_full <= start:
+            return
+        hashes = request.block_hashes
+        self.pool.cache_blocks(
+            request.block_table[start:num_full],
+            hashes[start:num_full],
+            hashes[start - 1] if start else None,
+            request.all_token_ids[start * bs : num_full * bs],
+            bs,
+        )
+        request.num_cached_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (tail first); cached ones stay reusable until evicted."""
+        self.pool.free(request.block_table)
+        request.block_table.clear()
+        request.block_ids.clear()
+        request.num_cached_blocks = 0
+        request.num_cached_tokens = 0
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached hash (emits AllBlocksCleared); returns how many were dropped."""
+        return self.pool.reset_prefix_cache()

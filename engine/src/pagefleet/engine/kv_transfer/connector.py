@@ -1,0 +1,405 @@
+"""The engine's side of disaggregation: hold blocks for decode pods, pull blocks from prefill pods.
+
+The engine thread calls `hold`, `start_load`, `finished_loads` and `due_releases`; gRPC threads
+call `blocks_of` and `release` (the `HeldBlocks` the transfer service serves); each pull runs on
+a worker thread (handshake, NIXL READ or TCP stream, release of the prefill side), so a
+transfer never stalls a step. Every pull ends in exactly one `LoadResult`, success or not: the
+engine then either continues from the pulled blocks or computes the prompt itself.
+
+A hold is a grant: 128 random bits (never derived from the client's request id), bound to the
+first engine that reads it, void after the hold timeout. Peers authenticate with the fleet
+secret both ways before any byte moves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from pagefleet.common.fleet_auth import FleetSecret
+from pagefleet.common.kv_errors import TransferError, TransferTimeout
+from pagefleet.engine.kv_transfer.layout import CompatRecord, geometry_of
+from pagefleet.engine.kv_transfer.service import (
+    KVTransferClient,
+    KVTransferServer,
+    PeerInfo,
+    chunk_message_limit,
+)
+
+logger = logging.getLogger("pagefleet.engine")
+CONNECTORS = ("nixl", "tcp")
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+DEFAULT_KV_PORT = 14579
+GRANT_BYTES = 16  # 128 bits
+# How long a worker keeps asking NIXL to cancel a READ before it gives up on those blocks.
+RELEASE_GIVE_UP_S = 10.0
+
+
+class ReadNotReleased(TransferError):
+    """NIXL could not cancel a READ: the local blocks may still be written and must never be
+    reused (the request is aborted, the blocks are quarantined)."""
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """`--kv-transfer-config`, in vLLM's JSON shape (plus pagefleet's port and timeouts)."""
+
+    kv_connector: str = "nixl"
+    kv_role: str = "kv_both"
+    kv_ip: str = "127.0.0.1"  # where peers reach this engine's transfer service
+    kv_port: int = DEFAULT_KV_PORT  # 0: any free port (tests)
+    kv_bind_host: str | None = None  # default: kv_ip
+    hold_timeout: float = 120.0  # --kv-hold-timeout: seconds a prefill pod keeps blocks
+    transfer_timeout: float = 30.0  # seconds a decode pod waits for one pull
+
+    @classmethod
+    def parse(cls, text: str, **overrides) -> KVTransferConfig:
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--kv-transfer-config is not JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--kv-transfer-config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(raw) - known - {"kv_connector_extra_config"})
+        if unknown:
+            raise ValueError(
+                f"--kv-transfer-config: unknown keys {unknown}; known: {sorted(known)}"
+            )
+        config = cls(**{k: v for k, v in raw.items() if k in known}, **overrides)
+        if config.kv_connector not in CONNECTORS:
+            raise ValueError(f"kv_connector {config.kv_connector!r}: one of {list(CONNECTORS)}")
+        if config.kv_role not in ROLES:
+            raise ValueError(f"kv_role {config.kv_role!r}: one of {list(ROLES)}")
+        return config
+
+    @property
+    def produces(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class RemoteSource:
+    """Where a decode-side request's prompt blocks are: a prefill pod's `kv_transfer_params`."""
+
+    engine_id: str
+    host: str
+    port: int
+    block_ids: tuple[int, ...]
+    request_id: str
+
+    @classmethod
+    def from_params(cls, params: dict) -> RemoteSource:
+        try:
+            return cls(
+                engine_id=str(params["remote_engine_id"]),
+                host=str(params["remote_host"]),
+                port=int(params["remote_port"]),
+                block_ids=tuple(int(b) for b in params["remote_block_ids"]),
+                request_id=str(params["remote_request_id"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(
+                "kv_transfer_params with do_remote_prefill needs remote_engine_id, remote_host, "
+                f"remote_port, remote_block_ids and remote_request_id ({e!r})"
+            ) from None
+
+
+@dataclass
+class LoadResult:
+    request_id: str
+    ok: bool
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    quarantined: bool = False  # its blocks may still be written: never reuse them
+
+
+@dataclass
+class _Hold:
+    """Blocks kept for a decode pod under one grant."""
+
+    request_id: str
+    block_ids: list[int]
+    deadline: float  # monotonic
+    reader: str | None = None  # the engine that read it first; only it may read again
+
+
+@dataclass
+class TransferStats:
+    """Totals for the pagefleet:kv_transfer_* metrics."""
+
+    bytes: int = 0
+    transfers: int = 0
+    failures: int = 0
+    fallbacks: int = 0
+
+
+class KVConnector:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        pool: torch.Tensor,
+        compat: CompatRecord,
+        engine_id: str,
+        secret: FleetSecret,
+    ) -> None:
+        self.config, self.pool, self.compat, self.engine_id = config, pool, compat, engine_id
+        self.secret = secret
+        self.stats = TransferStats()
+        self.wake: Callable[[], None] = lambda: None  # the engine loop's doorbell
+        self.release_give_up_s = RELEASE_GIVE_UP_S
+        self._message_limit = chunk_message_limit(geometry_of(pool))
+        self._held: dict[str, _Hold] = {}  # grant -> hold
+        self._held_lock = threading.Lock()
+        self._releases: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
+        self._result_ready = threading.Event()
+        self._peers: dict[tuple[str, int], tuple[KVTransferClient, PeerInfo, object]] = {}
+        self._peers_lock = threading.Lock()
+        self._workers = ThreadPoolExecutor(8, thread_name_prefix="kv-pull")
+        self.nixl = None
+        if config.kv_connector == "nixl":
+            from pagefleet.engine.kv_transfer.nixl_transport import NixlTransport
+
+            self.nixl = NixlTransport(pool, f"pagefleet-{engine_id}")
+        self.server = None
+        self.port = 0
+        if config.produces:
+            self.server = KVTransferServer(
+                self,
+                pool,
+                compat,
+                engine_id,
+                secret=secret,
+                host=config.kv_bind_host or config.kv_ip,
+                port=config.kv_port,
+                advertised_host=config.kv_ip,
+                nixl_agent_name=self.nixl.agent_name if self.nixl else "",
+                nixl_metadata=self.nixl.metadata() if self.nixl else b"",
+            )
+            self.port = self.server.start()
+
+    # ------------------------------------------------------------------ prefill side
+
+    def hold(self, request_id: str, block_ids: Sequence[int], now: float) -> dict:
+        """Keep a finished prefill's blocks for a decode pod under a fresh grant; returns the
+        request's kv_transfer_params (`remote_request_id` is the grant)."""
+        grant = secrets.token_urlsafe(GRANT_BYTES)
+        with self._held_lock:
+            self._held[grant] = _Hold(request_id, list(block_ids), now + self.config.hold_timeout)
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.config.kv_ip,
+            "remote_port": self.port,
+            "remote_block_ids": list(block_ids),
+            "remote_request_id": grant,
+        }
+
+    def blocks_of(self, transfer_id: str, reader: str) -> list[int] | None:
+        """From a gRPC thread: the grant's blocks for this reader (binding it on first use)."""
+        with self._held_lock:
+            hold = self._held.get(transfer_id)
+            if hold is None or hold.deadline <= time.monotonic():
+                return None
+            if hold.reader is None:
+                hold.reader = reader
+            return hold.block_ids if hold.reader == reader else None
+
+    def release(self, transfer_id: str, reader: str) -> bool:
+        """From a gRPC thread: the engine thread frees the blocks at its next step. The reader
+        that bound the grant, or a releaser (a router whose decode never came), may free it."""
+        with self._held_lock:
+            hold = self._held.get(transfer_id)
+            allowed = hold is not None and (
+                hold.reader in (None, reader) or reader.startswith("releaser/")
+            )
+        if allowed:
+            self._releases.put(transfer_id)
+            self.wake()
+        return allowed
+
+    def due_releases(self, now: float) -> list[str]:
+        """Request ids whose held blocks to free now: released by their reader, or past their
+        hold timeout."""
+        with self._held_lock:
+            due = [grant for grant, hold in self._held.items() if hold.deadline <= now]
+            while True:
+                try:
+                    due.append(self._releases.get_nowait())
+                except queue.Empty:
+                    break
+            done = [self._held.pop(grant, None) for grant in due]
+        return [hold.request_id for hold in done if hold is not None]
+
+    # ------------------------------------------------------------------ decode side
+
+    def start_load(
+        self, request_id: str, source: RemoteSource, local_block_ids: Sequence[int], first: int
+    ) -> None:
+        """Pull the source's blocks [first, len(local_block_ids)) into ours, on a worker."""
+        n = len(local_block_ids)
+        if len(source.block_ids) < n:
+            error = f"prefill pod sent {len(source.block_ids)} block ids, the prompt needs {n}"
+            self._finish(LoadResult(request_id, False, error=error))
+            self._workers.submit(self._release_remote, source)
+            return
+        pairs = [(source.block_ids[i], local_block_ids[i]) for i in range(first, n)]
+        self._workers.submit(self._load, request_id, source, pairs)
+
+    def finished_loads(self) -> list[LoadResult]:
+        self._result_ready.clear()  # before draining: a result landing now sets it again
+        done = []
+        while True:
+            try:
+                done.append(self._results.get_nowait())
+            except queue.Empty:
+                return done
+
+    def wait_for_results(self, timeout: float) -> None:
+        """Sleep until a pull ends (or `timeout`): the engine has nothing else to do."""
+        self._result_ready.wait(timeout)
+
+    def _load(self, request_id: str, source: RemoteSource, pairs: list[tuple[int, int]]) -> None:
+        started = time.monotonic()
+        result = LoadResult(request_id, False)
+        try:
+            if pairs:
+                result.num_bytes = self._pull(source, pairs)
+            result.ok = True
+        except ReadNotReleased as e:
+            result.error, result.quarantined = str(e), True
+            self._forget_peer(source)
+            logger.error("KV pull for %s: %s; its blocks are quarantined", request_id, e)
+        except TransferError as e:
+            result.error = str(e)
+            self._forget_peer(source)
+            logger.warning("KV pull for %s failed, computing locally: %s", request_id, e)
+        except Exception as e:  # never leave a request waiting for a result that won't come
+            result.error = f"unexpected: {e!r}"
+            self._forget_peer(source)
+            logger.exception("KV pull for %s failed", request_id)
+        finally:
+            result.seconds = time.monotonic() - started
+            self._release_remote(source)
+            self._finish(result)
+
+    def _finish(self, result: LoadResult) -> None:
+        self._results.put(result)
+        self._result_ready.set()
+        self.wake()
+
+    def _pull(self, source: RemoteSource, pairs: list[tuple[int, int]]) -> int:
+        client, peer, nixl_peer = self._peer(source)
+        timeout = self.config.transfer_timeout
+        if self.nixl is None or nixl_peer is None:
+            return client.read_blocks_tcp(source.request_id, pairs, self.pool, timeout=timeout)
+        handle = self.nixl.start_read(nixl_peer, pairs)
+        deadline = time.monotonic() + timeout
+        try:
+            while (state := self.nixl.poll(handle)) == "pending":
+                if time.monotonic() > deadline:
+                    raise TransferTimeout(f"NIXL READ from {peer.engine_id} timed out")
+                time.sleep(0.0002)
+            if state == "failed":
+                raise TransferError(f"NIXL READ from {peer.engine_id} failed")
+            # Held blocks are never reused, and a hold never comes back once released: if the
+            # peer still holds the request now, what we read was its KV all along. (Re-reading
+            # one block over the control channel checks that; it raises if not held.)
+            client.read_blocks_tcp(source.request_id, pairs[:1], self.pool, timeout=timeout)
+            return handle.num_bytes
+        finally:
+            self._release_read(handle)
+
+    def _release_read(self, handle) -> None:
+        """Free a READ, retrying while NIXL cannot cancel it (our blocks may still be written,
+        so the request must not move on); raises ReadNotReleased after `release_give_up_s`."""
+        give_up = time.monotonic() + self.release_give_up_s
+        while not self.nixl.release(handle):
+            if time.monotonic() > give_up:
+                raise ReadNotReleased(
+                    f"NIXL could not cancel a READ from {handle.peer.agent_name} "
+                    f"in {self.release_give_up_s:.0f} s"
+                )
+            time.sleep(0.01)
+
+    def _peer(self, source: RemoteSource):
+        key = (source.host, source.port)
+        with self._peers_lock:
+            known = self._peers.get(key)
+        if known is not None and known[1].engine_id == source.engine_id:
+            return known
+        if known is not None:  # the pod restarted under the same address
+            self._forget_peer(source)
+        client = KVTransferClient(
+            source.host,
+            source.port,
+            timeout=self.config.transfer_timeout,
+            secret=self.secret,
+            max_message_bytes=self._message_limit,
+        )
+        try:
+            peer = client.handshake(self.compat, self.engine_id, source.engine_id)
+            nixl_peer = None
+            if self.nixl is not None and peer.nixl_agent_name:
+                nixl_peer = self.nixl.add_peer(
+                    peer.nixl_metadata, peer.pool, peer.compat, agent_name=peer.nixl_agent_name
+                )
+        except BaseException:
+            client.close()
+            raise
+        with self._peers_lock:
+            self._peers[key] = (client, peer, nixl_peer)
+        return client, peer, nixl_peer
+
+    def _forget_peer(self, source: RemoteSource) -> None:
+        with self._peers_lock:
+            known = self._peers.pop((source.host, source.port), None)
+        if known is not None:
+            client, _, nixl_peer = known
+            client.close()
+            if nixl_peer is not None and self.nixl is not None:
+                self.nixl.remove_peer(nixl_peer)
+
+    def _release_remote(self, source: RemoteSource) -> None:
+        """Tell the prefill pod to free its blocks; if it can't hear us, its timeout will."""
+        with self._peers_lock:
+            known = self._peers.get((source.host, source.port))
+        try:
+            if known is not None:  # the channel of the handshake: no new connection
+                known[0].release(source.request_id)
+                return
+            # Our handshake failed (an incompatible peer): release under a releaser session.
+            with KVTransferClient(
+                source.host, source.port, timeout=2.0, secret=self.secret
+            ) as client:
+                client.authenticate_to_release(self.engine_id, source.engine_id)
+                client.release(source.request_id)
+        except TransferError as e:
+            logger.info("release of a grant on %s failed: %s", source.host, e)
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=True, cancel_futures=False)
+        if self.server is not None:
+            self.server.stop(grace=0.5)
+        with self._peers_lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for client, _, _ in peers:
+            client.close()
+        if self.nixl is not None:
+            self.nixl.close()

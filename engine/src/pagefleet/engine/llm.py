@@ -1,0 +1,117 @@
+"""The offline API vLLM users know: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pagefleet.common.kv_events import KVEventListener
+from pagefleet.engine.config import EngineArgs
+from pagefleet.engine.llm_engine import LLMEngine
+from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(
+        self, model: str, kv_event_listener: KVEventListener | None = None, **engine_args: Any
+    ) -> None:
+        self.engine = LLMEngine(EngineArgs(model=str(model), **engine_args), kv_event_listener)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        batch = _as_batch(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(batch)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(batch):
+                raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(batch, params, strict=True):
+                ids.append(self.engine.add_request(None, _unwrap(prompt), sp))
+        except Exception:
+            for rid in ids:  # all or nothing: drop what this call queued
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.engine.tokenizer
+        prompts = [
+            _token_ids(
+                tokenizer.apply_chat_template(
+                    conv,
+                    tokenize=True,
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template=chat_template,
+                )
+            )
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        done[output.request_id] = output
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[rid] for rid in request_ids]
+
+
+def _as_batch(prompts) -> list[Prompt]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _unwrap(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        return prompt["prompt"]
+    return prompt
+
+
+def _token_ids(encoded) -> list[int]:
+    """apply_chat_template returns a list, or a BatchEncoding in newer transformers."""
+    if isinstance(encoded, list):
+        return encoded
+    return list(encoded["input_ids"])

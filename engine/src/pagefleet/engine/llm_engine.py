@@ -1,0 +1,563 @@
+"""The engine core: scheduler + model runner + sampler + detokeniser, one `step()` at a time.
+
+`LLM` (offline) and `AsyncLLM` (the server's engine) are thin loops around it. A user request
+with `n > 1` becomes n sequences; the siblings are admitted once the first has computed the
+prompt, so they take its blocks from the prefix cache instead of computing them again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pagefleet.common.fleet_auth import FleetSecret, load_fleet_secret
+from pagefleet.common.kv_events import KVEventListener
+from pagefleet.common.tokenizer import load_tokenizer
+from pagefleet.engine.attention.backend import select_backend
+from pagefleet.engine.config import CacheConfig, EngineArgs, SchedulerConfig
+from pagefleet.engine.detokenizer import Detokenizer
+from pagefleet.engine.model.loader import load_model, read_config, resolve_dtype
+from pagefleet.engine.model.transformer import ModelConfig
+from pagefleet.engine.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprobs,
+)
+from pagefleet.engine.request import Request, RequestStatus
+from pagefleet.engine.runner import ModelRunner, kv_bytes_per_block
+from pagefleet.engine.sampler import Sampler
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.scheduler import Scheduler, SchedulerOutput
+from pagefleet.engine.simulated import SimulatedRunner
+
+logger = logging.getLogger("pagefleet.engine")
+GiB = 1 << 30
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
+@dataclass
+class _Sequence:
+    """One of a request's n samples: its scheduler request and what the user will see."""
+
+    index: int
+    request: Request
+    detok: Detokenizer | None
+    logprobs: list[TokenLogprobs] | None
+    cumulative_logprob: float | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class StepStats:
+    """What one step did, for throughput metrics."""
+
+    num_prompt_tokens: int  # prompt tokens computed (cache hits excluded)
+    num_generation_tokens: int  # tokens sampled
+    num_preempted: int
+
+
+@dataclass
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    sequences: list[_Sequence] = field(default_factory=list)
+    pending: list[_Sequence] = field(default_factory=list)  # siblings waiting for the prompt
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens the first sample found cached
+    kv_transfer_params: dict | None = None  # set when a prefill engine holds the blocks
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending and all(s.request.status.finished for s in self.sequences)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        args: EngineArgs,
+        kv_event_listener: KVEventListener | None = None,
+        fleet_secret: FleetSecret | None = None,
+    ):
+        """`fleet_secret` (default: $PAGEFLEET_FLEET_SECRET[_FILE]) authenticates KV-transfer
+        peers; an engine with --kv-transfer-config needs one."""
+        self.args = args
+        self.device = _resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        hf_config = read_config(args.model)
+        self.tokenizer = load_tokenizer(args.model)
+        max_positions = hf_config.get("max_position_embeddings", 4096)
+        self.max_model_len = args.max_model_len or max_positions
+        if self.max_model_len > max_positions:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is more than the model's "
+                f"max_position_embeddings={max_positions} (--max-model-len)"
+            )
+        window = self._sliding_window(hf_config)
+        if window is not None and self.max_model_len > window:
+            raise ValueError(
+                f"the model uses sliding-window attention ({window} tokens), which pagefleet "
+                f"does not implement; set --max-model-len {window} or less"
+            )
+        if args.simulate is not None:
+            self.model_config = ModelConfig.from_hf(hf_config)
+            num_blocks = args.num_gpu_blocks_override or args.simulate.num_gpu_blocks
+            self._log_kv_size(num_blocks, None)
+            runner = SimulatedRunner(args.simulate, self.model_config.vocab_size)
+        else:
+            runner, num_blocks = self._load_model_runner()
+        self.runner = runner
+        self.scheduler = Scheduler.create(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                max_num_partial_prefills=args.max_num_partial_prefills,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+            ),
+            CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
+            kv_event_listener,
+        )
+        self.connector = self._kv_connector(hf_config, fleet_secret)
+        self.sampler = Sampler(args.seed, self.device)
+        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer, args.model)
+        self.groups: dict[str, _Group] = {}
+        self._group_of: dict[str, str] = {}  # scheduler request id -> user request id
+        self._ids = itertools.count()
+        # Called on the engine's thread after every step that ran (metrics, logging).
+        self.step_observers: list[Callable[[StepStats], None]] = []
+        # Called on the engine's thread with each finished KV pull (LoadResult).
+        self.transfer_observers: list[Callable] = []
+
+    # ------------------------------------------------------------------ set-up
+
+    def _kv_connector(self, hf_config: dict, fleet_secret: FleetSecret | None):
+        if not self.args.kv_transfer_config:
+            return None
+        fleet_secret = fleet_secret or load_fleet_secret()
+        if fleet_secret is None:
+            raise ValueError(
+                "--kv-transfer-config needs the fleet secret its peers and router share: "
+                "--fleet-secret-file, $PAGEFLEET_FLEET_SECRET_FILE or $PAGEFLEET_FLEET_SECRET"
+            )
+        import uuid
+
+        from pagefleet.engine.kv_transfer.connector import KVConnector, KVTransferConfig
+        from pagefleet.engine.kv_transfer.layout import CompatRecord
+
+        config = KVTransferConfig.parse(
+            self.args.kv_transfer_config, hold_timeout=self.args.kv_hold_timeout
+        )
+        if self.args.simulate is not None:
+            raise ValueError("--kv-transfer-config needs real weights (not --simulate)")
+        pool = self.runner.kv_pool
+        compat = CompatRecord.from_pool_shape(
+            self.args.served_model_name or hf_config.get("_name_or_path") or self.args.model,
+            str(self.dtype).removeprefix("torch."),
+            self.runner.kv_cache_dtype,
+            pool.shape,
+        )
+        connector = KVConnector(config, pool, compat, uuid.uuid4().hex[:12], fleet_secret)
+        logger.info(
+            "KV transfer: %s %s, engine id %s%s",
+            config.kv_connector,
+            config.kv_role,
+            connector.engine_id,
+            f", serving blocks on {config.kv_ip}:{connector.port}" if connector.port else "",
+        )
+        return connector
+
+    def close(self) -> None:
+        """Stop the KV transfer service and its workers (the engine is unusable after)."""
+        if self.connector is not None:
+            self.connector.close()
+
+    def _load_model_runner(self) -> tuple[ModelRunner, int]:
+        args = self.args
+        start = time.perf_counter()
+        model = load_model(args.model, self.dtype, self.device, self.max_model_len)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        logger.info(
+            "Loading weights took %.2f s; model weights take %.2f GiB",
+            time.perf_counter() - start,
+            weight_bytes / GiB,
+        )
+        self.model_config = model.config
+        kv_dtype = (
+            self.dtype
+            if args.kv_cache_dtype == "auto"
+            else resolve_dtype(args.kv_cache_dtype, self.device)
+        )
+        num_blocks = self._size_kv_pool(model, kv_dtype)
+        backend = select_backend(args.attention_backend, self.device)
+        runner = ModelRunner(model, args.block_size, num_blocks, backend, self.device, kv_dtype)
+        if self.device.type == "cuda" and not args.enforce_eager:
+            runner.capture_decode_graphs(args.max_num_seqs, self.max_model_len)
+        return runner, num_blocks
+
+    @staticmethod
+    def _sliding_window(hf_config: dict) -> int | None:
+        window = hf_config.get("sliding_window")
+        if not window:
+            return None
+        if "use_sliding_window" in hf_config and not hf_config["use_sliding_window"]:
+            return None  # Qwen2/Qwen3 carry a window they do not use
+        return int(window)
+
+    def _size_kv_pool(self, model, kv_dtype: torch.dtype) -> int:
+        args = self.args
+        per_block = kv_bytes_per_block(model, args.block_size, kv_dtype)
+        if args.num_gpu_blocks_override:
+            num_blocks = args.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            num_blocks = self._cuda_kv_budget(model) // per_block
+        else:
+            num_blocks = int(args.kv_cache_memory * GiB) // per_block
+        self._log_kv_size(num_blocks, per_block)
+        tokens = num_blocks * args.block_size
+        if tokens < self.max_model_len:
+            memory_flag = (
+                "--gpu-memory-utilization" if self.device.type == "cuda" else ("--kv-cache-memory")
+            )
+            raise ValueError(
+                f"the KV cache holds {tokens} tokens, less than one request of max_model_len="
+                f"{self.max_model_len}: lower --max-model-len, raise {memory_flag} or "
+                f"--num-gpu-blocks-override, or use a smaller --kv-cache-dtype"
+            )
+        return num_blocks
+
+    def _log_kv_size(self, num_blocks: int, bytes_per_block: int | None) -> None:
+        tokens = num_blocks * self.args.block_size
+        size = f", {num_blocks * bytes_per_block / GiB:.2f} GiB" if bytes_per_block else ""
+        logger.info("KV cache size: %d tokens (%d blocks%s)", tokens, num_blocks, size)
+        logger.info(
+            "Maximum concurrency for %d tokens per request: %.2fx",
+            self.max_model_len,
+            tokens / self.max_model_len,
+        )
+
+    def _cuda_kv_budget(self, model) -> int:
+        """Bytes left for the KV pool on the GPU: utilisation x total, minus the weights and
+        the activation peak of a dry-run forward at max_num_batched_tokens."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        probe = ModelRunner(
+            model,
+            self.args.block_size,
+            -(-self.args.max_num_batched_tokens // self.args.block_size),
+            select_backend(self.args.attention_backend, self.device),
+            self.device,
+            self.dtype,
+        )
+        n = min(self.args.max_num_batched_tokens, self.max_model_len - 1)
+        dry = Request("profile", [0] * n, SamplingParams(max_tokens=1), block_size=probe.block_size)
+        dry.block_ids.extend(range(-(-n // probe.block_size)))
+        probe.execute(SchedulerOutput(scheduled=[(dry, n)], num_tokens=n))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del probe
+        torch.cuda.empty_cache()
+        total = torch.cuda.mem_get_info()[1]
+        return max(int(total * self.args.gpu_memory_utilization) - peak, 0)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request (text or token ids); returns its id. Raises ValueError if it cannot
+        run (empty, too long for max_model_len or for the whole KV pool, duplicate id)."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.groups or request_id in self._group_of:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if k is not None and k > MAX_LOGPROBS:
+                raise ValueError(f"{name}={k} is more than the maximum, {MAX_LOGPROBS}")
+        hold, source = self._kv_transfer_role(params)
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        arrival = arrival_time or time.time()
+        group = _Group(
+            request_id, text, token_ids, params, arrival, metrics=RequestMetrics(arrival)
+        )
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(token_ids)
+        for i in range(params.n):
+            seq_params = params
+            if params.n > 1 and params.seed is not None:
+                seq_params = dataclasses.replace(params, seed=params.seed + i)
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            if rid in self._group_of:
+                raise ValueError(f"duplicate request id {rid!r}")
+            req = Request(
+                rid,
+                token_ids,
+                seq_params,
+                eos_token_id=self.eos_token_ids,
+                block_size=self.args.block_size,
+                arrival_time=group.arrival_time,
+            )
+            req.hold_blocks, req.remote_source = hold, source
+            self.scheduler.check_request(req)
+            detok = Detokenizer(
+                self.tokenizer,
+                token_ids,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            )
+            seq = _Sequence(
+                i,
+                req,
+                detok,
+                [] if params.logprobs is not None else None,
+                0.0 if params.logprobs is not None else None,
+            )
+            group.sequences.append(seq)
+        self.scheduler.add_request(group.sequences[0].request)
+        group.pending = group.sequences[1:]
+        self.groups[request_id] = group
+        for seq in group.sequences:
+            self._group_of[seq.request.request_id] = request_id
+        return request_id
+
+    def _kv_transfer_role(self, params: SamplingParams):
+        """(hold blocks when done?, remote source to pull from) for this request."""
+        kv = params.kv_transfer_params
+        if not kv or not (kv.get("do_remote_decode") or kv.get("do_remote_prefill")):
+            return False, None
+        config = self.connector.config if self.connector is not None else None
+        if params.n != 1:
+            raise ValueError("kv_transfer_params needs n=1")
+        if kv.get("do_remote_decode"):
+            if config is None or not config.produces:
+                raise ValueError(
+                    "do_remote_decode: this engine is not a KV producer (--kv-transfer-config "
+                    'with "kv_role": "kv_producer" or "kv_both")'
+                )
+            return True, None
+        if config is None or not config.consumes:
+            raise ValueError(
+                "do_remote_prefill: this engine is not a KV consumer (--kv-transfer-config "
+                'with "kv_role": "kv_consumer" or "kv_both")'
+            )
+        from pagefleet.engine.kv_transfer.connector import RemoteSource
+
+        return False, RemoteSource.from_params(kv)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        group.pending = []
+        group.metrics.finished_time = time.time()
+        for seq in group.sequences:
+            if not seq.request.status.finished:
+                self.scheduler.abort(seq.request.request_id)
+                seq.request.status = RequestStatus.FINISHED_ABORTED
+        self._forget(group)
+        return self._output(group)
+
+    def _forget(self, group: _Group) -> None:
+        self.groups.pop(group.request_id, None)
+        for seq in group.sequences:
+            self._group_of.pop(seq.request.request_id, None)
+            self.sampler.forget(seq.request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups) or bool(self.scheduler.loading)
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Blocks held for decode engines: the loop must keep ticking to release them."""
+        return bool(self.scheduler.held)
+
+    def _kv_transfer_tick(self) -> list[RequestOutput]:
+        """Apply finished pulls and due releases (engine thread, before scheduling); returns
+        the outputs of requests it aborted."""
+        connector, sched = self.connector, self.scheduler
+        aborted = []
+        for result in connector.finished_loads():
+            if result.quarantined:  # NIXL may still write its blocks: never reuse them
+                sched.quarantine_remote_load(result.request_id)
+                output = self.abort_request(self._group_of.get(result.request_id, ""))
+                aborted += [output] if output is not None else []
+            req = sched.finish_remote_load(result.request_id, result.ok)
+            stats = connector.stats
+            stats.transfers += 1
+            stats.bytes += result.num_bytes
+            for observer in self.transfer_observers:
+                observer(result)
+            if not result.ok:
+                stats.failures += 1
+                if req is not None and not req.status.finished:
+                    stats.fallbacks += 1
+        for request_id in connector.due_releases(time.monotonic()):
+            sched.release_held(request_id)
+        return aborted
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; returns the outputs of the requests it advanced."""
+        aborted = self._kv_transfer_tick() if self.connector is not None else []
+        if aborted:
+            return aborted
+        out = self.scheduler.schedule()
+        for req in out.kv_loads:
+            first = req.num_cached_blocks  # blocks found in our own prefix cache stay
+            blocks = req.block_ids[: req.num_prompt_blocks]
+            self.connector.start_load(req.request_id, req.remote_source, blocks, first)
+        if not out.scheduled:
+            if self.scheduler.loading:  # only transfers in flight: wait for one, don't spin
+                self.connector.wait_for_results(0.005)
+            return []
+        now = time.time()
+        num_prompt = 0
+        for req, n in out.scheduled:
+            group = self.groups.get(self._group_of.get(req.request_id, ""))
+            if group is not None and group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                num_prompt += min(n, req.num_prompt_tokens - req.num_computed_tokens)
+        logits, sample_reqs, prompt_logprobs = self.runner.execute(out)
+        sampled = self.sampler.sample(logits, sample_reqs)
+        token_of = {id(r): t for r, t in zip(sample_reqs, sampled.token_ids, strict=True)}
+        self.scheduler.update_from_output(out, [token_of.get(id(r)) for r, _ in out.scheduled])
+        touched: dict[str, _Group] = {}
+        for rid, (start, entries) in prompt_logprobs.items():
+            group = self.groups[self._group_of[rid]]
+            group.prompt_logprobs[start + 1 : start + 1 + len(entries)] = entries
+        for req, token, logprobs in zip(
+            sample_reqs, sampled.token_ids, sampled.logprobs, strict=True
+        ):
+            group = self.groups.get(self._group_of.get(req.request_id, ""))
+            if group is None:
+                continue
+            self._record_token(group, req, token, logprobs)
+            if req.hold_blocks and req.request_id in self.scheduler.held:
+                group.kv_transfer_params = self.connector.hold(
+                    req.request_id, req.block_ids[: req.num_prompt_blocks], time.monotonic()
+                )
+            touched[group.request_id] = group
+        now = time.time()
+        outputs = []
+        for group in touched.values():
+            metrics = group.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            if group.finished:
+                metrics.finished_time = now
+            self._admit_siblings(group)
+            outputs.append(self._output(group))
+            if group.finished:
+                self._forget(group)
+        stats = StepStats(num_prompt, len(sample_reqs), len(out.preempted))
+        for observer in self.step_observers:
+            observer(stats)
+        return outputs
+
+    def _record_token(self, group: _Group, req: Request, token: int, logprobs) -> None:
+        seq = next(s for s in group.sequences if s.request is req)
+        if group.num_cached_tokens is None:
+            group.num_cached_tokens = req.num_cached_tokens
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token].logprob
+        params = req.sampling_params
+        stopped_by_token = req.status is RequestStatus.FINISHED_STOPPED
+        # Like vLLM: a stop token's text is left out unless asked for, and stop strings only
+        # count once min_tokens are out.
+        stop_str = None
+        if seq.detok and not (stopped_by_token and not params.include_stop_str_in_output):
+            may_stop = req.num_output_tokens >= params.min_tokens
+            stop_str = seq.detok.add_token(token, check_stop=may_stop)
+        if stop_str is not None:
+            if not req.status.finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            req.status = RequestStatus.FINISHED_STOPPED  # also when max_tokens ended it too
+            seq.stop_reason = stop_str
+        elif req.status.finished:
+            if stopped_by_token and seq.stop_reason is None:
+                seq.stop_reason = token if token in params.stop_token_ids else None
+            if seq.detok:
+                seq.detok.flush()
+
+    def _admit_siblings(self, group: _Group) -> None:
+        """Admit the other n-1 samples once the first has its prompt's blocks cached."""
+        if group.pending:
+            for seq in group.pending:
+                self.scheduler.add_request(seq.request)
+            group.pending = []
+
+    def _output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for seq in group.sequences:
+            req = seq.request
+            text = seq.detok.stream_text(req.status.finished) if seq.detok else ""
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=req.output_token_ids,
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    finish_reason=req.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            prompt_logprobs=group.prompt_logprobs,
+            finished=group.finished,
+            num_cached_tokens=group.num_cached_tokens or 0,
+            metrics=dataclasses.replace(group.metrics),
+            kv_transfer_params=group.kv_transfer_params,
+        )
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _eos_ids(hf_config: dict, tokenizer, model_path: str) -> frozenset[int]:
+    """EOS ids from config.json, generation_config.json (instruct models often list their
+    end-of-turn token only there) and the tokenizer."""
+    ids: set[int] = set()
+    gen_file = Path(model_path) / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    for eos in (hf_config.get("eos_token_id"), gen.get("eos_token_id")):
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,146 @@
+"""A request's state as the scheduler and KV-cache manager see it: tokens, progress, blocks."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection
+
+from pagefleet.common.block_hash import BlockHash, hash_block, hash_blocks
+from pagefleet.engine.kv_cache.block_pool import Block
+from pagefleet.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # blocks allocated, pulling from prefill
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
+
+
+class Request:
+    """Mutable per-request state. Tokens [0, num_computed_tokens) have keys/values in blocks."""
+
+    __slots__ = (
+        "all_token_ids",
+        "arrival_time",
+        "block_hashes",
+        "block_ids",
+        "block_size",
+        "block_table",
+        "extra_keys",
+        "hold_blocks",
+        "max_len",
+        "num_cached_blocks",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "remote_source",
+        "request_id",
+        "resumed_step",
+        "sampling_params",
+        "status",
+        "stop_ids",
+    )
+    # A request's tokens are one list, prompt then output: the hot path appends once per token.
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_id: int | Collection[int] | None = None,
+        block_size: int = 16,
+        extra_keys: bytes = b"",
+        arrival_time: float = 0.0,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.extra_keys = extra_keys
+        self.block_size = block_size
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        # Length at which the request stops for max_tokens; the scheduler also caps it by
+        # max_model_len at admission.
+        self.max_len = self.num_prompt_tokens + sampling_params.max_tokens
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        # Prompt tokens whose keys/values came from the prefix cache at admission: the runner
+        # must not write their slots (the blocks may be shared).
+        self.num_cached_tokens = 0
+        self.block_table: list[Block] = []
+        self.block_ids: list[int] = []
+        self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
+        self.block_hashes: list[BlockHash] = hash_blocks(
+            self.all_token_ids, block_size, extra_keys=extra_keys
+        )
+        self.num_preemptions = 0
+        self.resumed_step = -2
+        # Disaggregation: a prefill pod keeps a finished request's blocks for a decode pod
+        # (`hold_blocks`); a decode pod pulls the prompt's blocks from `remote_source` (any
+        # object the engine's KV connector understands) before computing the rest.
+        self.hold_blocks = False
+        self.remote_source: object | None = None
+        stop = set(sampling_params.stop_token_ids)
+        if eos_token_id is not None and not sampling_params.ignore_eos:
+            stop.update([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        self.stop_ids = frozenset(stop)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_blocks(self) -> int:
+        """Blocks that hold the prompt's keys and values (the last one may be partial)."""
+        return -(-self.num_prompt_tokens // self.block_size)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_token(self, token_id: int) -> None:
+        """Add a sampled token, hashing the block it completes (O(block_size), once per block)."""
+        tokens = self.all_token_ids
+        tokens.append(token_id)
+        if len(tokens) % self.block_size == 0:
+            self.hash_last_block()
+
+    def hash_last_block(self) -> None:
+        """Hash the block the last token completed."""
+        hashes = self.block_hashes
+        bs = self.block_size
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block(parent, self.all_token_ids[-bs:], self.extra_keys))
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )

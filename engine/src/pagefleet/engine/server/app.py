@@ -1,0 +1,578 @@
+"""The OpenAI-compatible HTTP API of one engine (FastAPI), built on `AsyncLLM`.
+
+Handlers tokenize, validate and translate; the engine runs on its own thread, so a slow
+client or a burst of requests never stalls a step. A client that disconnects aborts its
+request (its blocks are freed at the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagefleet.common import __version__
+from pagefleet.common.fleet_auth import FieldSigner
+from pagefleet.common.http_errors import (
+    APIError,
+    BodyLimit,
+    check_api_key,
+    error_body,
+    error_response,
+    wait_disconnect,
+)
+from pagefleet.engine.async_llm import AsyncLLM
+from pagefleet.engine.outputs import RequestOutput, TokenLogprobs
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.server.fleet_fields import check_fleet_fields
+from pagefleet.engine.server.limits import RequestLimits, Tokenization, max_token_bytes
+from pagefleet.engine.server.metrics import EngineMetrics
+from pagefleet.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    max_waiting_requests: int | None = None
+    max_body_bytes: int = 4 << 20
+    fleet_signer: FieldSigner | None = None  # verifies the router's kv_transfer_params
+    max_sequences_per_request: int | None = None  # prompts x n; default: --max-num-seqs
+
+
+def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
+    app = FastAPI(title="pagefleet", version=__version__)
+    # Inside the key check (middleware added later wraps it): bodies of clients without the
+    # key are never read.
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    app.state.draining = False
+    core = engine.engine
+    tokenizer = engine.tokenizer
+    metrics = EngineMetrics(core, config.served_model_name)
+    engine.stall_observers.append(metrics.stall_aborts.inc)
+    app.state.metrics = metrics
+    max_model_len = core.max_model_len
+    limits = RequestLimits(
+        max_model_len,
+        max_token_bytes(tokenizer),
+        config.max_sequences_per_request or core.args.max_num_seqs,
+        config.max_waiting_requests,
+    )
+    tokens = Tokenization(tokenizer, limits)
+
+    @app.exception_handler(APIError)
+    async def _apierror_response(_, exc: APIError):
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message = "malformed JSON body"
+        return error_response(
+            400, f"{param + ': ' if param else ''}{message}", "invalid_request_error", param
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_, exc: Exception):  # JSON, never plain text; details stay in the log
+        return error_response(500, "internal error (see the server log)", "internal_error")
+
+    @app.middleware("http")
+    async def _auth_and_ids(request: Request, call_next):
+        denied = check_api_key(
+            request.headers.get("authorization", ""),
+            config.api_key,
+            request.url.path,
+            ("/health", "/metrics", "/version"),
+        )
+        if denied is not None:
+            return denied
+        response = await call_next(request)
+        request_id = request.headers.get("x-request-id")
+        if request_id:
+            response.headers["X-Request-Id"] = request_id
+        return response
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != config.served_model_name:
+            raise APIError(
+                404,
+                f"model {name!r} does not exist; this server serves {config.served_model_name!r}",
+                "not_found_error",
+                "model",
+            )
+
+    def check_capacity(sequences: int) -> None:
+        # Every sequence counts: n samples of each of a request's prompts.
+        limits.check_capacity(
+            engine.num_unfinished_sequences - core.scheduler.num_running, sequences
+        )
+
+    def check_fleet(req, request: Request) -> None:
+        check_fleet_fields(
+            req.kv_transfer_params, request.headers, config.fleet_signer, time.time()
+        )
+
+    def fit_max_tokens(prompt_len: int, requested: int | None) -> int:
+        if prompt_len >= max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} "
+                f"tokens; the prompt has {prompt_len} tokens.",
+                param="prompt",
+            )
+        if requested is None:
+            return max_model_len - prompt_len
+        if prompt_len + requested > max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} "
+                f"tokens. However, you requested {prompt_len + requested} tokens "
+                f"({prompt_len} in the prompt, {requested} for the completion).",
+                param="max_tokens",
+            )
+        return requested
+
+    async def encode(prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return await tokens.encode(prompt)
+        vocab = core.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return list(prompt)
+
+    async def chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        return await tokens.chat(messages, getattr(req, "add_generation_prompt", True))
+
+    def request_id(request: Request, prefix: str) -> str:
+        return f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
+
+    def submit(rid: str, token_ids: list[int], params: SamplingParams):
+        """Submit now (so the next capacity check counts it); outputs come from the returned
+        generator, with metrics observed on the way."""
+        try:
+            # Unique inside the engine even when clients reuse an X-Request-Id.
+            stream = engine.generate(token_ids, params, f"{rid}.{uuid.uuid4().hex[:8]}")
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return observe(stream, params)
+
+    async def observe(stream, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        previous = None
+        try:
+            async for out in stream:
+                metrics.observe(previous, out)
+                previous = out
+                yield out
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        finally:
+            await stream.aclose()
+            if previous is None or not previous.finished:
+                metrics.count_abort(params.n)
+
+    async def collect(gens, request: Request) -> list[RequestOutput]:
+        """Final outputs of several streams; a client disconnect aborts them all."""
+
+        async def last(gen):
+            final = None
+            async for out in gen:
+                final = out
+            return final
+
+        tasks = [asyncio.ensure_future(last(g)) for g in gens]
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        pending = {*tasks, gone}
+        try:
+            while True:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is not gone and task.exception() is not None:
+                        raise task.exception()
+                if all(t.done() for t in tasks):
+                    return [t.result() for t in tasks]
+                if gone.done():  # the client left: the finally below aborts the requests
+                    raise APIError(499, "client closed the request")
+        finally:
+            await _cancel_and_close([*tasks, gone], gens)
+
+    # ---------------------------------------------------------------- endpoints
+
+    @app.get("/health")
+    async def health():
+        if app.state.draining or not engine.is_running:
+            return error_response(
+                503,
+                "shutting down" if app.state.draining else "engine stopped",
+                "service_unavailable",
+            )
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.served_model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "pagefleet",
+                    "root": config.served_model_name,  # never the checkpoint's path
+                    "max_model_len": max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        check_model(req.model)
+        if req.messages is not None:
+            ids = await chat_prompt(req)
+        else:
+            ids = await tokens.encode(req.prompt, req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        check_model(req.model)
+        vocab = core.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": await tokens.decode(req.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_model(req.model)
+        check_fleet(req, request)
+        sequences = limits.check_sequences(len(req.prompts()), req.n)
+        prompts = [await encode(p) for p in req.prompts()]
+        if any(not p for p in prompts):
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        max_tokens = [fit_max_tokens(len(p), req.max_tokens) for p in prompts]
+        params = [_params(req, m, req.logprobs) for m in max_tokens]
+        rid = request_id(request, "cmpl")
+        check_capacity(sequences)  # and submit at once, with no await in between
+        gens = [
+            submit(f"{rid}-{i}", p, sp)
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
+        created = int(time.time())
+        if req.stream:
+            return _sse(
+                _completion_chunks(
+                    gens, rid, created, config.served_model_name, req, prompts, tokenizer
+                )
+            )
+        finals = await collect(gens, request)
+        choices = []
+        for i, out in enumerate(finals):
+            for c in out.outputs:
+                choices.append(
+                    {
+                        "index": i * req.n + c.index,
+                        "text": c.text,
+                        "logprobs": _completion_logprobs(c.logprobs, c.token_ids, tokenizer)
+                        if req.logprobs is not None
+                        else None,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": config.served_model_name,
+            "choices": choices,
+            "usage": _usage(prompts, finals),
+            **_kv_transfer_params(finals),
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):
+        check_model(req.model)
+        check_fleet(req, request)
+        sequences = limits.check_sequences(1, req.n)
+        prompt = await chat_prompt(req)
+        max_tokens = fit_max_tokens(len(prompt), req.requested_max_tokens())
+        rid = request_id(request, "chatcmpl")
+        top = req.top_logprobs or 0
+        params = _params(req, max_tokens, top if req.logprobs else None)
+        check_capacity(sequences)  # and submit at once, with no await in between
+        gen = submit(rid, prompt, params)
+        created = int(time.time())
+        if req.stream:
+            return _sse(
+                _chat_chunks(gen, rid, created, config.served_model_name, req, prompt, tokenizer)
+            )
+        (final,) = await collect([gen], request)
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": _chat_logprobs(c.logprobs, c.token_ids, tokenizer, top)
+                if req.logprobs
+                else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in final.outputs
+        ]
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": config.served_model_name,
+            "choices": choices,
+            "usage": _usage([prompt], [final]),
+            **_kv_transfer_params([final]),
+        }
+
+    return app
+
+
+def _kv_transfer_params(finals) -> dict:
+    """A prefill engine's answer carries where the decode engine reads the blocks (vLLM)."""
+    params = next((f.kv_transfer_params for f in finals if f.kv_transfer_params), None)
+    return {"kv_transfer_params": params} if params else {}
+
+
+def _params(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    try:
+        return req.sampling_params(max_tokens, logprobs)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+async def _cancel_and_close(tasks, gens) -> None:
+    """Stop the tasks iterating the streams, then close the streams (which aborts unfinished
+    requests in the engine). A stream can only be closed once no task is inside it."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for g in gens:
+        await g.aclose()
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def body():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+        except APIError as e:  # after the first byte: a clean error event, then the end
+            yield f"data: {json.dumps(error_body(e.message, e.type, e.status, e.param))}\n\n"
+        except Exception as e:  # the engine failed mid-stream
+            body = error_body(f"internal error: {e}", "internal_error", 500)
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+async def _merge(gens) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index. The queue is
+    bounded: when the client stops reading, the streams stop being drained (each keeps only
+    its latest output, and aborts its request once stalled too long)."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(gens) + 1)
+    done = object()
+
+    async def pump(i, gen):
+        try:
+            async for out in gen:
+                await queue.put((i, out))
+        except Exception as e:  # re-raised in the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        await _cancel_and_close(tasks, gens)
+
+
+async def _completion_chunks(gens, rid, created, model, req: CompletionRequest, prompts, tokenizer):
+    sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, sample) -> (chars, tokens)
+    finals: dict[int, RequestOutput] = {}
+    async for i, out in _merge(gens):
+        for c in out.outputs:
+            key = (i, c.index)
+            chars, toks = sent.get(key, (0, 0))
+            if len(c.text) == chars and not c.finished and len(c.token_ids) == toks:
+                continue
+            choice = {
+                "index": i * req.n + c.index,
+                "text": c.text[chars:],
+                "logprobs": _completion_logprobs(c.logprobs[toks:], c.token_ids[toks:], tokenizer)
+                if req.logprobs is not None and c.logprobs is not None
+                else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if key in sent and sent[key] == (-1, -1):
+                continue  # its final chunk went out already
+            sent[key] = (-1, -1) if c.finished else (len(c.text), len(c.token_ids))
+            yield {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [choice],
+            }
+        if out.finished:
+            finals[i] = out
+    if req.stream_options and req.stream_options.include_usage:
+        yield {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": _usage(prompts, [finals[i] for i in sorted(finals)]),
+        }
+
+
+async def _chat_chunks(gen, rid, created, model, req: ChatCompletionRequest, prompt, tokenizer):
+    def chunk(choices):
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+
+    yield chunk(
+        [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(req.n)
+        ]
+    )
+    sent: dict[int, tuple[int, int]] = {}
+    final = None
+    async for _, out in _merge([gen]):
+        for c in out.outputs:
+            chars, toks = sent.get(c.index, (0, 0))
+            if chars < 0:
+                continue
+            if len(c.text) == chars and not c.finished and len(c.token_ids) == toks:
+                continue
+            logprobs = None
+            if req.logprobs and c.logprobs is not None:
+                logprobs = _chat_logprobs(
+                    c.logprobs[toks:], c.token_ids[toks:], tokenizer, req.top_logprobs or 0
+                )
+            delta = {"content": c.text[chars:]} if len(c.text) > chars else {}
+            sent[c.index] = (-1, -1) if c.finished else (len(c.text), len(c.token_ids))
+            yield chunk(
+                [
+                    {
+                        "index": c.index,
+                        "delta": delta,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                ]
+            )
+        if out.finished:
+            final = out
+    if req.stream_options and req.stream_options.include_usage and final is not None:
+        yield {**chunk([]), "usage": _usage([prompt], [final])}
+
+
+def _usage(prompts: list[list[int]], finals: list[RequestOutput]) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
+
+
+def _token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def _completion_logprobs(entries: list[TokenLogprobs] | None, tokens: list[int], tokenizer):
+    if entries is None:
+        return None
+    texts = [_token_text(tokenizer, t) for t in tokens]
+    offsets, pos = [], 0
+    for text in texts:
+        offsets.append(pos)
+        pos += len(text)
+    return {
+        "tokens": texts,
+        "token_logprobs": [e[t].logprob for e, t in zip(entries, tokens, strict=True)],
+        "top_logprobs": [
+            {_token_text(tokenizer, tok): lp.logprob for tok, lp in e.items()} for e in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(entries: list[TokenLogprobs] | None, tokens: list[int], tokenizer, top_k: int):
+    if entries is None:
+        return None
+
+    def item(tok: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, tok)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for entry, token in zip(entries, tokens, strict=True):
+        top = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank <= top_k)
+        content.append(
+            {**item(token, entry[token].logprob), "top_logprobs": [item(t, lp) for _, t, lp in top]}
+        )
+    return {"content": content}

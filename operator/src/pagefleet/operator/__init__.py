@@ -1,0 +1,2 @@
+"""The operator: reconciles ModelDeployment resources into Deployments, Services and
+NetworkPolicies, and scales their pools."""

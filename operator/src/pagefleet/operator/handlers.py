@@ -1,0 +1,589 @@
+"""The kopf shell: on create/update/resume and on a periodic pass, render the desired objects,
+apply only what differs (merge patches) to objects this ModelDeployment controls, run the
+builtin autoscaler, and write status. No finalizer: owner references do the cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from pagefleet.common.fleet_auth import generate_fleet_secret
+from pagefleet.common.names import GROUP, KIND, PLURAL, VERSION
+from pagefleet.operator.autoscale import (
+    Observation,
+    PoolReplicas,
+    Recommendation,
+    decide,
+    needed,
+    window_from_status,
+)
+from pagefleet.operator.metrics_source import (
+    PodScraper,
+    PoolPods,
+    PrometheusSource,
+    ready_pod_ips,
+)
+from pagefleet.operator.network_policy import PolicyPeers
+from pagefleet.operator.reconcile import (
+    ENGINE_API_KEY,
+    FLEET_SECRET_KEY,
+    RenderOptions,
+    desired_objects,
+    pool_object_name,
+    pool_selector,
+    retired_objects,
+)
+from pagefleet.operator.spec import Pool, SecretKeyRef, Spec, SpecError, parse_spec
+from pagefleet.operator.status import Observed, PoolObserved, build_status
+
+log = logging.getLogger("pagefleet.operator")
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    default_image: str | None = None
+    prometheus_url: str | None = None
+    metrics_port: int = 8000
+    # One periodic pass per ModelDeployment does both the drift check and the autoscaler's
+    # evaluation, so the two never race on the same Deployment.
+    autoscale_interval: float = 15.0
+    api_url: str | None = None  # log in to this URL without credentials (tests, kubectl proxy)
+    # NetworkPolicies per ModelDeployment with these outside peers; None: none emitted.
+    network_policy: PolicyPeers | None = field(default_factory=PolicyPeers)
+    # Folders hostPath model sources may be under (none by default: hostPath is refused).
+    allowed_host_paths: tuple[str, ...] = ()
+
+
+class ApiError(RuntimeError):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class KubeClient:
+    """Generic get/create/merge-patch of namespaced objects over the official client's
+    authenticated transport (in-cluster config, kubeconfig, or a plain URL)."""
+
+    def __init__(self, api_url: str | None = None) -> None:
+        from kubernetes import client, config
+
+        if api_url:
+            configuration = client.Configuration()
+            configuration.host = api_url.rstrip("/")
+            self.api = client.ApiClient(configuration)
+        else:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            self.api = client.ApiClient()
+        self.writes = 0  # create/patch requests sent: lets tests check idempotence
+
+    @staticmethod
+    def path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
+        base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+        path = f"{base}/namespaces/{namespace}/{plural(kind)}"
+        return f"{path}/{name}" if name else path
+
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> dict | None:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        method, url, headers, body, _ = self.api.param_serialize(
+            method=method,
+            resource_path=path,
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self.api.call_api(
+            method, url, header_params=headers, body=body, _request_timeout=30
+        )
+        data = response.read()
+        if response.status == 404:
+            return None
+        if response.status >= 400:
+            raise ApiError(response.status, data.decode(errors="replace")[:500])
+        return json.loads(data) if data else {}
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        return self.request("GET", self.path(api_version, kind, namespace, name))
+
+    def list(self, api_version: str, kind: str, namespace: str, selector: dict[str, str]) -> list:
+        query = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+        path = self.path(api_version, kind, namespace) + f"?labelSelector={query}"
+        return (self.request("GET", path) or {}).get("items", [])
+
+    def create(self, obj: dict) -> dict | None:
+        self.writes += 1
+        meta = obj["metadata"]
+        path = self.path(obj["apiVersion"], obj["kind"], meta["namespace"])
+        return self.request("POST", path, obj)
+
+    def merge_patch(self, obj: dict, patch: dict, subresource: str = "") -> dict | None:
+        self.writes += 1
+        meta = obj["metadata"]
+        path = self.path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        return self.request(
+            "PATCH", path + subresource, patch, content_type="application/merge-patch+json"
+        )
+
+
+def plural(kind: str) -> str:
+    """The resource name of a kind the operator touches (deployments, networkpolicies...)."""
+    lower = kind.lower()
+    return lower[:-1] + "ies" if lower.endswith("y") else lower + "s"
+
+
+def contains(actual: Any, wanted: Any) -> bool:
+    """Whether `actual` already says everything `wanted` says. Fields the API server adds
+    (defaults, status, uid) do not count as drift; quantities compare as text ("1" == 1)."""
+    if isinstance(wanted, dict):
+        return isinstance(actual, dict) and all(
+            k in actual and contains(actual[k], v) for k, v in wanted.items()
+        )
+    if isinstance(wanted, list):
+        return (
+            isinstance(actual, list)
+            and len(actual) == len(wanted)
+            and all(contains(a, w) for a, w in zip(actual, wanted, strict=True))
+        )
+    if isinstance(wanted, bool) or isinstance(actual, bool):
+        return actual is wanted
+    if isinstance(wanted, int | float) and isinstance(actual, str | int | float):
+        return str(actual) == str(wanted) or actual == wanted
+    return actual == wanted
+
+
+def merge_diff(old: dict, new: dict, prune: bool = False) -> dict:
+    """The JSON merge patch turning `old` into `new` (empty when equal). With `prune`, keys
+    only `old` has are removed (null); the top level of status keeps other writers' keys."""
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, dict) and isinstance(before, dict):
+            sub = merge_diff(before, value, prune=True)
+            if sub:
+                patch[key] = sub
+        elif before != value:
+            patch[key] = value
+    if prune:
+        patch.update({key: None for key in old if key not in new})
+    return patch
+
+
+def controlled_by(obj: dict, owner_uid: str) -> bool:
+    """Whether this ModelDeployment (by uid) is the object's controller."""
+    owners = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(o.get("uid") == owner_uid and o.get("controller") for o in owners)
+
+
+def retire(client: KubeClient, patch: dict, owner_uid: str) -> bool:
+    """Apply a retirement patch to an existing object this ModelDeployment controls."""
+    meta = patch["metadata"]
+    current = client.get(patch["apiVersion"], patch["kind"], meta["namespace"], meta["name"])
+    if current is None or contains(current, patch):
+        return False
+    if not controlled_by(current, owner_uid):
+        return False  # not ours: never touch someone else's object of the same name
+    client.merge_patch(current, patch)
+    return True
+
+
+def apply(client: KubeClient, obj: dict, owner_uid: str) -> str:
+    """Create the object, or merge-patch it when it drifted; returns what was done. An object
+    of the same name that this ModelDeployment does not control is left as it is ("foreign"):
+    patching it would also hand it to the garbage collector with our owner reference."""
+    meta = obj["metadata"]
+    current = client.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+    if current is None:
+        client.create(obj)
+        return "created"
+    if not controlled_by(current, owner_uid):
+        return "foreign"
+    if contains(current, obj):
+        return "unchanged"
+    client.merge_patch(current, obj)
+    return "patched"
+
+
+def new_fleet_keys() -> dict[str, str]:
+    """The fleet Secret's `data`: 256 random bits per key, as URL-safe text (headers and files
+    take it as it is), base64-encoded as the API stores Secret data."""
+    return {
+        key: base64.b64encode(generate_fleet_secret().encode()).decode()
+        for key in (FLEET_SECRET_KEY, ENGINE_API_KEY)
+    }
+
+
+def secret_keys(secret: dict) -> set[str]:
+    return {*(secret.get("data") or {}), *(secret.get("stringData") or {})}
+
+
+def apply_fleet_secret(client: KubeClient, obj: dict, owner_uid: str) -> str:
+    """Create the fleet Secret with fresh keys when it does not exist; otherwise leave it as
+    it is (never a new secret: running pods hold the old one; the operator has no patch right
+    on Secrets). "incomplete" when one of ours lacks a key, "foreign" when not ours."""
+    meta = obj["metadata"]
+    current = client.get("v1", "Secret", meta["namespace"], meta["name"])
+    if current is None:
+        client.create({**obj, "data": new_fleet_keys()})
+        return "created"
+    if not controlled_by(current, owner_uid):
+        return "foreign"
+    return (
+        "unchanged" if {FLEET_SECRET_KEY, ENGINE_API_KEY} <= secret_keys(current) else "incomplete"
+    )
+
+
+def missing_secret_key(client: KubeClient, namespace: str, ref: SecretKeyRef) -> str | None:
+    """Why pods cannot read this Secret key yet (they wait for it), or None."""
+    found = client.get("v1", "Secret", namespace, ref.name)
+    if found is None:
+        return f"Secret {ref.name} not found"
+    if ref.key not in secret_keys(found):
+        return f"Secret {ref.name} has no key {ref.key}"
+    return None
+
+
+def foreign_message(objects: list[str]) -> str:
+    return (
+        f"not controlled by this ModelDeployment, left unchanged: {', '.join(objects)} "
+        "(delete or rename them, or rename the ModelDeployment)"
+    )
+
+
+def warning_event(md: dict, reason: str, message: str, now: datetime.datetime) -> dict:
+    """A core/v1 Warning Event about the ModelDeployment (named as client-go names them)."""
+    meta = md["metadata"]
+    stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    nanos = int(now.timestamp() * 1e9)
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{nanos:x}", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta["uid"],
+        },
+        "type": "Warning",
+        "reason": reason,
+        "message": message[:1024],
+        "source": {"component": "pagefleet-operator"},
+        "reportingComponent": "pagefleet-operator",
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
+
+
+@dataclass
+class PoolMemory:
+    window: tuple[Recommendation, ...] = ()
+    replicas: int | None = None
+    reason: str = ""
+
+
+@dataclass
+class OperatorState:
+    """Per-operator (not per-module) memory: a lock and the autoscaler's window per object,
+    and how many periodic passes each completed (what tests wait on to know one happened)."""
+
+    config: OperatorConfig
+    client: KubeClient
+    locks: dict[str, threading.Lock] = field(default_factory=dict)
+    pools: dict[tuple[str, str], PoolMemory] = field(default_factory=dict)
+    passes: dict[str, int] = field(default_factory=dict)
+    guard: threading.Lock = field(default_factory=threading.Lock)
+    loop: asyncio.Task | None = None
+
+    def lock(self, uid: str) -> threading.Lock:
+        with self.guard:
+            return self.locks.setdefault(uid, threading.Lock())
+
+    def memory(self, uid: str, pool: str) -> PoolMemory:
+        with self.guard:
+            return self.pools.setdefault((uid, pool), PoolMemory())
+
+    def passed(self, uid: str) -> None:
+        with self.guard:
+            self.passes[uid] = self.passes.get(uid, 0) + 1
+
+    def keep_only(self, uids: set[str]) -> None:
+        """Drop the memory of ModelDeployments that are gone."""
+        with self.guard:
+            for uid in [u for u in self.locks if u not in uids]:
+                del self.locks[uid]
+            for key in [k for k in self.pools if k[0] not in uids]:
+                del self.pools[key]
+            for uid in [u for u in self.passes if u not in uids]:
+                del self.passes[uid]
+
+
+def _now_iso() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _deployment(client: KubeClient, namespace: str, name: str, owner_uid: str) -> tuple[int, int]:
+    """(spec.replicas, readyReplicas) of a Deployment this ModelDeployment controls, else 0s."""
+    found = client.get("apps/v1", "Deployment", namespace, name) or {}
+    if not controlled_by(found, owner_uid):
+        return 0, 0
+    replicas = (found.get("spec") or {}).get("replicas")
+    ready = (found.get("status") or {}).get("readyReplicas") or 0
+    return (replicas if replicas is not None else 0), ready
+
+
+def remembered(state: OperatorState, md: dict, pool: Pool, now: float) -> PoolMemory:
+    """The pool's autoscaler memory. After an operator restart its replicas continue from the
+    status' last decision (else the Deployment's) and its window from the status' record, so
+    a restart neither resets a scaled pool nor cuts its scale-down window short."""
+    meta = md["metadata"]
+    memory = state.memory(meta["uid"], pool.name)
+    if memory.replicas is None:
+        recorded = ((md.get("status") or {}).get("pools") or {}).get(pool.name) or {}
+        if "desiredReplicas" in recorded:
+            memory.replicas = recorded["desiredReplicas"]
+        else:
+            name = pool_object_name(meta["name"], pool.name)
+            current, _ = _deployment(state.client, meta["namespace"], name, meta["uid"])
+            memory.replicas = current or pool.replicas
+        restored = window_from_status(recorded.get("recommendations"), now, memory.replicas)
+        memory.window = needed(restored, pool.autoscaling, now)
+    return memory
+
+
+def autoscale_pool(
+    state: OperatorState, md: dict, spec: Spec, pool: Pool, now: float
+) -> PoolMemory:
+    """One builtin evaluation: read the pool's queue, decide, remember the decision."""
+    meta = md["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    memory = remembered(state, md, pool, now)
+    deployment = pool_object_name(name, pool.name)
+    current, ready = _deployment(state.client, namespace, deployment, meta["uid"])
+    pods = state.client.list("v1", "Pod", namespace, pool_selector(name, pool.name))
+    pool_pods = PoolPods(namespace, name, pool.name, spec.model.name, ready_pod_ips(pods))
+    source = (
+        PrometheusSource(state.config.prometheus_url)
+        if state.config.prometheus_url
+        else PodScraper(state.config.metrics_port)
+    )
+    reading = source.read(pool_pods)
+    observation = Observation(reading.waiting, reading.running, reading.pods, current)
+    decision = decide(
+        observation, memory.window, PoolReplicas(current, ready), pool.autoscaling, now
+    )
+    if decision.replicas != memory.replicas:
+        log.info("%s/%s pool %s: %s", namespace, name, pool.name, decision.reason)
+    memory.replicas, memory.reason = decision.replicas, decision.reason
+    memory.window = decision.window
+    return memory
+
+
+def _pool_reason(pool: Pool, memory: PoolMemory | None) -> str:
+    if pool.autoscaling.mode == "builtin" and memory is not None and memory.reason:
+        return memory.reason
+    if pool.autoscaling.mode == "keda":
+        return "scaled by KEDA ScaledObject on vllm:num_requests_waiting"
+    return f"spec.pools.{pool.name}.replicas"
+
+
+def reconcile(state: OperatorState, namespace: str, name: str, autoscale: bool) -> None:
+    """Read the ModelDeployment afresh, (optionally) autoscale, apply, write status."""
+    client = state.client
+    md = client.get(f"{GROUP}/{VERSION}", "ModelDeployment", namespace, name)
+    if md is None or md["metadata"].get("deletionTimestamp"):
+        return  # gone or going: what it owns is the garbage collector's
+    uid = md["metadata"]["uid"]
+    with state.lock(uid):
+        _reconcile_locked(state, md, autoscale)
+        if autoscale:
+            state.passed(uid)
+
+
+def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
+    client, config = state.client, state.config
+    meta = md["metadata"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
+    error: tuple[str, str] | None = None
+    pools: list[PoolObserved] = []
+    router = (0, 0)
+    try:
+        spec = parse_spec(md.get("spec"), config.default_image)
+        memories: dict[str, PoolMemory] = {}
+        now = time.time()  # wall clock: the autoscaler's window is kept in status
+        for pool in spec.pools:
+            if pool.autoscaling.mode != "builtin":
+                continue
+            if autoscale:
+                memories[pool.name] = autoscale_pool(state, md, spec, pool, now)
+            else:
+                memories[pool.name] = remembered(state, md, pool, now)
+        replicas = {p: m.replicas for p, m in memories.items() if m.replicas is not None}
+        options = RenderOptions(
+            config.default_image,
+            config.prometheus_url,
+            replicas,
+            config.network_policy,
+            config.allowed_host_paths,
+        )
+        foreign, incomplete = apply_all(client, md, options)
+        for pool in spec.pools:
+            current, ready = _deployment(client, namespace, pool_object_name(name, pool.name), uid)
+            desired = replicas.get(
+                pool.name, current if pool.autoscaling.mode == "keda" else pool.replicas
+            )
+            memory = memories.get(pool.name)
+            reason = _pool_reason(pool, memory)
+            window = memory.window if memory is not None else None
+            pools.append(PoolObserved(pool.name, current, ready, desired, reason, window))
+        router = _deployment(client, namespace, f"{name}-router", uid)
+        missing = None
+        if spec.api_key_secret is not None:
+            missing = missing_secret_key(client, namespace, spec.api_key_secret)
+        if foreign:
+            error = ("ForeignObject", foreign_message(foreign))
+        elif incomplete:
+            error = ("FleetSecretIncomplete", incomplete_message(incomplete))
+        elif missing:
+            error = ("SecretMissing", f"spec.apiKeySecret: {missing}; the router waits for it")
+    except SpecError as e:
+        error = (e.reason, str(e))
+    except ApiError as e:
+        error = ("ApplyFailed", str(e))
+    previous = md.get("status") or {}
+    if error and _degraded_message(previous) != error[1]:
+        announce(client, md, *error)  # one event per new problem, not one per pass
+    observed = Observed(tuple(pools), router[0], router[1], error)
+    status = build_status(name, meta.get("generation"), observed, previous, _now_iso())
+    patch = merge_diff(previous, status)
+    if patch:
+        client.merge_patch(md, {"status": patch}, "/status")
+
+
+def incomplete_message(secret: str) -> str:
+    return (
+        f"Secret {secret} lacks the key {FLEET_SECRET_KEY} or {ENGINE_API_KEY}: the operator "
+        "never rewrites it; delete it and the operator makes a new one (then restart the pods)"
+    )
+
+
+def apply_all(client: KubeClient, md: dict, options: RenderOptions) -> tuple[list[str], str]:
+    """Apply what the ModelDeployment owns and retire what it no longer wants; returns the
+    objects of its names that it does not control (left alone), and the name of its fleet
+    Secret if that lacks a key (else "")."""
+    meta = md["metadata"]
+    namespace, uid = meta["namespace"], meta["uid"]
+    foreign, incomplete = [], ""
+    for obj in desired_objects(md, options):
+        if obj["kind"] == "Secret":
+            done = apply_fleet_secret(client, obj, uid)
+        else:
+            done = apply(client, obj, uid)
+        if done == "foreign":
+            foreign.append(f"{obj['kind']} {obj['metadata']['name']}")
+        elif done == "incomplete":
+            incomplete = obj["metadata"]["name"]
+        elif done != "unchanged":
+            log.info("%s %s/%s %s", done, obj["kind"], namespace, obj["metadata"]["name"])
+    for patch in retired_objects(md):
+        if retire(client, patch, uid):
+            log.info("retired %s/%s %s", patch["kind"], namespace, patch["metadata"]["name"])
+    return foreign, incomplete
+
+
+def announce(client: KubeClient, md: dict, reason: str, message: str) -> None:
+    event = warning_event(md, reason, message, datetime.datetime.now(datetime.UTC))
+    try:
+        client.create(event)
+    except ApiError as e:  # the condition still says it; an event is a courtesy
+        log.warning("could not post event %s: %s", reason, e)
+
+
+def _degraded_message(status: dict) -> str | None:
+    for c in status.get("conditions") or []:
+        if c.get("type") == "Degraded" and c.get("status") == "True":
+            return c.get("message")
+    return None
+
+
+async def reconcile_forever(state: OperatorState, model_deployments: kopf.Index) -> None:
+    """Every interval, one pass over each ModelDeployment kopf has indexed (autoscale and
+    correct drift), all of a round together, one round at a time. Unlike a kopf timer this
+    needs no finalizer, so deleting a ModelDeployment never waits for the operator."""
+    while True:
+        targets = sorted(model_deployments)  # (namespace, name) keys
+        results = await asyncio.gather(
+            *(asyncio.to_thread(reconcile, state, ns, name, True) for ns, name in targets),
+            return_exceptions=True,
+        )
+        for (namespace, name), result in zip(targets, results, strict=True):
+            if isinstance(result, Exception):
+                log.warning("%s/%s: reconcile failed: %r", namespace, name, result)
+        state.keep_only({uid for uids in model_deployments.values() for uid in uids})
+        await asyncio.sleep(state.config.autoscale_interval)
+
+
+def configure(settings: kopf.OperatorSettings, post_events: bool = True) -> kopf.OperatorSettings:
+    settings.posting.enabled = post_events
+    # Only a finalizer an older operator added is ever seen here: kopf removes it, since no
+    # handler needs one (no timers, daemons or mandatory deletion handlers).
+    settings.persistence.finalizer = f"{GROUP}/operator"
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-applied-spec"
+    )
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    return settings
+
+
+def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
+    """Handlers bound to one operator's state (no module-level registry or memory)."""
+    config = state.config
+    registry = kopf.OperatorRegistry()
+    resource = (GROUP, VERSION, PLURAL)
+
+    if config.api_url:
+
+        @kopf.on.login(registry=registry)
+        def login(**_: Any) -> kopf.ConnectionInfo:
+            return kopf.ConnectionInfo(server=config.api_url, insecure=True)
+
+    else:
+        # The official client's lookup: in-cluster service account, else ~/.kube/config.
+        kopf.on.login(registry=registry)(kopf.login_via_client)
+
+    @kopf.on.resume(*resource, registry=registry)
+    @kopf.on.create(*resource, registry=registry)
+    @kopf.on.update(*resource, registry=registry)
+    def on_change(name: str, namespace: str, **_: Any) -> None:
+        reconcile(state, namespace, name, autoscale=False)
+
+    # What the periodic pass iterates over, kept current by kopf's watch (an index, unlike a
+    # timer, makes kopf add no finalizer). Owned objects go with the garbage collector.
+    @kopf.index(*resource, id="model_deployments", registry=registry)
+    def model_deployments(namespace: str, name: str, uid: str, **_: Any) -> dict:
+        return {(namespace, name): uid}
+
+    @kopf.on.startup(registry=registry)
+    async def start_passes(model_deployments: kopf.Index, **_: Any) -> None:
+        state.loop = asyncio.create_task(reconcile_forever(state, model_deployments))
+
+    @kopf.on.cleanup(registry=registry)
+    async def stop_passes(**_: Any) -> None:
+        if state.loop is not None:
+            state.loop.cancel()
+
+    return registry

@@ -1,0 +1,153 @@
+"""`pagefleet operator`: flags, `pagefleet operator crd`, and kopf's run loop (cluster login
+through the usual in-cluster or kubeconfig lookup)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from pagefleet.common.tokenizer import keep_model_stack_out
+
+
+def add_operator_parser(sub) -> None:
+    p = sub.add_parser(
+        "operator", help="Kubernetes operator for ModelDeployment resources (kopf); `crd` prints it"
+    )
+    p.add_argument(
+        "--namespace",
+        action="append",
+        default=None,
+        help="watch this namespace (repeatable; default: the whole cluster)",
+    )
+    p.add_argument(
+        "--prometheus-url",
+        default=os.environ.get("PAGEFLEET_PROMETHEUS_URL"),
+        help="read vllm:num_requests_waiting from this Prometheus instead of the pods' /metrics",
+    )
+    p.add_argument(
+        "--image",
+        default=None,
+        help="engine/router image for ModelDeployments that give none "
+        "(default: ghcr.io/pagefleet/pagefleet:<version>)",
+    )
+    p.add_argument(
+        "--autoscale-interval",
+        type=float,
+        default=15.0,
+        help="seconds between autoscaler evaluations and drift checks of owned objects (15)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8000,
+        help="engine pods' /metrics port, scraped at each ready pod's status.podIP (8000)",
+    )
+    p.add_argument(
+        "--kubernetes-api",
+        default=None,
+        help="API server URL, used without credentials (kubectl proxy, tests); "
+        "default: in-cluster config, else ~/.kube/config",
+    )
+    p.add_argument(
+        "--liveness-endpoint",
+        default=None,
+        help="serve kopf's liveness probe here, e.g. http://0.0.0.0:8081/healthz",
+    )
+    p.add_argument(
+        "--allowed-host-paths",
+        action="append",
+        default=[],
+        metavar="DIR[,DIR]",
+        help="folders hostPath model sources may be under (repeatable; default: none, so "
+        "hostPath sources are refused)",
+    )
+    p.add_argument(
+        "--network-policies",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="emit NetworkPolicies (ingress and egress) for each ModelDeployment's router and "
+        "engines (on)",
+    )
+    p.add_argument(
+        "--network-policy-peers",
+        default=None,
+        metavar="JSON",
+        help='peers outside a ModelDeployment: {"operatorFrom": [..], "metricsFrom": [..], '
+        '"clientsFrom": [..], "apiServer": {"to": [..], "ports": [..]}, "dns": {"to": [..]}} '
+        "(NetworkPolicyPeer lists; an empty list is any peer, except for operatorFrom and "
+        "metricsFrom; default: the chart's operator pods, any client, API server and DNS)",
+    )
+    p.add_argument("--verbose", action="store_true", help="kopf debug logging")
+    commands = p.add_subparsers(dest="operator_command", metavar="SUBCOMMAND")
+    crd = commands.add_parser("crd", help="print the ModelDeployment CRD (YAML) and exit")
+    crd.set_defaults(func=print_crd)
+    p.set_defaults(func=run_operator)
+
+
+def print_crd(args: argparse.Namespace) -> int:
+    from pagefleet.operator.crd import render_crd
+
+    sys.stdout.write(render_crd())
+    return 0
+
+
+def allowed_host_paths(values: list[str]) -> tuple[str, ...]:
+    paths = tuple(p.strip() for value in values for p in value.split(",") if p.strip())
+    relative = [p for p in paths if not p.startswith("/")]
+    if relative:
+        raise ValueError(f"--allowed-host-paths: {', '.join(relative)} must be absolute")
+    return paths
+
+
+def network_policy_peers(args: argparse.Namespace):
+    from pagefleet.operator.network_policy import PolicyPeers
+
+    if not args.network_policies:
+        if args.network_policy_peers:
+            raise ValueError("--network-policy-peers needs --network-policies")
+        return None
+    return PolicyPeers.from_json(args.network_policy_peers or "{}")
+
+
+def run_operator(args: argparse.Namespace) -> int:
+    keep_model_stack_out()
+    import asyncio
+
+    import kopf
+
+    from pagefleet.operator.handlers import (
+        KubeClient,
+        OperatorConfig,
+        OperatorState,
+        build_registry,
+        configure,
+    )
+
+    if args.verbose:
+        logging.basicConfig(level=logging.DEBUG)
+    else:
+        logging.basicConfig(level=logging.INFO)
+
+    config = OperatorConfig(
+        default_image=args.image,
+        prometheus_url=args.prometheus_url,
+        metrics_port=args.metrics_port,
+        autoscale_interval=args.autoscale_interval,
+        api_url=args.kubernetes_api,
+        network_policy=network_policy_peers(args),
+        allowed_host_paths=allowed_host_paths(args.allowed_host_paths),
+    )
+    registry = build_registry(OperatorState(config, KubeClient(config.api_url)))
+    asyncio.run(
+        kopf.operator(
+            registry=registry,
+            settings=configure(kopf.OperatorSettings()),
+            clusterwide=not args.namespace,
+            namespaces=args.namespace or [],
+            standalone=True,
+            liveness_endpoint=args.liveness_endpoint,
+        )
+    )
+    return 0

@@ -1,0 +1,707 @@
+"""Pure reconcile: a ModelDeployment (as stored) -> the Kubernetes objects it should own.
+No I/O; the kopf handlers apply the result and golden tests pin it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from pagefleet.common.names import GROUP, KIND, LABEL_MODEL, LABEL_ROLE, VERSION
+from pagefleet.operator.crd import POOL_NAMES
+from pagefleet.operator.network_policy import PolicyInputs, PolicyPeers, pool_policy, router_policy
+from pagefleet.operator.spec import (
+    JSON_ENGINE_ARGS,
+    EngineArg,
+    Pool,
+    SecretKeyRef,
+    Spec,
+    SpecError,
+    check_host_path,
+    json_object,
+    parse_spec,
+)
+
+HTTP_PORT = 8000
+KV_EVENTS_PORT = 5557
+KV_REPLAY_PORT = 5558
+KV_TRANSFER_PORT = 14579
+ROUTER_PORT = 8080
+MODEL_MOUNT = "/models"
+LABEL_INSTANCE = "pagefleet.io/deployment"
+LABEL_POOL = "pagefleet.io/pool"
+ROUTER_CONFIG_FILE = "/etc/pagefleet/router.yaml"
+# The engine container's own pod IP (downward API); the kubelet expands $(POD_IP) in commands.
+POD_IP_ENV = "POD_IP"
+# Bound to the pod's own address, never every interface; only the router subscribes.
+KV_EVENTS_CONFIG = {
+    "enable_kv_cache_events": True,
+    "publisher": "zmq",
+    "endpoint": f"tcp://$({POD_IP_ENV}):{KV_EVENTS_PORT}",
+    # A router that starts (or restarts) late replays what it missed here: it dials port + 1.
+    "replay_endpoint": f"tcp://$({POD_IP_ENV}):{KV_REPLAY_PORT}",
+}
+# The fleet secret (pagefleet/fleet_auth.py): one Secret per ModelDeployment, made once by the
+# operator, mounted into the router and every engine. Its second key is the API key engines
+# require and the router sends them (so a client's key never opens an engine).
+FLEET_SECRET_KEY = "secret"
+ENGINE_API_KEY = "engine-api-key"
+FLEET_SECRET_DIR = "/var/run/secrets/pagefleet.io/fleet"
+FLEET_SECRET_FILE = f"{FLEET_SECRET_DIR}/{FLEET_SECRET_KEY}"
+API_KEY_ENV = "PAGEFLEET_API_KEY"
+UPSTREAM_API_KEY_ENV = "PAGEFLEET_UPSTREAM_API_KEY"
+# NIXL's UCX TCP transport listens on a random port; pinned to this range on prefill and decode
+# pods (UCX_TCP_PORT_RANGE) so that NetworkPolicies can open exactly it between them.
+UCX_PORTS = (14580, 14609)
+# vLLM's NixlConnector roles: prefill produces KV blocks, decode consumes them.
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# KEDA (2.13+) stops scaling a ScaledObject with this annotation set to "true".
+KEDA_PAUSED = "autoscaling.keda.sh/paused"
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    default_image: str | None = None
+    prometheus_url: str | None = None  # needed by KEDA triggers
+    # Replicas the builtin autoscaler chose, per pool name; absent pools start at spec.replicas.
+    replicas: dict[str, int] = field(default_factory=dict)
+    # NetworkPolicies for each ModelDeployment with these outside peers; None: none emitted.
+    network_policy: PolicyPeers | None = field(default_factory=PolicyPeers)
+    # Folders hostPath model sources may be under; None: not checked (rendering only).
+    allowed_host_paths: tuple[str, ...] | None = None
+
+
+def desired_objects(md: dict[str, Any], options: RenderOptions | None = None) -> list[dict]:
+    """Every object the ModelDeployment owns, in apply order. Raises SpecError on a bad spec.
+    The fleet Secret comes without data: the operator fills it once, when it creates it."""
+    options = options or RenderOptions()
+    spec = parse_spec(md.get("spec"), options.default_image)
+    if options.allowed_host_paths is not None:
+        check_host_path(spec.model, options.allowed_host_paths)
+    meta = md["metadata"]
+    ctx = _Context(meta["name"], meta["namespace"], _owner(md), spec)
+    objects: list[dict] = [fleet_secret(ctx)]
+    for pool in spec.pools:
+        objects.append(engine_deployment(ctx, pool, _pool_replicas(pool, options)))
+        objects.append(engine_service(ctx, pool))
+        if pool.autoscaling.mode == "keda":
+            objects.append(scaled_object(ctx, pool, options.prometheus_url))
+    objects.extend(router_objects(ctx))
+    if options.network_policy is not None:
+        objects.extend(network_policies(ctx, options.network_policy))
+    # A JSON round trip: no object shares a dict with another (callers may mutate them).
+    return json.loads(json.dumps(objects))
+
+
+def retired_objects(md: dict[str, Any]) -> list[dict]:
+    """Patches that retire what an earlier spec made and this one no longer wants, with no
+    delete rights needed: engine Deployments of removed pools go to 0 replicas, ScaledObjects of
+    pools no longer on KEDA are paused (so KEDA stops fighting the operator's replicas).
+    Callers apply each only to an existing object this ModelDeployment controls."""
+    spec = parse_spec(md.get("spec"))
+    meta = md["metadata"]
+    current = {p.name: p for p in spec.pools}
+    patches = []
+    for pool in POOL_NAMES:
+        name = pool_object_name(meta["name"], pool)
+        where = {"name": name, "namespace": meta["namespace"]}
+        if pool not in current:
+            patches.append(
+                {
+                    "apiVersion": "apps/v1",
+                    "kind": "Deployment",
+                    "metadata": where,
+                    "spec": {"replicas": 0},
+                }
+            )
+        if pool not in current or current[pool].autoscaling.mode != "keda":
+            patches.append(
+                {
+                    "apiVersion": "keda.sh/v1alpha1",
+                    "kind": "ScaledObject",
+                    "metadata": {**where, "annotations": {KEDA_PAUSED: "true"}},
+                }
+            )
+    return patches
+
+
+@dataclass(frozen=True)
+class _Context:
+    name: str
+    namespace: str
+    owner: dict[str, Any]
+    spec: Spec
+
+
+def _owner(md: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": md["metadata"]["name"],
+        "uid": md["metadata"]["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _pool_replicas(pool: Pool, options: RenderOptions) -> int | None:
+    """None for KEDA pools: their HPA owns spec.replicas and the operator must not fight it."""
+    mode = pool.autoscaling.mode
+    if mode == "keda":
+        return None
+    if mode == "builtin":
+        chosen = options.replicas.get(pool.name, pool.replicas)
+        return max(pool.autoscaling.min_replicas, min(pool.autoscaling.max_replicas, chosen))
+    return pool.replicas
+
+
+def pool_object_name(md_name: str, pool: str) -> str:
+    return f"{md_name}-{pool}"
+
+
+def pool_selector(md_name: str, pool: str) -> dict[str, str]:
+    return {LABEL_INSTANCE: md_name, LABEL_POOL: pool}
+
+
+def _metadata(ctx: _Context, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": ctx.namespace,
+        "labels": labels,
+        "ownerReferences": [ctx.owner],
+    }
+
+
+def _common_labels(ctx: _Context, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "pagefleet",
+        "app.kubernetes.io/instance": ctx.name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": "pagefleet-operator",
+        LABEL_INSTANCE: ctx.name,
+    }
+
+
+def fleet_secret_name(md_name: str) -> str:
+    return f"{md_name}-fleet-secret"
+
+
+def fleet_secret(ctx: _Context) -> dict:
+    """The fleet Secret as the ModelDeployment owns it (the garbage collector deletes it with
+    the ModelDeployment); its keys are random values the operator writes once, at creation."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(ctx, fleet_secret_name(ctx.name), _common_labels(ctx, "fleet")),
+        "type": "Opaque",
+    }
+
+
+def _fleet_secret_volume(ctx: _Context) -> dict:
+    items = [{"key": FLEET_SECRET_KEY, "path": FLEET_SECRET_KEY}]
+    return {
+        "name": "fleet-secret",
+        # Group-readable: the kubelet gives the file to the pod's fsGroup.
+        "secret": {"secretName": fleet_secret_name(ctx.name), "items": items, "defaultMode": 0o440},
+    }
+
+
+_FLEET_SECRET_MOUNT = {"name": "fleet-secret", "mountPath": FLEET_SECRET_DIR, "readOnly": True}
+
+
+def _secret_env(name: str, ref: SecretKeyRef) -> dict:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+
+
+def engine_api_key(ctx: _Context) -> SecretKeyRef:
+    return SecretKeyRef(fleet_secret_name(ctx.name), ENGINE_API_KEY)
+
+
+def engine_flags(args: dict[str, EngineArg]) -> list[str]:
+    """vLLM-style flags: `--key value`, bools as `--key` / `--no-key`."""
+    flags: list[str] = []
+    for key, value in args.items():
+        if value is True:
+            flags.append(f"--{key}")
+        elif value is False:
+            flags.append(f"--no-{key}")
+        else:
+            flags.extend([f"--{key}", str(value)])
+    return flags
+
+
+def _model_path(spec: Spec) -> str:
+    model = spec.model
+    if model.source == "pvc" and model.path:
+        return f"{MODEL_MOUNT}/{model.path.strip('/')}"
+    return MODEL_MOUNT
+
+
+def kv_transfer_config(spec: Spec, pool: Pool) -> dict[str, Any]:
+    """A prefill or decode pod's KV-transfer settings. Each pod advertises its own IP, and
+    binds there too (kv_bind_host defaults to kv_ip): the one address its peers dial, which
+    also works on IPv6-only clusters, where 0.0.0.0 would not listen on the pod's address."""
+    return {
+        "kv_connector": spec.kv_connector,
+        "kv_role": KV_ROLES[pool.role],
+        "kv_ip": f"$({POD_IP_ENV})",
+        "kv_port": KV_TRANSFER_PORT,  # the container's kv-transfer port, never the engine default
+    }
+
+
+def json_engine_args(spec: Spec, pool: Pool) -> dict[str, dict[str, Any]]:
+    """The JSON-valued flags: the operator's keys, then the deployment-wide engineArgs' keys,
+    then the pool's, each merged over the last (a user's kv_connector keeps the pod's kv_ip).
+    KV events only where the router follows them (precise index)."""
+    merged: dict[str, dict[str, Any]] = {}
+    if spec.router.precise:
+        merged["kv-events-config"] = dict(KV_EVENTS_CONFIG)
+    if pool.role in KV_ROLES:
+        merged["kv-transfer-config"] = kv_transfer_config(spec, pool)
+    layers = (
+        ("spec.engineArgs", spec.engine_args),
+        (f"spec.pools.{pool.name}.engineArgs", pool.engine_args),
+    )
+    for where, args in layers:
+        for key in JSON_ENGINE_ARGS:
+            if key in args:
+                merged[key] = {**merged.get(key, {}), **json_object(args[key], f"{where}.{key}")}
+    return merged
+
+
+def engine_command(spec: Spec, pool: Pool) -> list[str]:
+    """The operator's flags first, the user's engineArgs after: argparse keeps the last value,
+    so any operator default can be overridden (the JSON-valued ones are merged instead)."""
+    command = [
+        "pagefleet",
+        "serve",
+        _model_path(spec),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(HTTP_PORT),
+        "--served-model-name",
+        spec.model.name,
+        "--fleet-secret-file",
+        FLEET_SECRET_FILE,
+    ]
+    for key, config in json_engine_args(spec, pool).items():
+        command += [f"--{key}", json.dumps(config, separators=(",", ":"))]
+    # The pool's engineArgs override the deployment-wide ones, key by key.
+    user = {**spec.engine_args, **pool.engine_args}
+    return command + engine_flags({k: v for k, v in user.items() if k not in JSON_ENGINE_ARGS})
+
+
+def _model_volume(spec: Spec) -> tuple[dict, list[dict]]:
+    """The volume holding the checkpoint and any init container that fills it."""
+    model = spec.model
+    if model.source == "pvc":
+        claim = {"claimName": model.claim_name, "readOnly": True}
+        return {"name": "model", "persistentVolumeClaim": claim}, []
+    if model.source == "hostPath":
+        return {"name": "model", "hostPath": {"path": model.path, "type": "Directory"}}, []
+    copy = {
+        "name": "copy-model",
+        "image": model.image,
+        # The weights image only has to hold files (and a shell): copy them into the pod.
+        # Not `cp -a`: a non-root user may not set times or owners on the volume's root.
+        "command": ["sh", "-c", 'cp -R "$SOURCE"/. /models/'],
+        "env": [{"name": "SOURCE", "value": model.path or "/model"}],
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}],
+        "securityContext": _container_security(),
+    }
+    return {"name": "model", "emptyDir": {}}, [copy]
+
+
+# The router reads only the tokenizer: from a weights image, copy its small files, not the weights.
+TOKENIZER_COPY = (
+    'cd "$SOURCE" && for f in *.json *.txt *.model *.tiktoken *.jinja; '
+    'do if [ -f "$f" ]; then cp "$f" /models/; fi; done'
+)
+
+
+def _tokenizer_volume(spec: Spec) -> tuple[dict, list[dict]]:
+    """The router's view of the checkpoint: the engines' volume (read-only), or for source
+    image an emptyDir its init container fills with the tokenizer's files."""
+    volume, init_containers = _model_volume(spec)
+    return volume, [
+        {**c, "name": "copy-tokenizer", "command": ["sh", "-c", TOKENIZER_COPY]}
+        for c in init_containers
+    ]
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "fsGroup": 1000,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _http_probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def engine_deployment(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
+    spec = ctx.spec
+    selector = pool_selector(ctx.name, pool.name)
+    labels = {
+        **_common_labels(ctx, "engine"),
+        **selector,
+        LABEL_MODEL: spec.model.name,
+        LABEL_ROLE: pool.role,
+    }
+    volume, init_containers = _model_volume(spec)
+    ports = [
+        {"name": port, "containerPort": number, "protocol": "TCP"}
+        for port, number in engine_ports(spec, pool).items()
+    ]
+    env = [
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        _secret_env(API_KEY_ENV, engine_api_key(ctx)),
+    ]
+    if _uses_ucx(spec, pool):
+        env.append({"name": "UCX_TCP_PORT_RANGE", "value": f"{UCX_PORTS[0]}-{UCX_PORTS[1]}"})
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": spec.image,
+        "command": engine_command(spec, pool),
+        "ports": ports,
+        "env": env,
+        "readinessProbe": _http_probe("/health", "http", 5, 3),
+        "livenessProbe": _http_probe("/health", "http", 10, 6),
+        # Loading weights and warming up can take long: up to 30 minutes before liveness.
+        "startupProbe": _http_probe("/health", "http", 10, 180),
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": spec.model.source != "image"},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "shm", "mountPath": "/dev/shm"},
+            _FLEET_SECRET_MOUNT,
+        ],
+    }
+    if pool.resources:
+        container["resources"] = pool.resources
+    pod_spec: dict[str, Any] = {
+        # Engines never call the Kubernetes API: no token for a compromised engine to use.
+        "automountServiceAccountToken": False,
+        "securityContext": _pod_security(),
+        "containers": [container],
+        "volumes": [
+            volume,
+            {"name": "tmp", "emptyDir": {}},
+            # PyTorch and NIXL use shared memory; the runtime's 64 MiB default is too small.
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+            _fleet_secret_volume(ctx),
+        ],
+        "terminationGracePeriodSeconds": 60,
+    }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
+    if pool.node_selector:
+        pod_spec["nodeSelector"] = pool.node_selector
+    if pool.tolerations:
+        pod_spec["tolerations"] = pool.tolerations
+    deployment_spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector},
+        "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+    }
+    if replicas is not None:
+        deployment_spec = {"replicas": replicas, **deployment_spec}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(ctx, pool_object_name(ctx.name, pool.name), labels),
+        "spec": deployment_spec,
+    }
+
+
+def engine_ports(spec: Spec, pool: Pool) -> dict[str, int]:
+    """An engine container's named ports: HTTP, KV events where the router follows them, the
+    KV-transfer port on prefill and decode pods."""
+    ports = {"http": HTTP_PORT}
+    if spec.router.precise:
+        ports.update({"kv-events": KV_EVENTS_PORT, "kv-replay": KV_REPLAY_PORT})
+    if pool.role in KV_ROLES:
+        ports["kv-transfer"] = KV_TRANSFER_PORT
+    return ports
+
+
+def _uses_ucx(spec: Spec, pool: Pool) -> bool:
+    """Whether the pool's pods move KV with NIXL (UCX), whose ports NetworkPolicies open."""
+    return pool.role in KV_ROLES and spec.kv_connector == "nixl"
+
+
+def engine_service(ctx: _Context, pool: Pool) -> dict:
+    """Headless: clients (the router) address engine pods one by one."""
+    selector = pool_selector(ctx.name, pool.name)
+    ports = [
+        {"name": port, "port": number, "targetPort": port, "protocol": "TCP"}
+        for port, number in engine_ports(ctx.spec, pool).items()
+    ]
+    labels = {**_common_labels(ctx, "engine"), **selector}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(ctx, pool_object_name(ctx.name, pool.name), labels),
+        "spec": {"clusterIP": "None", "selector": selector, "ports": ports},
+    }
+
+
+def waiting_query(ctx_namespace: str, md_name: str, pool: str, model: str) -> str:
+    """PromQL: the pool's total queue (pods are named after their Deployment)."""
+    matchers = (
+        f'namespace="{ctx_namespace}",pod=~"{pool_object_name(md_name, pool)}-.*",'
+        f'model_name="{model}"'
+    )
+    return f"sum(vllm:num_requests_waiting{{{matchers}}})"
+
+
+def scaled_object(ctx: _Context, pool: Pool, prometheus_url: str | None) -> dict:
+    if not prometheus_url:
+        raise SpecError(
+            f"spec.pools.{pool.name}.autoscaling.mode keda needs the operator's --prometheus-url"
+        )
+    a = pool.autoscaling
+    name = pool_object_name(ctx.name, pool.name)
+    behavior = {
+        "scaleUp": {
+            "stabilizationWindowSeconds": a.scale_up_stabilization_s,
+            "policies": [{"type": "Pods", "value": a.max_scale_up_step, "periodSeconds": 15}],
+        },
+        "scaleDown": {"stabilizationWindowSeconds": a.scale_down_stabilization_s},
+    }
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": {
+            **_metadata(ctx, name, _common_labels(ctx, "autoscaler")),
+            # Explicit, so that a ScaledObject paused by retired_objects() resumes.
+            "annotations": {KEDA_PAUSED: "false"},
+        },
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicaCount": a.min_replicas,
+            "maxReplicaCount": a.max_replicas,
+            "cooldownPeriod": a.scale_down_stabilization_s,
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": behavior}},
+            "triggers": [
+                {
+                    "type": "prometheus",
+                    # AverageValue: KEDA's HPA computes ceil(sum / threshold) replicas.
+                    "metricType": "AverageValue",
+                    "metadata": {
+                        "serverAddress": prometheus_url,
+                        "query": waiting_query(
+                            ctx.namespace, ctx.name, pool.name, ctx.spec.model.name
+                        ),
+                        "threshold": f"{a.target_waiting_per_replica:g}",
+                    },
+                }
+            ],
+        },
+    }
+
+
+def network_policies(ctx: _Context, peers: PolicyPeers) -> list[dict]:
+    """One NetworkPolicy for the router's pods and one per engine pool (network_policy.py)."""
+    spec = ctx.spec
+    inputs = PolicyInputs(
+        name=ctx.name,
+        router_selector=router_selector(ctx.name),
+        engines_selector={LABEL_INSTANCE: ctx.name, "app.kubernetes.io/component": "engine"},
+        pool_selectors={p.name: pool_selector(ctx.name, p.name) for p in spec.pools},
+        router_port=ROUTER_PORT,
+        engine_port=HTTP_PORT,
+        events_ports=(KV_EVENTS_PORT, KV_REPLAY_PORT) if spec.router.precise else (),
+        kv_transfer_port=KV_TRANSFER_PORT,
+        ucx_ports=UCX_PORTS if any(_uses_ucx(spec, p) for p in spec.pools) else None,
+    )
+    labels = _common_labels(ctx, "network-policy")
+    policies = [(f"{ctx.name}-router", router_policy(inputs, peers))]
+    for pool in spec.pools:
+        policies.append(
+            (pool_object_name(ctx.name, pool.name), pool_policy(inputs, pool.name, peers))
+        )
+    return [
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _metadata(ctx, name, labels),
+            "spec": policy,
+        }
+        for name, policy in policies
+    ]
+
+
+def router_selector(md_name: str) -> dict[str, str]:
+    return {LABEL_INSTANCE: md_name, "app.kubernetes.io/component": "router"}
+
+
+def router_config(spec: Spec) -> str:
+    config = {
+        "filters": ["healthy", "model", "role"],
+        "scorers": spec.router.scorer_weights,
+        "pd_threshold_tokens": spec.router.pd_threshold_tokens,
+    }
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def router_objects(ctx: _Context) -> list[dict]:
+    """ConfigMap, RBAC to watch pods, Deployment and Service of the router."""
+    spec = ctx.spec
+    name = f"{ctx.name}-router"
+    labels = _common_labels(ctx, "router")
+    selector = router_selector(ctx.name)
+    config_text = router_config(spec)
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(ctx, name, labels),
+        "data": {"router.yaml": config_text},
+    }
+    account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _metadata(ctx, name, labels),
+    }
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _metadata(ctx, name, labels),
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _metadata(ctx, name, labels),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ctx.namespace}],
+    }
+    command = [
+        "pagefleet",
+        "router",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ROUTER_PORT),
+        "--kubernetes-namespace",
+        ctx.namespace,
+        # Discovery trusts only pods of this ModelDeployment's own engine Deployments.
+        "--deployment",
+        ctx.name,
+        "--selector",
+        # The deployment's own engines only: another ModelDeployment may serve the same model.
+        f"{LABEL_INSTANCE}={ctx.name},{LABEL_MODEL}={spec.model.name}",
+        "--engine-port",
+        str(HTTP_PORT),
+        "--model",
+        spec.model.name,
+        "--config",
+        ROUTER_CONFIG_FILE,
+        # Signs kv_transfer_params for the engines and opens their encrypted KV events.
+        "--fleet-secret-file",
+        FLEET_SECRET_FILE,
+        # Hash prompts with the engines' tokenizer.
+        "--tokenizer",
+        _model_path(spec),
+        "--prefix-index",
+        spec.router.prefix_index,
+    ]
+    if spec.router.precise:
+        # Follow the engines' KV events (replayed from port + 1 when the router starts, so a
+        # restarted router rebuilds its index).
+        command += ["--kv-events-port", str(KV_EVENTS_PORT)]
+    env = [
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "HOME", "value": "/tmp"},
+        _secret_env(UPSTREAM_API_KEY_ENV, engine_api_key(ctx)),
+    ]
+    if spec.api_key_secret is not None:
+        env.append(_secret_env(API_KEY_ENV, spec.api_key_secret))
+    # A config change must roll the router: the pods read the file once at start.
+    config_hash = hashlib.sha256(config_text.encode()).hexdigest()[:16]
+    model_volume, init_containers = _tokenizer_volume(spec)
+    container = {
+        "name": "router",
+        "image": spec.image,
+        "command": command,
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "env": env,
+        # Ready while an engine is healthy; alive while the process serves (/health would
+        # restart the router while engines load, in an outage and at zero replicas).
+        "readinessProbe": _http_probe("/health", "http", 5, 3),
+        "livenessProbe": _http_probe("/livez", "http", 10, 6),
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "config", "mountPath": "/etc/pagefleet", "readOnly": True},
+            {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+            _FLEET_SECRET_MOUNT,
+        ],
+    }
+    pod_spec: dict[str, Any] = {
+        # Discovery watches pods with this account's token (its Role: pods, read-only).
+        "serviceAccountName": name,
+        "automountServiceAccountToken": True,
+        "securityContext": _pod_security(),
+        "containers": [container],
+        "volumes": [
+            {"name": "config", "configMap": {"name": name}},
+            model_volume,
+            {"name": "tmp", "emptyDir": {}},
+            _fleet_secret_volume(ctx),
+        ],
+    }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(ctx, name, labels),
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {
+                    "labels": {**labels, **selector},
+                    "annotations": {"pagefleet.io/config-hash": config_hash},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(ctx, name, labels),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector,
+            "ports": [
+                {"name": "http", "port": ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+    return [config_map, account, role, binding, deployment, service]

@@ -1,0 +1,91 @@
+"""KV-cache events: the types engines emit and the router indexes, and their wire format.
+
+On the wire they are vLLM's: a batch is msgpack `[ts, [event, ...]]`, each event a tagged
+array — `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+medium]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`. Over ZMQ a PUB
+socket sends multipart `[topic, seq (8 bytes, big-endian), payload]`, and a ROUTER "replay"
+socket answers a start sequence number with the buffered `[seq, payload]` messages followed by
+`[-1, b""]`. Stock vLLM pods speak the same, so the router indexes them too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgpack
+
+from pagefleet.common.block_hash import BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Full blocks became reusable; `token_ids` is their tokens, block after block."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks were evicted: their hashes no longer hit."""
+
+    block_hashes: list[BlockHash]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Every cached block was dropped (prefix-cache reset)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+KVEventListener = Callable[[KVEvent], None]
+END_OF_REPLAY = -1
+
+
+def encode_batch(ts: float, events: list[KVEvent], include_token_ids: bool = True) -> bytes:
+    """One batch on the wire; without token ids, BlockStored carries an empty list (block
+    hashes are all a prefix index needs, and the tokens are the prompt itself)."""
+    return msgpack.packb([ts, [_encode(e, include_token_ids) for e in events]], use_bin_type=True)
+
+
+def _encode(event: KVEvent, include_token_ids: bool) -> list:
+    if isinstance(event, BlockStored):
+        return [
+            "BlockStored",
+            list(event.block_hashes),
+            event.parent_block_hash,
+            list(event.token_ids) if include_token_ids else [],
+            event.block_size,
+            None,
+            None,
+        ]
+    if isinstance(event, BlockRemoved):
+        return ["BlockRemoved", list(event.block_hashes), None]
+    return ["AllBlocksCleared"]
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[KVEvent]]:
+    """Decode a batch from pagefleet or vLLM. Hashes may be bytes or ints (older vLLM);
+    trailing fields newer vLLM versions add are ignored. Unknown event tags are skipped."""
+    ts, raw_events = msgpack.unpackb(payload, raw=False)[:2]
+    events: list[KVEvent] = []
+    for raw in raw_events:
+        tag = raw[0]
+        if tag == "BlockStored":
+            events.append(BlockStored(list(raw[1]), raw[2], list(raw[3]), int(raw[4])))
+        elif tag == "BlockRemoved":
+            events.append(BlockRemoved(list(raw[1])))
+        elif tag == "AllBlocksCleared":
+            events.append(AllBlocksCleared())
+    return float(ts), events
+
+
+def seq_bytes(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=True)
+
+
+def seq_from_bytes(data: bytes) -> int:
+    return int.from_bytes(data, "big", signed=True)

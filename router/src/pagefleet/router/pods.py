@@ -1,0 +1,137 @@
+"""What the router knows about each engine pod, kept fresh by scraping `/metrics`.
+
+A scrape every 50-100 ms reads vLLM's gauges; data older than `stale_after` counts as
+unknown (the pod keeps serving and scores as the fleet's mean load); `eject_after` consecutive
+failures eject a pod until its `/health` passes again. A changed `process_start_time_seconds`
+means the pod restarted: its prefix-index entries are dropped at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from pagefleet.common.metrics_text import parse_metrics
+from pagefleet.router.scoring import Pod
+
+logger = logging.getLogger("pagefleet.router")
+
+
+@dataclass
+class PodStatus:
+    pod: Pod
+    scraped_at: float = 0.0
+    failures: int = 0
+    ejected: bool = False
+    block_size: int = 16
+    started: float | None = None  # the engine process's start time, to notice restarts
+    models_seen: set[str] = field(default_factory=set)
+
+
+class PodRegistry:
+    def __init__(
+        self,
+        interval: float = 0.075,
+        stale_after: float = 2.0,
+        eject_after: int = 3,
+        timeout: float = 1.0,
+    ) -> None:
+        self.interval, self.stale_after = interval, stale_after
+        self.eject_after, self.timeout = eject_after, timeout
+        self.status: dict[str, PodStatus] = {}
+        self.on_capacity = None  # callable(pod name, num_gpu_blocks), set by the router
+        self.on_lost = None  # callable(pod name): the pod is gone or ejected
+        self.on_pods = None  # callable(pods): discovery's new view (KV-event subscribers)
+        self.ejections = 0
+
+    def set_pods(self, pods: list[Pod]) -> None:
+        """Discovery's current view; pods that vanished are forgotten."""
+        new = {p.name: p for p in pods}
+        for name in list(self.status):
+            if name not in new:
+                del self.status[name]
+                if self.on_lost:
+                    self.on_lost(name)
+        for name, pod in new.items():
+            if name not in self.status:
+                self.status[name] = PodStatus(pod)
+        if self.on_pods:
+            self.on_pods(pods)
+
+    def has_role(self, role: str) -> bool:
+        return any(st.pod.role == role for st in self.status.values())
+
+    def block_size(self, name: str) -> int:
+        st = self.status.get(name)
+        return st.block_size if st is not None else 16
+
+    def pods(self, now: float) -> list[Pod]:
+        """Pods with their freshest load. A pod whose data is stale reads as the fleet's mean
+        load (unknown, neither idle nor busy); an ejected pod reads as unhealthy."""
+        fresh = [st.pod for st in self.status.values() if now - st.scraped_at <= self.stale_after]
+        mean = {
+            key: (sum(getattr(p, key) for p in fresh) / len(fresh)) if fresh else 0.0
+            for key in ("waiting", "running", "kv_usage")
+        }
+        result = []
+        for st in self.status.values():
+            pod = st.pod
+            pod.healthy = not st.ejected
+            if now - st.scraped_at > self.stale_after:
+                pod.waiting, pod.running, pod.kv_usage = (
+                    mean["waiting"],
+                    mean["running"],
+                    mean["kv_usage"],
+                )
+            result.append(pod)
+        return result
+
+    async def run(self, client: httpx.AsyncClient) -> None:
+        while True:
+            started = time.monotonic()
+            await asyncio.gather(*(self._scrape(client, st) for st in list(self.status.values())))
+            await asyncio.sleep(max(self.interval - (time.monotonic() - started), 0.0))
+
+    async def _scrape(self, client: httpx.AsyncClient, st: PodStatus) -> None:
+        pod = st.pod
+        try:
+            if st.ejected:
+                r = await client.get(f"{pod.url}/health", timeout=self.timeout)
+                if r.status_code != 200:
+                    return
+                logger.info("pod %s is healthy again; re-admitted", pod.name)
+                st.ejected, st.failures = False, 0
+            r = await client.get(f"{pod.url}/metrics", timeout=self.timeout)
+            r.raise_for_status()
+            values = parse_metrics(r.text)
+        except (httpx.HTTPError, ValueError):
+            st.failures += 1
+            if st.failures >= self.eject_after and not st.ejected:
+                logger.warning("pod %s failed %d scrapes; ejected", pod.name, st.failures)
+                st.ejected = True
+                self.ejections += 1
+                if self.on_lost:
+                    self.on_lost(pod.name)
+            return
+        st.failures = 0
+        st.scraped_at = time.monotonic()
+        started = values.get("started")
+        if started is not None and st.started is not None and started != st.started:
+            logger.info("pod %s restarted; its cached blocks are gone", pod.name)
+            if self.on_lost:
+                self.on_lost(pod.name)
+        st.started = started if started is not None else st.started
+        pod.waiting, pod.running = float(values["waiting"]), float(values["running"])
+        pod.kv_usage = float(values["kv_usage"])
+        cache = values.get("cache")
+        if cache:
+            blocks = int(float(cache.get("num_gpu_blocks", 0) or 0))
+            st.block_size = int(float(cache.get("block_size", 16) or 16))
+            if blocks and blocks != pod.num_gpu_blocks:
+                pod.num_gpu_blocks = blocks
+                if self.on_capacity:
+                    self.on_capacity(pod.name, blocks)
