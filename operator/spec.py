@@ -25,13 +25,10 @@ from pagefleet.operator.crd import (
     SCORER_DEFAULTS,
     SECRET_KEY_PATTERN,
 )
+from pagefleet.serve_command import JSON_ENGINE_ARGS, EngineArg
 
 DEFAULT_IMAGE = f"ghcr.io/pagefleet/pagefleet:{__version__}"
 ROLE_OF_POOL = {"colocated": "both", "prefill": "prefill", "decode": "decode"}
-EngineArg = str | int | float | bool
-# Engine flags whose value is a JSON object: the operator sets some of their keys, and a user's
-# keys merge over them (rather than replacing the whole object).
-JSON_ENGINE_ARGS = ("kv-events-config", "kv-transfer-config")
 
 
 class SpecError(ValueError):
