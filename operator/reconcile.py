@@ -11,7 +11,15 @@ from typing import Any
 import yaml
 
 from pagefleet.operator.crd import POOL_NAMES
-from pagefleet.operator.names import GROUP, KIND, LABEL_MODEL, LABEL_ROLE, VERSION
+from pagefleet.operator.names import (
+    GROUP,
+    KIND,
+    LABEL_INSTANCE,
+    LABEL_MODEL,
+    LABEL_POOL,
+    LABEL_ROLE,
+    VERSION,
+)
 from pagefleet.operator.network_policy import PolicyInputs, PolicyPeers, pool_policy, router_policy
 from pagefleet.operator.spec import (
     Pool,
@@ -39,8 +47,6 @@ KV_REPLAY_PORT = KV_EVENTS_PORT + 1  # the engine replays missed events here
 KV_TRANSFER_PORT = 14579
 ROUTER_PORT = 8080
 MODEL_MOUNT = "/models"
-LABEL_INSTANCE = "pagefleet.io/deployment"
-LABEL_POOL = "pagefleet.io/pool"
 ROUTER_CONFIG_FILE = "/etc/pagefleet/router.yaml"
 # The engine container's own pod IP (downward API); the kubelet expands $(POD_IP) in commands.
 POD_IP_ENV = "POD_IP"

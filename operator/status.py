@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagefleet.operator.autoscale import Recommendation, window_to_status
-from pagefleet.operator.reconcile import LABEL_INSTANCE, LABEL_POOL
+from pagefleet.operator.names import LABEL_INSTANCE, LABEL_POOL
 
 
 @dataclass(frozen=True)
