@@ -239,15 +239,15 @@ def json_engine_args(spec: Spec, pool: Pool) -> dict[str, dict[str, Any]]:
     there too: the one address its peers dial, which also works on IPv6-only clusters, where
     0.0.0.0 would not listen on the pod's address."""
     pod_ip = f"$({POD_IP_ENV})"
-    operator: dict[str, dict[str, Any]] = {}
+    ours: dict[str, dict[str, Any]] = {}
     if spec.router.precise:
-        operator["kv-events-config"] = kv_events_config(pod_ip, KV_EVENTS_PORT)
+        ours["kv-events-config"] = kv_events_config(pod_ip, KV_EVENTS_PORT)
     if pool.role in KV_ROLES:
         # The container's kv-transfer port, never the engine default.
         config = kv_transfer_config(spec.kv_connector, pool.role, pod_ip, KV_TRANSFER_PORT)
-        operator["kv-transfer-config"] = config
+        ours["kv-transfer-config"] = config
     return merge_json_configs(
-        operator,
+        ours,
         _json_user_args(spec.engine_args, "spec.engineArgs"),
         _json_user_args(pool.engine_args, f"spec.pools.{pool.name}.engineArgs"),
     )
