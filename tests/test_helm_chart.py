@@ -497,7 +497,9 @@ def test_a_schema_violation_fails_install_naming_each_key(helm):
             "keda needs operator.prometheusUrl",
         ),
         (["--set", "modelCache.enabled=false"], "pvc.claimName is empty"),
-        (["--set", "router.standalone.enabled=true"], "router.standalone.model is required"),
+        # The chart's own router is gone (the operator is the router's one source): values
+        # written for it fail at install rather than being ignored.
+        (["--set", "router.standalone.enabled=true"], "additional properties 'router' not allowed"),
         (
             ["--set", "modelDeployment.model.source=image"],
             "at '/modelDeployment/model/image'",
@@ -576,31 +578,15 @@ def test_a_host_path_under_the_allowlist_reaches_the_operator_and_passes_it(helm
     } in volumes
 
 
-def test_api_key_secrets_reach_the_routers(rendered, helm):
+def test_api_key_secrets_reach_the_router(rendered):
     """modelDeployment.apiKeySecret becomes spec.apiKeySecret (the operator's router reads it
-    from the Secret); the standalone router's keys come from Secrets too, never as text."""
+    from the Secret, never as text)."""
     md = one(rendered["disaggregated"], "ModelDeployment")
     assert md["spec"]["apiKeySecret"] == {"name": "llama-pd-api-key", "key": "api-key"}
     router = one(owned_objects(md, {}), "Deployment", "router")
     env = {e["name"]: e for e in router["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["PAGEFLEET_API_KEY"]["valueFrom"]["secretKeyRef"] == md["spec"]["apiKeySecret"]
     assert "apiKeySecret" not in one(rendered["defaults"], "ModelDeployment")["spec"]
-    docs = rendered["standalone-router"]
-    (container,) = one(docs, "Deployment", "router")["spec"]["template"]["spec"]["containers"]
-    assert not [e for e in container["env"] if "API_KEY" in e["name"]]  # none set
-    docs = template(
-        helm,
-        *("-f", str(VALUES_FILES["standalone-router"])),
-        *("--set", "router.standalone.apiKeySecret.name=clients"),
-        *("--set", "router.standalone.upstreamApiKeySecret.name=engines"),
-        *("--set", "router.standalone.upstreamApiKeySecret.key=token"),
-    )
-    (container,) = one(docs, "Deployment", "router")["spec"]["template"]["spec"]["containers"]
-    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
-    assert env == {
-        "PAGEFLEET_API_KEY": {"name": "clients", "key": "api-key"},
-        "PAGEFLEET_UPSTREAM_API_KEY": {"name": "engines", "key": "token"},
-    }
 
 
 def test_colocated_engine_args_gpus_and_placement_reach_the_spec_and_the_pods(rendered):
@@ -687,7 +673,7 @@ def test_disaggregated_pools_get_their_own_args_gpus_and_roles(rendered):
 
 def test_engine_args_in_every_values_file_are_flags_pagefleet_serve_accepts(rendered):
     from pagefleet.common.cli import build_parser
-    from pagefleet.operator.reconcile import engine_flags
+    from pagefleet.common.serve_command import engine_flags
 
     parser = build_parser()
     checked = 0
@@ -895,21 +881,43 @@ def test_operator_command_is_one_pagefleet_accepts(helm):
     assert deployment["spec"]["strategy"]["type"] == "Recreate"
 
 
-def test_standalone_router_command_config_probes_and_rbac(rendered):
+def test_the_router_comes_only_from_the_operator(rendered):
+    """One source for the router's objects: the chart renders none of its own, for any values
+    file; the operator derives them from the chart's ModelDeployment."""
+    for name, docs in rendered.items():
+        components = {
+            d["metadata"].get("labels", {}).get("app.kubernetes.io/component") for d in docs
+        }
+        assert "router" not in components, name
+        for md in objects_of(docs, "ModelDeployment"):
+            owned = owned_objects(md, ci_values(name))
+            for kind in ("Deployment", "Service", "ConfigMap", "ServiceAccount", "Role"):
+                one(owned, kind, "router")
+
+
+def test_the_routers_command_config_probes_and_rbac(rendered):
+    """The router the operator runs for the chart's ModelDeployment: a command `pagefleet`
+    accepts, the scorer weights and P/D threshold from the values, probes, read-only pods."""
     from pagefleet.common.cli import build_parser
     from pagefleet.router.scoring import Pipeline
 
-    docs = rendered["standalone-router"]
+    md = one(rendered["disaggregated"], "ModelDeployment")
+    docs = owned_objects(md, ci_values("disaggregated"))
     deployment = one(docs, "Deployment", "router")
+    assert deployment["spec"]["replicas"] == 2
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    args = build_parser().parse_args(container["args"])
+    assert container["command"][0] == "pagefleet"
+    args = build_parser().parse_args(container["command"][1:])
     assert args.kubernetes_namespace == NAMESPACE
-    assert args.selector == "pagefleet.io/model=llama-3-8b"
-    assert args.model == "llama-3-8b" and args.port == 8080
+    assert (
+        args.selector == "pagefleet.io/deployment=llama-pd,pagefleet.io/model=llama-3.1-8b-instruct"
+    )
+    assert args.model == "llama-3.1-8b-instruct" and args.port == 8080
     config = yaml.safe_load(one(docs, "ConfigMap", "router")["data"]["router.yaml"])
     pipeline = Pipeline.from_config(config)
-    assert pipeline.weights == {"prefix": 4.0, "queue": 2.0, "kv-usage": 1.0, "inflight": 1.0}
+    assert pipeline.weights == {"prefix": 3.0, "queue": 2.0, "kv-usage": 2.0, "inflight": 1.0}
+    assert config["pd_threshold_tokens"] == 256
     mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
     assert Path(mount["mountPath"]) / "router.yaml" == Path(args.config)
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
@@ -925,13 +933,20 @@ def test_standalone_router_command_config_probes_and_rbac(rendered):
         service["spec"]["selector"].items()
         <= deployment["spec"]["template"]["metadata"]["labels"].items()
     )
-    assert not objects_of(docs, "ModelDeployment") and not objects_of(docs, "Role")[1:]
 
 
 def test_every_pod_runs_non_root_read_only_without_privileges(rendered):
+    """The chart's pods (the operator) and those the operator derives from the chart's
+    ModelDeployments (engines and router)."""
+    charts = list(rendered.values())
+    derived = [
+        owned_objects(md, ci_values(name))
+        for name, docs in rendered.items()
+        for md in objects_of(docs, "ModelDeployment")
+    ]
     pods = [
         d["spec"]["template"]["spec"]
-        for docs in rendered.values()
+        for docs in charts + derived
         for d in objects_of(docs, "Deployment")
     ]
     assert len(pods) >= 6
@@ -1057,22 +1072,6 @@ def test_network_policy_values_reach_both_sources(rendered):
     # The operator reaches Prometheus on its URL's port (keda values: :9090).
     keda = one(rendered["keda"], "NetworkPolicy")
     assert ("TCP", 9090, None, ANY) in policy_flows(keda, "egress")
-
-
-def test_the_standalone_routers_policy(rendered):
-    docs = rendered["standalone-router"]
-    policy = one(docs, "NetworkPolicy")
-    assert (
-        policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels(docs, "router").items()
-    )
-    assert policy_flows(policy, "ingress") == {("TCP", 8080, None, ANY)}
-    model_pods = {"podSelector": {"matchLabels": {"pagefleet.io/model": "llama-3-8b"}}}
-    assert policy_flows(policy, "egress") == {
-        *DNS,
-        ("TCP", 443, None, ANY),
-        ("TCP", 6443, None, ANY),
-        ("TCP", 8000, None, json.dumps(model_pods, sort_keys=True)),
-    }
 
 
 def test_network_policies_off_means_none_from_either_source(helm):

@@ -666,3 +666,47 @@ def test_a_missing_api_key_secret_is_reported_until_it_exists():
                 lambda: condition(md_status(client), "Degraded").get("status") == "False",
                 what="Degraded cleared",
             )
+
+
+class _ReadsTogether(KubeClient):
+    """A client whose first two ModelDeployment reads return only once both are made: two
+    reconciles (kopf's handler and the periodic pass) that start at the same moment."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.together = threading.Barrier(2, timeout=15)
+        self.reads = 0
+        self.count = threading.Lock()
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        found = super().get(api_version, kind, namespace, name)
+        if kind == "ModelDeployment":
+            with self.count:
+                self.reads += 1
+                first_two = self.reads <= 2
+            if first_two:
+                self.together.wait()
+        return found
+
+
+def test_concurrent_reconciles_announce_a_problem_once():
+    """Catches reconcile() reading the ModelDeployment before taking its lock: a second,
+    concurrent reconcile then judged the problem new by a status read before the first wrote
+    it, and posted a second ForeignObject event (seen as a flaky
+    test_objects_of_our_names_that_others_own_are_left_alone_and_reported on a busy box)."""
+    with emulator() as url:
+        client = _ReadsTogether(url)
+        client.create(foreign_config_map())
+        client.create(model_deployment())
+        state = OperatorState(OperatorConfig(api_url=url), client)
+        passes = [
+            threading.Thread(target=reconcile, args=(state, NS, "llama", autoscale))
+            for autoscale in (False, True)
+        ]
+        for thread in passes:
+            thread.start()
+        for thread in passes:
+            thread.join(30)
+        assert condition(md_status(client), "Degraded")["reason"] == "ForeignObject"
+        events = client.list("v1", "Event", NS, {})
+        assert [e["reason"] for e in events] == ["ForeignObject"]

@@ -14,8 +14,9 @@ import pytest
 import yaml
 
 from pagefleet.common.cli import main
-from pagefleet.operator.crd import crd, openapi_schema, render_crd
-from pagefleet.operator.reconcile import RenderOptions, desired_objects, engine_flags
+from pagefleet.common.serve_command import engine_flags
+from pagefleet.operator.crd import crd, render_crd
+from pagefleet.operator.reconcile import RenderOptions, desired_objects
 from pagefleet.operator.spec import SpecError, parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -190,7 +191,8 @@ def strict_fields(schema: dict) -> dict:
 
 
 def schema_errors(md: dict) -> list[str]:
-    validator = jsonschema.Draft4Validator(strict_fields(openapi_schema()))
+    schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    validator = jsonschema.Draft4Validator(strict_fields(schema))
     return [e.message for e in validator.iter_errors(md)]
 
 

@@ -65,3 +65,37 @@ def test_simulated_fleets_have_no_kv_transfer_and_bad_sizes_are_refused():
         plan(simulate=True, disaggregated=True)
     with pytest.raises(ValueError, match="--engines"):
         plan(engines=0, disaggregated=False)
+
+
+def test_local_engines_are_told_what_the_operators_pods_are_told():
+    """`pagefleet up` and the operator build engine commands in one place: a local prefill or
+    decode engine gets the flags and JSON config keys the operator gives its pods (only
+    addresses differ), so the local fleet runs engines as a cluster does."""
+    from pagefleet.operator.reconcile import desired_objects
+
+    md = {
+        "metadata": {"name": "pd", "namespace": "serving", "uid": "uid-pd"},
+        "spec": {
+            "model": {"name": "demo", "source": "hostPath", "path": "/srv/m"},
+            "mode": "disaggregated",
+            "pools": {"prefill": {}, "decode": {}},
+        },
+    }
+    pods = {
+        d["metadata"]["name"].removeprefix("pd-"): d["spec"]["template"]["spec"]["containers"][0]
+        for d in desired_objects(md)
+        if d["kind"] == "Deployment"
+    }
+    local = {s.role: s.argv for s in plan()}
+    for role in ("prefill", "decode"):
+        cluster = pods[role]["command"]
+        assert {a for a in local[role] if a.startswith("--")} == {
+            a for a in cluster if a.startswith("--")
+        }
+        for config in ("--kv-events-config", "--kv-transfer-config"):
+            mine, theirs = json.loads(flag(local[role], config)), json.loads(flag(cluster, config))
+            assert mine.keys() == theirs.keys()
+        transfer = json.loads(flag(local[role], "--kv-transfer-config"))
+        cluster_transfer = json.loads(flag(cluster, "--kv-transfer-config"))
+        assert transfer["kv_role"] == cluster_transfer["kv_role"]
+        assert transfer["kv_connector"] == cluster_transfer["kv_connector"] == "nixl"

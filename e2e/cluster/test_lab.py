@@ -479,13 +479,18 @@ def test_probes_restart_and_termination(lab):
     status = restarted[0]["status"]["containerStatuses"][0]
     assert status["lastState"]["terminated"]["exitCode"] == 137  # ignored SIGTERM, got SIGKILL
 
+    # Ready only once its handler is installed (a listening socket after it): on a busy box a
+    # pod Ready at process start got SIGTERM before Python had set the handler.
     polite = deployment(
         "polite",
         """
-        import signal, sys, time
+        import signal, socket, sys, time
         signal.signal(signal.SIGTERM, lambda *_: (print("drained", flush=True), sys.exit(0)))
+        s = socket.socket(); s.bind(("0.0.0.0", 8000)); s.listen()
         time.sleep(600)
         """,
+        ports=[{"name": "http", "containerPort": 8000}],
+        readinessProbe={"tcpSocket": {"port": "http"}, "periodSeconds": 1},
     )
     polite["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 120
     lab.kube.create(polite)

@@ -5,7 +5,7 @@
 {{- end -}}
 
 {{/* <release>-<chart>, or <release> when it already holds the chart name; 52 characters leave
-room for the "-operator"/"-router" suffixes within 63. */}}
+room for the "-operator", "-models" and "-dashboard" suffixes within 63. */}}
 {{- define "pagefleet.fullname" -}}
 {{- if .Values.fullnameOverride -}}
 {{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" -}}
@@ -58,19 +58,6 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{/* The namespaces the operator watches when scope is "namespace" (a YAML list). */}}
 {{- define "pagefleet.common.namespaces" -}}
 {{- toYaml (default (list .Release.Namespace) .Values.operator.watchNamespaces | uniq) -}}
-{{- end -}}
-
-{{- define "pagefleet.router.fullname" -}}
-{{- printf "%s-router" (include "pagefleet.fullname" .) -}}
-{{- end -}}
-
-{{- define "pagefleet.router.serviceAccountName" -}}
-{{- $r := .Values.router.standalone -}}
-{{- if $r.serviceAccount.create -}}
-{{- default (include "pagefleet.router.fullname" .) $r.serviceAccount.name -}}
-{{- else -}}
-{{- default "default" $r.serviceAccount.name -}}
-{{- end -}}
 {{- end -}}
 
 {{- define "pagefleet.modelCache.claimName" -}}

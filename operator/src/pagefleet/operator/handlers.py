@@ -403,15 +403,27 @@ def _pool_reason(pool: Pool, memory: PoolMemory | None) -> str:
 
 def reconcile(state: OperatorState, namespace: str, name: str, autoscale: bool) -> None:
     """Read the ModelDeployment afresh, (optionally) autoscale, apply, write status."""
-    client = state.client
-    md = client.get(f"{GROUP}/{VERSION}", "ModelDeployment", namespace, name)
-    if md is None or md["metadata"].get("deletionTimestamp"):
-        return  # gone or going: what it owns is the garbage collector's
+    md = _live_model_deployment(state.client, namespace, name)
+    if md is None:
+        return
     uid = md["metadata"]["uid"]
     with state.lock(uid):
-        _reconcile_locked(state, md, autoscale)
+        # Read again under the lock: a reconcile that held it may have just written the status
+        # this one judges news by (and announces problems from).
+        md = _live_model_deployment(state.client, namespace, name)
+        if md is not None and md["metadata"]["uid"] == uid:
+            _reconcile_locked(state, md, autoscale)
         if autoscale:
             state.passed(uid)
+
+
+def _live_model_deployment(client: KubeClient, namespace: str, name: str) -> dict | None:
+    """The ModelDeployment, or None when it is gone or going (what it owns is then the
+    garbage collector's)."""
+    md = client.get(f"{GROUP}/{VERSION}", "ModelDeployment", namespace, name)
+    if md is None or md["metadata"].get("deletionTimestamp"):
+        return None
+    return md
 
 
 def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:

@@ -10,12 +10,28 @@ from typing import Any
 
 import yaml
 
-from pagefleet.common.names import GROUP, KIND, LABEL_MODEL, LABEL_ROLE, VERSION
+from pagefleet.common.names import (
+    GROUP,
+    KIND,
+    LABEL_INSTANCE,
+    LABEL_MODEL,
+    LABEL_POOL,
+    LABEL_ROLE,
+    VERSION,
+)
+from pagefleet.common.serve_command import (
+    JSON_ENGINE_ARGS,
+    KV_ROLES,
+    ServeCommand,
+    engine_flags,
+    kv_events_config,
+    kv_transfer_config,
+    merge_json_configs,
+    serve_argv,
+)
 from pagefleet.operator.crd import POOL_NAMES
 from pagefleet.operator.network_policy import PolicyInputs, PolicyPeers, pool_policy, router_policy
 from pagefleet.operator.spec import (
-    JSON_ENGINE_ARGS,
-    EngineArg,
     Pool,
     SecretKeyRef,
     Spec,
@@ -27,23 +43,13 @@ from pagefleet.operator.spec import (
 
 HTTP_PORT = 8000
 KV_EVENTS_PORT = 5557
-KV_REPLAY_PORT = 5558
+KV_REPLAY_PORT = KV_EVENTS_PORT + 1  # the engine replays missed events here
 KV_TRANSFER_PORT = 14579
 ROUTER_PORT = 8080
 MODEL_MOUNT = "/models"
-LABEL_INSTANCE = "pagefleet.io/deployment"
-LABEL_POOL = "pagefleet.io/pool"
 ROUTER_CONFIG_FILE = "/etc/pagefleet/router.yaml"
 # The engine container's own pod IP (downward API); the kubelet expands $(POD_IP) in commands.
 POD_IP_ENV = "POD_IP"
-# Bound to the pod's own address, never every interface; only the router subscribes.
-KV_EVENTS_CONFIG = {
-    "enable_kv_cache_events": True,
-    "publisher": "zmq",
-    "endpoint": f"tcp://$({POD_IP_ENV}):{KV_EVENTS_PORT}",
-    # A router that starts (or restarts) late replays what it missed here: it dials port + 1.
-    "replay_endpoint": f"tcp://$({POD_IP_ENV}):{KV_REPLAY_PORT}",
-}
 # The fleet secret (pagefleet/fleet_auth.py): one Secret per ModelDeployment, made once by the
 # operator, mounted into the router and every engine. Its second key is the API key engines
 # require and the router sends them (so a client's key never opens an engine).
@@ -56,8 +62,6 @@ UPSTREAM_API_KEY_ENV = "PAGEFLEET_UPSTREAM_API_KEY"
 # NIXL's UCX TCP transport listens on a random port; pinned to this range on prefill and decode
 # pods (UCX_TCP_PORT_RANGE) so that NetworkPolicies can open exactly it between them.
 UCX_PORTS = (14580, 14609)
-# vLLM's NixlConnector roles: prefill produces KV blocks, decode consumes them.
-KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # KEDA (2.13+) stops scaling a ScaledObject with this annotation set to "true".
 KEDA_PAUSED = "autoscaling.keda.sh/paused"
 
@@ -220,19 +224,6 @@ def engine_api_key(ctx: _Context) -> SecretKeyRef:
     return SecretKeyRef(fleet_secret_name(ctx.name), ENGINE_API_KEY)
 
 
-def engine_flags(args: dict[str, EngineArg]) -> list[str]:
-    """vLLM-style flags: `--key value`, bools as `--key` / `--no-key`."""
-    flags: list[str] = []
-    for key, value in args.items():
-        if value is True:
-            flags.append(f"--{key}")
-        elif value is False:
-            flags.append(f"--no-{key}")
-        else:
-            flags.extend([f"--{key}", str(value)])
-    return flags
-
-
 def _model_path(spec: Spec) -> str:
     model = spec.model
     if model.source == "pvc" and model.path:
@@ -240,59 +231,48 @@ def _model_path(spec: Spec) -> str:
     return MODEL_MOUNT
 
 
-def kv_transfer_config(spec: Spec, pool: Pool) -> dict[str, Any]:
-    """A prefill or decode pod's KV-transfer settings. Each pod advertises its own IP, and
-    binds there too (kv_bind_host defaults to kv_ip): the one address its peers dial, which
-    also works on IPv6-only clusters, where 0.0.0.0 would not listen on the pod's address."""
-    return {
-        "kv_connector": spec.kv_connector,
-        "kv_role": KV_ROLES[pool.role],
-        "kv_ip": f"$({POD_IP_ENV})",
-        "kv_port": KV_TRANSFER_PORT,  # the container's kv-transfer port, never the engine default
-    }
-
-
 def json_engine_args(spec: Spec, pool: Pool) -> dict[str, dict[str, Any]]:
     """The JSON-valued flags: the operator's keys, then the deployment-wide engineArgs' keys,
     then the pool's, each merged over the last (a user's kv_connector keeps the pod's kv_ip).
-    KV events only where the router follows them (precise index)."""
-    merged: dict[str, dict[str, Any]] = {}
+    KV events only where the router follows them (precise index), bound to the pod's own
+    address, never every interface. Each pod advertises its own IP for KV transfer, and binds
+    there too: the one address its peers dial, which also works on IPv6-only clusters, where
+    0.0.0.0 would not listen on the pod's address."""
+    pod_ip = f"$({POD_IP_ENV})"
+    ours: dict[str, dict[str, Any]] = {}
     if spec.router.precise:
-        merged["kv-events-config"] = dict(KV_EVENTS_CONFIG)
+        ours["kv-events-config"] = kv_events_config(pod_ip, KV_EVENTS_PORT)
     if pool.role in KV_ROLES:
-        merged["kv-transfer-config"] = kv_transfer_config(spec, pool)
-    layers = (
-        ("spec.engineArgs", spec.engine_args),
-        (f"spec.pools.{pool.name}.engineArgs", pool.engine_args),
+        # The container's kv-transfer port, never the engine default.
+        config = kv_transfer_config(spec.kv_connector, pool.role, pod_ip, KV_TRANSFER_PORT)
+        ours["kv-transfer-config"] = config
+    return merge_json_configs(
+        ours,
+        _json_user_args(spec.engine_args, "spec.engineArgs"),
+        _json_user_args(pool.engine_args, f"spec.pools.{pool.name}.engineArgs"),
     )
-    for where, args in layers:
-        for key in JSON_ENGINE_ARGS:
-            if key in args:
-                merged[key] = {**merged.get(key, {}), **json_object(args[key], f"{where}.{key}")}
-    return merged
+
+
+def _json_user_args(args: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
+    return {k: json_object(args[k], f"{where}.{k}") for k in JSON_ENGINE_ARGS if k in args}
 
 
 def engine_command(spec: Spec, pool: Pool) -> list[str]:
     """The operator's flags first, the user's engineArgs after: argparse keeps the last value,
     so any operator default can be overridden (the JSON-valued ones are merged instead)."""
-    command = [
-        "pagefleet",
-        "serve",
-        _model_path(spec),
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(HTTP_PORT),
-        "--served-model-name",
-        spec.model.name,
-        "--fleet-secret-file",
-        FLEET_SECRET_FILE,
-    ]
-    for key, config in json_engine_args(spec, pool).items():
-        command += [f"--{key}", json.dumps(config, separators=(",", ":"))]
     # The pool's engineArgs override the deployment-wide ones, key by key.
     user = {**spec.engine_args, **pool.engine_args}
-    return command + engine_flags({k: v for k, v in user.items() if k not in JSON_ENGINE_ARGS})
+    command = ServeCommand(
+        program="pagefleet",
+        model=_model_path(spec),
+        host="0.0.0.0",
+        port=HTTP_PORT,
+        served_model_name=spec.model.name,
+        fleet_secret_file=FLEET_SECRET_FILE,
+        json_args=json_engine_args(spec, pool),
+        user_flags=engine_flags({k: v for k, v in user.items() if k not in JSON_ENGINE_ARGS}),
+    )
+    return serve_argv(command)
 
 
 def _model_volume(spec: Spec) -> tuple[dict, list[dict]]:

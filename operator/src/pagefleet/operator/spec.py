@@ -11,6 +11,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from pagefleet.common import __version__
+from pagefleet.common.serve_command import JSON_ENGINE_ARGS, EngineArg
 from pagefleet.operator.crd import (
     AUTOSCALING_DEFAULTS,
     AUTOSCALING_MODES,
@@ -28,10 +29,6 @@ from pagefleet.operator.crd import (
 
 DEFAULT_IMAGE = f"ghcr.io/pagefleet/pagefleet:{__version__}"
 ROLE_OF_POOL = {"colocated": "both", "prefill": "prefill", "decode": "decode"}
-EngineArg = str | int | float | bool
-# Engine flags whose value is a JSON object: the operator sets some of their keys, and a user's
-# keys merge over them (rather than replacing the whole object).
-JSON_ENGINE_ARGS = ("kv-events-config", "kv-transfer-config")
 
 
 class SpecError(ValueError):

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagefleet.common.names import LABEL_INSTANCE, LABEL_POOL
 from pagefleet.operator.autoscale import Recommendation, window_to_status
-from pagefleet.operator.reconcile import LABEL_INSTANCE, LABEL_POOL
 
 
 @dataclass(frozen=True)

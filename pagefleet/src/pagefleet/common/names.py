@@ -7,4 +7,6 @@ PLURAL = "modeldeployments"
 
 LABEL_MODEL = "pagefleet.io/model"
 LABEL_ROLE = "pagefleet.io/role"
-ROLES = ("prefill", "decode", "both")
+# The ModelDeployment a pod belongs to, and its pool (colocated | prefill | decode).
+LABEL_INSTANCE = "pagefleet.io/deployment"
+LABEL_POOL = "pagefleet.io/pool"

@@ -22,10 +22,19 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+
+from pagefleet.common.serve_command import (
+    KV_ROLES,
+    ServeCommand,
+    kv_events_config,
+    kv_transfer_config,
+    serve_argv,
+)
 
 BANNER = """pagefleet is up: {summary}
 Router (OpenAI API): {router}
@@ -85,7 +94,9 @@ def free_port_pair(host: str = "127.0.0.1") -> int:
     raise OSError("no free pair of ports")
 
 
-def plan_fleet(opts: FleetOptions, pagefleet: str, free_pair=None) -> list[ChildSpec]:
+def plan_fleet(
+    opts: FleetOptions, pagefleet: str, free_pair: Callable[[], int] | None = None
+) -> list[ChildSpec]:
     """The processes of a local fleet: engines first, the router last."""
     if opts.simulate and opts.disaggregated:
         raise ValueError("--simulate has no KV to transfer: use --no-disaggregated with it")
@@ -95,44 +106,42 @@ def plan_fleet(opts: FleetOptions, pagefleet: str, free_pair=None) -> list[Child
     roles = ["both"] * opts.engines + (["prefill", "decode"] if opts.disaggregated else [])
     engines, events = [], []
     for i, role in enumerate(roles):
-        port, events_port = free_pair(), free_pair()
-        events.append(f"tcp://{opts.host}:{events_port}")
-        argv = [pagefleet, "serve", opts.model, "--host", opts.host, "--port", str(port)]
-        argv += ["--served-model-name", opts.served_model_name]
-        argv += [
-            "--kv-events-config",
-            json.dumps(
-                {
-                    "enable_kv_cache_events": True,
-                    "endpoint": f"tcp://{opts.host}:{events_port}",
-                    "replay_endpoint": f"tcp://{opts.host}:{events_port + 1}",
-                }
-            ),
-        ]
-        if role != "both":
-            kv = {
-                "kv_connector": opts.connector,
-                "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-                "kv_ip": opts.host,
-                "kv_port": free_pair(),
-            }
-            argv += ["--kv-transfer-config", json.dumps(kv)]
-        if opts.simulate:
-            argv.append("--simulate")
-        argv += _secret_flags(opts)
-        argv += opts.engine_args
-        name = f"engine-{i}" if role == "both" else role
-        engines.append(ChildSpec(name, role, argv, f"http://{opts.host}:{port}"))
+        engine, events_endpoint = _engine_child(opts, pagefleet, i, role, free_pair)
+        engines.append(engine)
+        events.append(events_endpoint)
     endpoints = ",".join(e.url + ("" if e.role == "both" else f"@{e.role}") for e in engines)
     router = [pagefleet, "router", "--host", opts.host, "--port", str(opts.port)]
     router += ["--endpoints", endpoints, "--model", opts.served_model_name]
     router += ["--prefix-index", "precise", "--kv-events-endpoints", ",".join(events)]
-    router += ["--tokenizer", opts.model, *_secret_flags(opts)]
+    router += ["--tokenizer", opts.model]
+    if opts.fleet_secret_file:
+        router += ["--fleet-secret-file", opts.fleet_secret_file]
     return [*engines, ChildSpec("router", "router", router, f"http://{opts.host}:{opts.port}")]
 
 
-def _secret_flags(opts: FleetOptions) -> list[str]:
-    return ["--fleet-secret-file", opts.fleet_secret_file] if opts.fleet_secret_file else []
+def _engine_child(
+    opts: FleetOptions, pagefleet: str, index: int, role: str, free_pair: Callable[[], int]
+) -> tuple[ChildSpec, str]:
+    """One engine process and the endpoint of its KV events."""
+    port, events_port = free_pair(), free_pair()
+    json_args = {"kv-events-config": kv_events_config(opts.host, events_port)}
+    if role in KV_ROLES:
+        kv = kv_transfer_config(opts.connector, role, opts.host, free_pair())
+        json_args["kv-transfer-config"] = kv
+    command = ServeCommand(
+        program=pagefleet,
+        model=opts.model,
+        host=opts.host,
+        port=port,
+        served_model_name=opts.served_model_name,
+        fleet_secret_file=opts.fleet_secret_file,
+        json_args=json_args,
+        simulate=opts.simulate,
+        user_flags=opts.engine_args,
+    )
+    name = f"engine-{index}" if role == "both" else role
+    child = ChildSpec(name, role, serve_argv(command), f"http://{opts.host}:{port}")
+    return child, json_args["kv-events-config"]["endpoint"]
 
 
 def write_fleet_secret(directory: Path) -> Path:

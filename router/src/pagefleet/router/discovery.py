@@ -18,13 +18,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from pagefleet.common.names import LABEL_ROLE
+from pagefleet.common.names import LABEL_INSTANCE, LABEL_POOL, LABEL_ROLE
 from pagefleet.router.scoring import Pod
 
 logger = logging.getLogger("pagefleet.router")
-# As the operator labels engine pods (operator/reconcile.py, operator/spec.py).
-LABEL_INSTANCE = "pagefleet.io/deployment"
-LABEL_POOL = "pagefleet.io/pool"
 LABEL_TEMPLATE_HASH = "pod-template-hash"  # set by the Deployment controller
 ROLE_OF_POOL = {"colocated": "both", "prefill": "prefill", "decode": "decode"}
 
