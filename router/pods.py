@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,7 +29,6 @@ class PodStatus:
     ejected: bool = False
     block_size: int = 16
     started: float | None = None  # the engine process's start time, to notice restarts
-    models_seen: set[str] = field(default_factory=set)
 
 
 def parse_metrics(text: str) -> dict[str, float | dict]:
