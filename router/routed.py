@@ -66,10 +66,6 @@ class RoutedRequest:
     attempts: list[Attempt] = field(default_factory=list)
 
     @property
-    def model(self) -> str:
-        return self.routing.model
-
-    @property
     def blocks(self) -> int:
         """Prompt blocks, in the smallest block size (the unit the scorers count in)."""
         return len(self.routing.block_hashes)

@@ -29,7 +29,6 @@ class Pod:
     models: frozenset[str] = frozenset()
     healthy: bool = True
     waiting: float = 0.0
-    running: float = 0.0
     kv_usage: float = 0.0
     inflight: int = 0
     active_blocks: int = 0  # prompt blocks of the requests in flight (router's own count)
