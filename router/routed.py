@@ -5,8 +5,9 @@ the candidates in the picker's order), where it went (one `Attempt` per pod it w
 a prefill pod, then the serving pod and any retries), the P/D decision and the outcome.
 
 The bookkeeping around sending a request to a pod lives in hooks, as in llm-d's endpoint
-picker (pre-request / post-response plugins): each hook's `before` runs when an attempt is
-dispatched, its `after` once when the attempt's outcome is known. Later decisions see the
+picker (its PreRequest and ResponseComplete plugins): each hook's `before` runs when an
+attempt is dispatched, its `after` once when the attempt's outcome is known, whatever it is
+(an answer relayed, a failure before the first byte, a client gone). Later decisions see the
 books at once: the prefix index predicts the blocks the pod will hold, the pod's in-flight
 counts grow; a pod that never took the request gives its predicted blocks back.
 """
