@@ -5,7 +5,7 @@ prefix index where some pods hold parts of the prompts, and the demo tokenizer. 
 `continuing` (each prompt is an earlier prompt plus a new ~100-token turn: chats resend their
 history, users share system prompts; the router's prompt cache tokenizes only the new part)
 and `cold` (a 32k-token text never seen before: the tokenizer runs over all of it). Prints
-p50/p99 of `Router.rank` (the whole decision) against the target p99 < 2 ms.
+p50/p99 of `Router.decide` (the whole decision) against the target p99 < 2 ms.
 
     .venv/bin/python benchmarks/router_decision.py [--pods 64] [--tokens 32768]
 """
@@ -65,7 +65,7 @@ def timed(router: Router, prompts: list[str]) -> list[float]:
     out = []
     for prompt in prompts:
         t0 = time.perf_counter()
-        router.rank("/v1/completions", {"model": "m", "prompt": prompt})
+        router.decide("/v1/completions", {"model": "m", "prompt": prompt})
         out.append(time.perf_counter() - t0)
     return out
 
@@ -91,7 +91,7 @@ def main() -> None:
             router.index.apply(
                 pod, [BlockStored(hashes[: rng.randint(1, len(hashes))], None, [], 16)]
             )
-        router.rank("/v1/completions", {"model": "m", "prompt": conv})  # the router saw it
+        router.decide("/v1/completions", {"model": "m", "prompt": conv})  # the router saw it
     continuing = []
     for k in range(args.decisions):  # each decision: a conversation grows by one turn
         i = k % len(convs)

@@ -125,33 +125,52 @@ def test_prefix_affinity_beats_load_with_default_weights_and_load_breaks_ties():
     pipe = Pipeline.from_config()
     rng = random.Random(0)
     warm = RoutingRequest("m", H, prefix_matches={"a": 8})
-    decision = pipe.pick(warm, pods(), rng)
+    decision = pipe.pick(warm, pods(), rng)[0]
     assert decision.pod.name == "a"  # 3 x 1.0 prefix outweighs its somewhat heavier load
     swamped = [
         Pod("a", "http://a", waiting=40, kv_usage=1.0, inflight=30, models=frozenset({"m"})),
         *pods()[1:],
     ]
-    assert pipe.pick(warm, swamped, rng).pod.name == "b"  # but not a swamped one
+    assert pipe.pick(warm, swamped, rng)[0].pod.name == "b"  # but not a swamped one
     assert decision.contributions["prefix"] == pytest.approx(3.0)
     cold = RoutingRequest("m", H)
-    assert pipe.pick(cold, pods(), rng).pod.name == "b"  # least loaded
+    assert pipe.pick(cold, pods(), rng)[0].pod.name == "b"  # least loaded
     assert set(decision.contributions) == set(DEFAULT_WEIGHTS)
 
 
 def test_scores_are_in_unit_range_and_ties_are_broken_at_random():
     pipe = Pipeline.from_config({"scorers": {"queue": 1.0}})
     twins = [Pod("x", "http://x"), Pod("y", "http://y")]
-    seen = {pipe.pick(RoutingRequest("m", H), twins, random.Random(s)).pod.name for s in range(20)}
+    seen = {
+        pipe.pick(RoutingRequest("m", H), twins, random.Random(s))[0].pod.name for s in range(20)
+    }
     assert seen == {"x", "y"}
-    for score, _, parts in Pipeline.from_config().rank(RoutingRequest("m", H), pods()):
+    for c in Pipeline.from_config().rank(RoutingRequest("m", H), pods()):
         weights = DEFAULT_WEIGHTS
-        assert all(0 <= parts[k] <= weights[k] for k in parts)
-        assert score == pytest.approx(sum(parts.values()))
+        assert all(0 <= c.contributions[k] <= weights[k] for k in c.contributions)
+        assert c.score == pytest.approx(sum(c.contributions.values()))
+
+
+def test_the_picker_is_a_plugin_chosen_by_config():
+    """The live router tries pods in the picker's order: max-score puts a tie among the best
+    in random order (an idle fleet must not send everything to one pod) and keeps the
+    fallbacks best first; random ignores the scores."""
+    idle = [Pod("x", "http://x"), Pod("y", "http://y"), Pod("busy", "http://z", waiting=9)]
+    req = RoutingRequest("m", H)
+    max_score = Pipeline.from_config({"scorers": {"queue": 1.0}})
+    orders = [[c.pod.name for c in max_score.pick(req, idle, random.Random(s))] for s in range(20)]
+    assert {tuple(o[:2]) for o in orders} == {("x", "y"), ("y", "x")}
+    assert all(o[2] == "busy" for o in orders)
+    rand = Pipeline.from_config({"scorers": {"queue": 1.0}, "picker": "random"})
+    firsts = {rand.pick(req, idle, random.Random(s))[0].pod.name for s in range(40)}
+    assert firsts == {"x", "y", "busy"}
+    with pytest.raises(ValueError, match="unknown plugins"):
+        Pipeline.from_config({"picker": "best-guess"})
 
 
 def test_no_candidate_gives_no_decision_and_bad_configs_are_refused():
     pipe = Pipeline.from_config()
-    assert pipe.pick(RoutingRequest("unknown-model", H), pods()[3:4], random.Random(0)) is None
+    assert pipe.pick(RoutingRequest("unknown-model", H), pods()[3:4], random.Random(0)) == []
     with pytest.raises(ValueError, match="unknown plugins"):
         Pipeline.from_config({"scorers": {"magic": 1}})
     with pytest.raises(ValueError, match=">= 0"):
@@ -165,13 +184,13 @@ def test_kv_cost_prefers_a_hit_until_the_pods_backlog_outweighs_prefilling_elsew
     hot, cold = Pod("hot", "u"), Pod("cold", "u")
     pipeline = Pipeline(["healthy"], {"kv-cost": 1.0})
     rng = random.Random(0)
-    assert pipeline.pick(req, [hot, cold], rng).pod.name == "hot"
+    assert pipeline.pick(req, [hot, cold], rng)[0].pod.name == "hot"
     backlog = int((len(H) + 1) / ACTIVE_BLOCK_COST)  # in-flight work worth more than a prefill
     hot.begin(blocks=backlog)
-    assert pipeline.pick(req, [hot, cold], rng).pod.name == "cold"
+    assert pipeline.pick(req, [hot, cold], rng)[0].pod.name == "cold"
     hot.end(blocks=backlog)
     assert (hot.inflight, hot.active_blocks) == (0, 0)
-    assert pipeline.pick(req, [hot, cold], rng).pod.name == "hot"
+    assert pipeline.pick(req, [hot, cold], rng)[0].pod.name == "hot"
 
 
 def test_disaggregate_only_when_enough_of_the_prompt_is_uncached_on_the_decode_pod():

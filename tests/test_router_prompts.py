@@ -103,10 +103,10 @@ def test_pods_with_another_block_size_are_matched_on_their_own_hashes(tiny_check
     ids = tok.encode(body["prompt"])
     router.index.apply("b8", [BlockStored(hash_blocks(ids, 8), None, [], 8)])
     router.index.apply("b16", [BlockStored(hash_blocks(ids, 16)[:2], None, [], 16)])
-    ranked, by_size, request = router.rank("/v1/completions", body)
-    assert set(by_size) == {8, 16}
-    assert request.prefix_matches == {"b8": len(ids) // 8, "b16": 4}  # in 8-token blocks
-    assert ranked[0][1].name == "b8"
+    routed = router.decide("/v1/completions", body)
+    assert set(routed.hashes) == {8, 16}
+    assert routed.routing.prefix_matches == {"b8": len(ids) // 8, "b16": 4}  # 8-token blocks
+    assert routed.candidates[0].pod.name == "b8"
 
 
 def test_stale_load_reads_as_the_fleet_mean_not_as_idle():

@@ -2,10 +2,13 @@
 
 Per request: tokenize (the model's tokenizer, or fixed character chunks without one), hash
 blocks with the engines' own function, look the hashes up in the prefix index, rank pods
-(filters -> scorers -> picker), record the decision at once (in-flight count, speculative
-prefix entries), forward, and stream the answer back untouched. A connect error or a 5xx
-before the first byte is retried on the next-best pod; after the first byte the client gets
-an SSE error event.
+(filters -> scorers -> picker) into a `RoutedRequest`, forward, and stream the answer back
+untouched. Each request sent to a pod runs the router's hooks (`routed.py`) before it leaves
+and once its outcome is known: they keep the in-flight counts, the speculative prefix entries
+and the metrics. A connect error or a 5xx before the first byte is retried on the next
+candidate; after the first byte the client gets an SSE error event.
+
+The handlers are module-level functions over one `AppState` (on `app.state.router`).
 
 Every request's work is bounded: the body is limited before it is read (413), parsing and
 tokenizing run on a thread of their own (never on the event loop that answers /health and
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import random
@@ -57,7 +61,18 @@ from pagefleet.router.pd import (
 from pagefleet.router.pods import PodRegistry
 from pagefleet.router.prefix_index import PrefixIndex
 from pagefleet.router.prompt_cache import PromptCache
-from pagefleet.router.scoring import Pipeline, RoutingRequest
+from pagefleet.router.routed import (
+    PREFILL,
+    Attempt,
+    DispatchCounters,
+    DispatchMetrics,
+    Hooks,
+    InflightLoad,
+    Outcome,
+    PrefixRecording,
+    RoutedRequest,
+)
+from pagefleet.router.scoring import Candidate, Pipeline, RoutingRequest
 
 logger = logging.getLogger("pagefleet.router")
 CHARS_PER_TOKEN = 4  # the tokenizer-less fallback hashes fixed character chunks
@@ -80,7 +95,63 @@ class RouterConfig:
     max_body_bytes: int = 4 << 20  # 413 beyond
 
 
+@dataclass
+class RouterMetrics:
+    """The router's own Prometheus registry and series."""
+
+    registry: CollectorRegistry
+    decision: Histogram
+    pd: Counter  # per P/D decision
+    dispatch: DispatchCounters
+
+    @classmethod
+    def create(cls, pods: PodRegistry) -> RouterMetrics:
+        m = CollectorRegistry()
+        m.register(_RegistryCollector(pods))
+        return cls(
+            m,
+            Histogram(
+                "pagefleet_router:decision_seconds",
+                "Time to pick a pod.",
+                buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2),
+                registry=m,
+            ),
+            Counter(
+                "pagefleet_router:pd_decisions",
+                "Prefill/decode decisions: disaggregated, decode_only, prefill_failed, "
+                "no_prefill_pod, no_fleet_secret.",
+                ["outcome"],
+                registry=m,
+            ),
+            DispatchCounters(
+                requests=Counter(
+                    "pagefleet_router:requests", "Requests sent, per pod.", ["pod"], registry=m
+                ),
+                prompt_blocks=Counter(
+                    "pagefleet_router:prompt_blocks", "Prompt blocks routed.", registry=m
+                ),
+                predicted_hit_blocks=Counter(
+                    "pagefleet_router:predicted_hit_blocks",
+                    "Prompt blocks predicted cached on the chosen pod.",
+                    registry=m,
+                ),
+                scorer_contribution=Counter(
+                    "pagefleet_router:scorer_contribution",
+                    "Sum of weighted scores of chosen pods, per scorer.",
+                    ["scorer"],
+                    registry=m,
+                ),
+                retries=Counter(
+                    "pagefleet_router:retries", "Requests retried on another pod.", registry=m
+                ),
+            ),
+        )
+
+
 class Router:
+    """The routing decision: prompt -> block hashes -> prefix matches -> the pipeline's
+    candidates, and the hooks that keep the books on each request sent."""
+
     def __init__(
         self,
         registry: PodRegistry,
@@ -95,56 +166,23 @@ class Router:
         self.config, self.tokenizer, self.clock = config, tokenizer, clock
         self.prompt_cache = PromptCache(tokenizer) if tokenizer is not None else None
         self.signer = FieldSigner(config.fleet_secret) if config.fleet_secret else None
-        # Parsing and tokenizing: one thread (the tokenizer and prompt cache are its alone).
-        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="router-tokenize")
         self.rng = random.Random(seed)
-        self._expired_at = 0.0
         # Optional: a factory(callback) -> discovery with start()/stop(), for dynamic pods.
         self.discovery = None
-        self.metrics = CollectorRegistry()
-        m = self.metrics
-        self.m_requests = Counter(
-            "pagefleet_router:requests", "Requests sent, per pod.", ["pod"], registry=m
+        self.metrics = RouterMetrics.create(registry)
+        self.hooks = Hooks(
+            [
+                PrefixRecording(index, registry.block_size, clock),
+                InflightLoad(),
+                DispatchMetrics(self.metrics.dispatch),
+            ]
         )
-        self.m_decision = Histogram(
-            "pagefleet_router:decision_seconds",
-            "Time to pick a pod.",
-            buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2),
-            registry=m,
-        )
-        self.m_contrib = Counter(
-            "pagefleet_router:scorer_contribution",
-            "Sum of weighted scores of chosen pods, per scorer.",
-            ["scorer"],
-            registry=m,
-        )
-        self.m_hit_blocks = Counter(
-            "pagefleet_router:predicted_hit_blocks",
-            "Prompt blocks predicted cached on the chosen pod.",
-            registry=m,
-        )
-        self.m_blocks = Counter(
-            "pagefleet_router:prompt_blocks", "Prompt blocks routed.", registry=m
-        )
-        self.m_retries = Counter(
-            "pagefleet_router:retries", "Requests retried on another pod.", registry=m
-        )
-        self.m_pd = Counter(
-            "pagefleet_router:pd_decisions",
-            "Prefill/decode decisions: disaggregated, decode_only, prefill_failed, no_prefill_pod, "
-            "no_fleet_secret.",
-            ["outcome"],
-            registry=m,
-        )
-        m.register(_RegistryCollector(registry))
         if tokenizer is None:
             logger.warning(
                 "no tokenizer: prefix hashing falls back to %d-character chunks per "
                 "token; prefix predictions are approximate",
                 CHARS_PER_TOKEN,
             )
-
-    # ------------------------------------------------------------------ routing
 
     def prompt_hashes(self, path: str, body: dict, block_size: int) -> list:
         """The block hashes of the prompt's first ROUTING_PREFIX_CHARS, tokenized as the engine
@@ -188,51 +226,42 @@ class Router:
     def hashes_by_size(self, path: str, body: dict, sizes: list[int]) -> dict[int, list]:
         return {bs: self.prompt_hashes(path, body, bs) for bs in sizes}
 
-    def rank(self, path: str, body: dict, role: str | None = None, by_size: dict | None = None):
-        """Pods best first; `by_size` (hashes per block size) when already computed."""
+    def decide(
+        self, path: str, body: dict, role: str | None = None, hashes: dict | None = None
+    ) -> RoutedRequest:
+        """Rank the pods for a request: its candidates in the picker's order. `hashes` (per
+        block size) when already computed."""
         started = time.perf_counter()
         now = self.clock()
         pods = self.registry.pods(now)
         sizes = sorted({self.registry.block_size(p.name) for p in pods} or {16})
-        by_size = dict(by_size or {})
+        hashes = dict(hashes or {})
         for bs in sizes:  # a pod with another block size may have arrived meanwhile
-            if bs not in by_size:
-                by_size[bs] = self.prompt_hashes(path, body, bs)
+            if bs not in hashes:
+                hashes[bs] = self.prompt_hashes(path, body, bs)
         matches: dict[str, int] = {}
-        for bs, hashes in by_size.items():
-            found = self.index.match(hashes, now)
+        for bs, of_size in hashes.items():
+            found = self.index.match(of_size, now)
             for p in pods:
                 if self.registry.block_size(p.name) == bs and p.name in found:
                     # counted in blocks of the smallest size, so fractions compare
                     matches[p.name] = found[p.name] * bs // sizes[0]
-        request = RoutingRequest(
+        routing = RoutingRequest(
             model=body.get("model") or "",
-            block_hashes=by_size[sizes[0]],
+            block_hashes=hashes[sizes[0]],
             role=role,
             prefix_matches=matches,
         )
-        ranked = self.pipeline.rank(request, pods)
-        if len(ranked) > 1 and ranked[0][0] - ranked[1][0] <= 1e-9:
-            best = [r for r in ranked if ranked[0][0] - r[0] <= 1e-9]
-            self.rng.shuffle(best)  # random tie-break
-            ranked = best + ranked[len(best) :]
-        self.m_decision.observe(time.perf_counter() - started)
-        return ranked, by_size, request
+        candidates = self.pipeline.pick(routing, pods, self.rng)
+        self.metrics.decision.observe(time.perf_counter() - started)
+        return RoutedRequest(path, body, hashes, routing, candidates)
 
-    def commit(self, pod_name: str, by_size: dict, request: RoutingRequest, parts: dict) -> list:
-        """Record the decision before the answer: later requests see it at once. Returns what
-        the index newly recorded, to take back if the pod fails."""
-        now = self.clock()
-        if now - self._expired_at > 1.0:
-            self.index.expire(now)
-            self._expired_at = now
-        added = self.index.record(pod_name, by_size[self.registry.block_size(pod_name)], now)
-        self.m_requests.labels(pod_name).inc()
-        self.m_blocks.inc(len(request.block_hashes))
-        self.m_hit_blocks.inc(request.prefix_matches.get(pod_name, 0))
-        for scorer, value in parts.items():
-            self.m_contrib.labels(scorer).inc(value)
-        return added
+    def prefill_candidates(self, routed: RoutedRequest) -> list[Candidate]:
+        """Prefill pods for a request, in the picker's order (matched as for its decode pod)."""
+        pods = [p for p in self.registry.pods(self.clock()) if p.role == "prefill"]
+        return self.pipeline.pick(
+            dataclasses.replace(routed.routing, role="prefill"), pods, self.rng
+        )
 
 
 class _RegistryCollector:
@@ -278,209 +307,254 @@ def _parse(raw: bytes) -> dict:
     return body
 
 
-def build_router_app(router: Router) -> FastAPI:
+@dataclass
+class AppState:
+    """What the handlers share, one per app (on `app.state.router`)."""
+
+    router: Router
+    client: httpx.AsyncClient
+    # Parsing and tokenizing: one thread (the tokenizer and prompt cache are its alone).
+    tokenizing: ThreadPoolExecutor
+
+    @property
+    def config(self) -> RouterConfig:
+        return self.router.config
+
+
+def build_router_app(router: Router, client: httpx.AsyncClient | None = None) -> FastAPI:
+    """The router's HTTP app; `client` (the one the app closes) reaches the engines."""
     config = router.config
-    client = httpx.AsyncClient(
-        timeout=httpx.Timeout(config.read_timeout, connect=config.connect_timeout),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+    if client is None:
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(config.read_timeout, connect=config.connect_timeout),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+    app = FastAPI(title="pagefleet router", lifespan=_lifespan)
+    app.state.router = AppState(
+        router, client, ThreadPoolExecutor(1, thread_name_prefix="router-tokenize")
     )
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        loop = asyncio.get_running_loop()
-        discovery = None
-        if router.discovery is not None:
-            # Discovery runs on its own thread; pod sets are applied on this loop.
-            discovery = router.discovery(
-                lambda pods: loop.call_soon_threadsafe(router.registry.set_pods, pods)
-            ).start()
-        scraper = asyncio.ensure_future(router.registry.run(client))
-        yield
-        scraper.cancel()
-        if discovery is not None:
-            discovery.stop()
-        router.tokenizing.shutdown(wait=False, cancel_futures=True)
-        await client.aclose()
-
-    app = FastAPI(title="pagefleet router", lifespan=lifespan)
     # Inside the key check (middleware added later wraps it): bodies of clients without the
     # key are never read.
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
-
-    @app.exception_handler(APIError)
-    async def _apierror_response(_, exc: APIError):
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
-
-    async def on_tokenizing_thread(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(router.tokenizing, fn, *args)
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        denied = check_api_key(
-            request.headers.get("authorization", ""),
-            config.api_key,
-            request.url.path,
-            ("/health", "/livez", "/metrics"),
-        )
-        return denied if denied is not None else await call_next(request)
-
-    @app.get("/livez")
-    async def livez():
-        # Liveness: this process serves. Never tied to the engines, or the kubelet would
-        # restart a working router while engines load, in an outage and at zero replicas.
-        return Response(status_code=200)
-
-    @app.get("/health")
-    async def health():
-        healthy = [p for p in router.registry.pods(router.clock()) if p.healthy]
-        if not healthy:
-            return error_response(503, "no healthy engine", "service_unavailable")
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(generate_latest(router.metrics), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models():
-        for pod in router.registry.pods(router.clock()):
-            if pod.healthy:
-                try:
-                    r = await client.get(
-                        f"{pod.url}/v1/models",
-                        headers=_forward_headers({}, config.upstream_api_key),
-                    )
-                    return JSONResponse(r.json(), r.status_code)
-                except (httpx.HTTPError, ValueError):
-                    continue
-        return error_response(503, "no healthy engine", "service_unavailable")
-
-    async def proxy(path: str, request: Request):
-        raw = await request.body()
-        body = await on_tokenizing_thread(_parse, raw)
-        refuse_fleet_fields(body)
-        if config.model and body.get("model") not in (None, config.model):
-            return error_response(
-                404, f"model {body.get('model')!r} does not exist", "not_found_error"
-            )
-        role = "decode" if router.registry.has_role("decode") else None
-        try:
-            by_size = await on_tokenizing_thread(
-                router.hashes_by_size, path, body, router.block_sizes()
-            )
-            ranked, by_size, routing = router.rank(path, body, role, by_size)
-        except (TypeError, AttributeError, ValueError, KeyError) as e:
-            # The engine would refuse it too; say so here rather than with a 500.
-            return error_response(400, f"invalid request body: {e}")
-        if not ranked:
-            return error_response(503, "no engine can serve this request", "service_unavailable")
-        headers = _forward_headers(dict(request.headers), config.upstream_api_key)
-        pd_params = None
-        # Only a decode pod pulls blocks (a colocated pod may have no KV connector).
-        if ranked[0][1].role == "decode" and router.registry.has_role("prefill"):
-            outcome = await maybe_prefill(path, body, headers, request, routing, by_size, ranked)
-            if outcome is _CLIENT_LEFT:
-                return Response(status_code=499)
-            if outcome is not None:
-                pd_params = outcome
-                decode = decode_body(body, pd_params)
-                raw = json.dumps(decode).encode()
-                headers = signed_headers(headers, decode, router.signer)
-        response = await forward(path, body, raw, headers, request, routing, by_size, ranked)
-        if pd_params is not None and response.status_code != 200:
-            # No decode pod took the blocks (a 200 means one did, and it releases them).
-            await release_prefill_soon(pd_params, config.fleet_secret)
-        return response
-
-    async def maybe_prefill(path, body, headers, request, routing, by_size, ranked):
-        """Run the prefill pod's part if the request is worth it; returns its
-        kv_transfer_params, None (the decode pod prefills) or _CLIENT_LEFT."""
-        if router.signer is None:  # engines refuse unsigned kv_transfer_params
-            router.m_pd.labels("no_fleet_secret").inc()
-            return None
-        decode_pod = ranked[0][1]
-        cached = routing.prefix_matches.get(decode_pod.name, 0)
-        size = min(by_size)
-        if not should_disaggregate(
-            len(routing.block_hashes), cached, size, config.pd_threshold_tokens
-        ):
-            router.m_pd.labels("decode_only").inc()
-            return None
-        prefill_pods = [p for p in router.registry.pods(router.clock()) if p.role == "prefill"]
-        ranked_p = router.pipeline.rank(dataclasses.replace(routing, role="prefill"), prefill_pods)
-        if not ranked_p:
-            router.m_pd.labels("no_prefill_pod").inc()
-            return None
-        _, pod, parts = ranked_p[0]
-        blocks = len(routing.block_hashes)
-        router.commit(pod.name, by_size, routing, parts)
-        pod.begin(blocks)
-        task = asyncio.ensure_future(
-            run_prefill(client, pod.url, path, body, headers, config.prefill_timeout, router.signer)
-        )
-        gone = asyncio.ensure_future(wait_disconnect(request))
-        try:
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            pod.end(blocks)
-        if not task.done():  # the client left: closing the connection aborts the prefill
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            return _CLIENT_LEFT
-        result = task.result()
-        if result.kv_transfer_params is None:
-            router.m_pd.labels("prefill_failed").inc()
-            logger.warning("%s; the decode pod prefills locally", result.error)
-            return None
-        router.m_pd.labels("disaggregated").inc()
-        return result.kv_transfer_params
-
-    async def forward(path, body, raw, headers, request, routing, by_size, ranked):
-        """Send to the best pod, the next on a failure before the first byte."""
-        last_error = "no attempt"
-        blocks = len(routing.block_hashes)
-        for attempt, (_, pod, parts) in enumerate(ranked[: config.max_attempts]):
-            if attempt:
-                router.m_retries.inc()
-            added = router.commit(pod.name, by_size, routing, parts)
-            pod.begin(blocks)
-            upstream = client.build_request(
-                "POST", f"{pod.url}{path}", content=raw, headers=headers
-            )
-            try:
-                response = await _send_unless_client_leaves(client, upstream, request)
-            except httpx.HTTPError as e:
-                response, last_error = None, f"{pod.name}: {e!r}"
-            except _ClientLeft:
-                pod.end(blocks)  # closing the upstream connection aborts it on the engine
-                return Response(status_code=499)
-            if response is not None and response.status_code < 500:
-                return _relay(response, pod, blocks, body.get("stream", False))
-            if response is not None:
-                await response.aclose()
-                last_error = f"{pod.name}: HTTP {response.status_code}"
-            pod.end(blocks)
-            router.index.unrecord(pod.name, added)  # it never got those blocks
-        return error_response(502, f"no engine answered ({last_error})", "bad_gateway")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await proxy("/v1/completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await proxy("/v1/chat/completions", request)
-
+    app.middleware("http")(_check_key)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_api_route("/livez", livez, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     return app
+
+
+def _state(request: Request) -> AppState:
+    return request.app.state.router
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    state: AppState = app.state.router
+    router = state.router
+    loop = asyncio.get_running_loop()
+    discovery = None
+    if router.discovery is not None:
+        # Discovery runs on its own thread; pod sets are applied on this loop.
+        discovery = router.discovery(
+            functools.partial(loop.call_soon_threadsafe, router.registry.set_pods)
+        ).start()
+    scraper = asyncio.ensure_future(router.registry.run(state.client))
+    yield
+    scraper.cancel()
+    if discovery is not None:
+        discovery.stop()
+    state.tokenizing.shutdown(wait=False, cancel_futures=True)
+    await state.client.aclose()
+
+
+async def _api_error(_: Request, exc: APIError) -> Response:
+    return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+
+async def _check_key(request: Request, call_next):
+    denied = check_api_key(
+        request.headers.get("authorization", ""),
+        _state(request).config.api_key,
+        request.url.path,
+        ("/health", "/livez", "/metrics"),
+    )
+    return denied if denied is not None else await call_next(request)
+
+
+async def livez() -> Response:
+    # Liveness: this process serves. Never tied to the engines, or the kubelet would
+    # restart a working router while engines load, in an outage and at zero replicas.
+    return Response(status_code=200)
+
+
+async def health(request: Request) -> Response:
+    router = _state(request).router
+    if not any(p.healthy for p in router.registry.pods(router.clock())):
+        return error_response(503, "no healthy engine", "service_unavailable")
+    return Response(status_code=200)
+
+
+async def metrics(request: Request) -> Response:
+    registry = _state(request).router.metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def models(request: Request) -> Response:
+    state = _state(request)
+    for pod in state.router.registry.pods(state.router.clock()):
+        if pod.healthy:
+            try:
+                r = await state.client.get(
+                    f"{pod.url}/v1/models",
+                    headers=_forward_headers({}, state.config.upstream_api_key),
+                )
+                return JSONResponse(r.json(), r.status_code)
+            except (httpx.HTTPError, ValueError):
+                continue
+    return error_response(503, "no healthy engine", "service_unavailable")
+
+
+async def completions(request: Request) -> Response:
+    return await proxy(_state(request), "/v1/completions", request)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await proxy(_state(request), "/v1/chat/completions", request)
+
+
+async def _on_tokenizing_thread(state: AppState, fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(state.tokenizing, fn, *args)
+
+
+async def proxy(state: AppState, path: str, request: Request) -> Response:
+    """Parse, decide, maybe disaggregate, forward."""
+    router, config = state.router, state.config
+    raw = await request.body()
+    body = await _on_tokenizing_thread(state, _parse, raw)
+    refuse_fleet_fields(body)
+    if config.model and body.get("model") not in (None, config.model):
+        return error_response(404, f"model {body.get('model')!r} does not exist", "not_found_error")
+    role = "decode" if router.registry.has_role("decode") else None
+    try:
+        hashes = await _on_tokenizing_thread(
+            state, router.hashes_by_size, path, body, router.block_sizes()
+        )
+        routed = router.decide(path, body, role, hashes)
+    except (TypeError, AttributeError, ValueError, KeyError) as e:
+        # The engine would refuse it too; say so here rather than with a 500.
+        return error_response(400, f"invalid request body: {e}")
+    if not routed.candidates:
+        return error_response(503, "no engine can serve this request", "service_unavailable")
+    routed.payload = raw
+    routed.headers = _forward_headers(dict(request.headers), config.upstream_api_key)
+    # Only a decode pod pulls blocks (a colocated pod may have no KV connector).
+    if routed.candidates[0].pod.role == "decode" and router.registry.has_role("prefill"):
+        await disaggregate(state, routed, request)
+        if routed.outcome is Outcome.CLIENT_LEFT:
+            return Response(status_code=499)
+    response = await forward(state, routed, request)
+    if routed.kv_transfer_params is not None and response.status_code != 200:
+        # No decode pod took the blocks (a 200 means one did, and it releases them).
+        await release_prefill_soon(routed.kv_transfer_params, config.fleet_secret)
+    return response
+
+
+async def disaggregate(state: AppState, routed: RoutedRequest, request: Request) -> None:
+    """Have a prefill pod compute the prompt if the request is worth it; on success the
+    request to the decode pod carries the prefill pod's kv_transfer_params, signed."""
+    routed.pd = await _prefill(state, routed, request)
+    if routed.pd is not None:
+        state.router.metrics.pd.labels(routed.pd).inc()
+
+
+async def _prefill(state: AppState, routed: RoutedRequest, request: Request) -> str | None:
+    """The P/D decision, after running the prefill if it is worth one; None if the client
+    left meanwhile."""
+    router, config = state.router, state.config
+    if router.signer is None:  # engines refuse unsigned kv_transfer_params
+        return "no_fleet_secret"
+    cached = routed.routing.prefix_matches.get(routed.candidates[0].pod.name, 0)
+    if not should_disaggregate(
+        routed.blocks, cached, min(routed.hashes), config.pd_threshold_tokens
+    ):
+        return "decode_only"
+    prefill = router.prefill_candidates(routed)
+    if not prefill:
+        return "no_prefill_pod"
+    attempt = router.hooks.dispatch(routed, prefill[0], PREFILL)
+    task = asyncio.ensure_future(
+        run_prefill(
+            state.client,
+            attempt.candidate.pod.url,
+            routed.path,
+            routed.body,
+            routed.headers,
+            config.prefill_timeout,
+            router.signer,
+        )
+    )
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        router.hooks.finish(routed, attempt, _prefill_outcome(task))
+    if not task.done():  # the client left: closing the connection aborts the prefill
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    result = task.result()
+    if result.kv_transfer_params is None:
+        logger.warning("%s; the decode pod prefills locally", result.error)
+        return "prefill_failed"
+    routed.kv_transfer_params = result.kv_transfer_params
+    decode = decode_body(routed.body, result.kv_transfer_params)
+    routed.payload = json.dumps(decode).encode()
+    routed.headers = signed_headers(routed.headers, decode, router.signer)
+    return "disaggregated"
+
+
+def _prefill_outcome(task: asyncio.Future) -> Outcome:
+    if not task.done():
+        return Outcome.CLIENT_LEFT
+    if task.cancelled() or task.result().kv_transfer_params is None:
+        return Outcome.PREFILL_FAILED
+    return Outcome.PREFILLED
+
+
+async def forward(state: AppState, routed: RoutedRequest, request: Request) -> Response:
+    """Send to the first candidate, the next on a failure before the first byte."""
+    router, client = state.router, state.client
+    last_error = "no attempt"
+    for candidate in routed.candidates[: state.config.max_attempts]:
+        attempt = router.hooks.dispatch(routed, candidate)
+        pod = candidate.pod
+        upstream = client.build_request(
+            "POST", f"{pod.url}{routed.path}", content=routed.payload, headers=routed.headers
+        )
+        try:
+            response = await _send_unless_client_leaves(client, upstream, request)
+        except httpx.HTTPError as e:
+            response, last_error = None, f"{pod.name}: {e!r}"
+        except _ClientLeft:  # closing the upstream connection aborts it on the engine
+            router.hooks.finish(routed, attempt, Outcome.CLIENT_LEFT)
+            return Response(status_code=499)
+        if response is not None and response.status_code < 500:
+            return _relay(response, router.hooks, routed, attempt)
+        if response is not None:
+            await response.aclose()
+            last_error = f"{pod.name}: HTTP {response.status_code}"
+        router.hooks.finish(routed, attempt, Outcome.REFUSED)
+    return error_response(502, f"no engine answered ({last_error})", "bad_gateway")
 
 
 class _ClientLeft(Exception):
     pass
-
-
-_CLIENT_LEFT = object()
 
 
 async def _send_unless_client_leaves(client: httpx.AsyncClient, upstream, request: Request):
@@ -510,29 +584,37 @@ def _forward_headers(request_headers: dict, api_key: str | None) -> dict:
     return headers
 
 
-def _relay(response: httpx.Response, pod, blocks: int, streaming: bool) -> StreamingResponse:
-    async def body():
-        try:
-            async for chunk in response.aiter_raw():
-                yield chunk
-        except httpx.HTTPError as e:  # after the first byte: a clean SSE error, then the end
-            if streaming:
-                error = {
-                    "error": {
-                        "message": f"engine {pod.name} failed mid-stream: {e!r}",
-                        "type": "upstream_error",
-                        "param": None,
-                        "code": 502,
-                    }
-                }
-                yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            pod.end(blocks)
-            await response.aclose()
+def _relay(
+    response: httpx.Response, hooks: Hooks, routed: RoutedRequest, attempt: Attempt
+) -> StreamingResponse:
+    return StreamingResponse(
+        _relayed_body(response, hooks, routed, attempt),
+        status_code=response.status_code,
+        headers={
+            k: v
+            for k, v in response.headers.items()
+            if k.lower() in ("content-type", "x-request-id", "retry-after")
+        },
+    )
 
-    headers = {
-        k: v
-        for k, v in response.headers.items()
-        if k.lower() in ("content-type", "x-request-id", "retry-after")
-    }
-    return StreamingResponse(body(), status_code=response.status_code, headers=headers)
+
+async def _relayed_body(
+    response: httpx.Response, hooks: Hooks, routed: RoutedRequest, attempt: Attempt
+):
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as e:  # after the first byte: a clean SSE error, then the end
+        if routed.body.get("stream", False):
+            error = {
+                "error": {
+                    "message": f"engine {attempt.pod_name} failed mid-stream: {e!r}",
+                    "type": "upstream_error",
+                    "param": None,
+                    "code": 502,
+                }
+            }
+            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        hooks.finish(routed, attempt, Outcome.RELAYED)
+        await response.aclose()

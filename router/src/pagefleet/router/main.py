@@ -62,7 +62,7 @@ def add_router_parser(sub) -> None:
         "--config",
         default=None,
         help="YAML: {filters: [healthy, model, role], scorers: {prefix: 3, "
-        "queue: 2, kv-usage: 2, inflight: 1}}",
+        "queue: 2, kv-usage: 2, inflight: 1}, picker: max-score (or random)}",
     )
     p.add_argument(
         "--kv-events-port",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
@@ -29,7 +29,6 @@ class PodStatus:
     ejected: bool = False
     block_size: int = 16
     started: float | None = None  # the engine process's start time, to notice restarts
-    models_seen: set[str] = field(default_factory=set)
 
 
 class PodRegistry:
@@ -75,18 +74,14 @@ class PodRegistry:
         fresh = [st.pod for st in self.status.values() if now - st.scraped_at <= self.stale_after]
         mean = {
             key: (sum(getattr(p, key) for p in fresh) / len(fresh)) if fresh else 0.0
-            for key in ("waiting", "running", "kv_usage")
+            for key in ("waiting", "kv_usage")
         }
         result = []
         for st in self.status.values():
             pod = st.pod
             pod.healthy = not st.ejected
             if now - st.scraped_at > self.stale_after:
-                pod.waiting, pod.running, pod.kv_usage = (
-                    mean["waiting"],
-                    mean["running"],
-                    mean["kv_usage"],
-                )
+                pod.waiting, pod.kv_usage = mean["waiting"], mean["kv_usage"]
             result.append(pod)
         return result
 
@@ -125,8 +120,7 @@ class PodRegistry:
             if self.on_lost:
                 self.on_lost(pod.name)
         st.started = started if started is not None else st.started
-        pod.waiting, pod.running = float(values["waiting"]), float(values["running"])
-        pod.kv_usage = float(values["kv_usage"])
+        pod.waiting, pod.kv_usage = float(values["waiting"]), float(values["kv_usage"])
         cache = values.get("cache")
         if cache:
             blocks = int(float(cache.get("num_gpu_blocks", 0) or 0))

@@ -1,8 +1,10 @@
 """Endpoint picking as a pipeline of small plugins: filters -> weighted scorers -> picker.
 
-Pure: it sees plain data about pods and the request and returns a choice with its reasons.
-Each scorer maps every candidate pod to [0, 1]; the picker takes the highest weighted sum and
-breaks ties at random (with the generator it is given).
+Pure: it sees plain data about pods and the request and returns candidates with their reasons.
+Each scorer maps every candidate pod to [0, 1]; the picker orders the scored candidates into
+the order the router tries them (as llm-d's endpoint picker returns its targets): `max-score`
+takes the highest weighted sum and breaks ties at random (with the generator it is given).
+All three kinds are chosen by name in the router's config.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ class Pod:
     models: frozenset[str] = frozenset()
     healthy: bool = True
     waiting: float = 0.0
-    running: float = 0.0
     kv_usage: float = 0.0
     inflight: int = 0
     active_blocks: int = 0  # prompt blocks of the requests in flight (router's own count)
@@ -51,15 +52,19 @@ class RoutingRequest:
     prefix_matches: dict[str, int] = field(default_factory=dict)  # pod -> leading blocks held
 
 
-@dataclass
-class Decision:
+@dataclass(frozen=True)
+class Candidate:
+    """A pod that passed the filters, with its weighted score and each scorer's part of it."""
+
     pod: Pod
     score: float
-    contributions: dict[str, float]  # scorer -> weighted score of the chosen pod
+    contributions: dict[str, float]  # scorer -> weighted score
 
 
 Filter = Callable[[RoutingRequest, list[Pod]], list[Pod]]
 Scorer = Callable[[RoutingRequest, list[Pod]], dict[str, float]]
+# Candidates best score first -> the order to try them (the first is the choice).
+Picker = Callable[[list[Candidate], random.Random], list[Candidate]]
 
 
 def healthy_filter(req: RoutingRequest, pods: list[Pod]) -> list[Pod]:
@@ -125,6 +130,23 @@ def kv_cost_scorer(req: RoutingRequest, pods: list[Pod]) -> dict[str, float]:
     return {name: (low + 1) / (c + 1) for name, c in cost.items()}
 
 
+TIE = 1e-9  # scores this close are equal
+
+
+def max_score_picker(ranked: list[Candidate], rng: random.Random) -> list[Candidate]:
+    """The best score first, a tie among the best broken at random (a fixed order would send
+    every request of an idle fleet to one pod); the rest stay best first, for retries."""
+    tied = [c for c in ranked if ranked[0].score - c.score <= TIE]
+    if len(tied) > 1:
+        rng.shuffle(tied)
+    return tied + ranked[len(tied) :]
+
+
+def random_picker(ranked: list[Candidate], rng: random.Random) -> list[Candidate]:
+    """Scores ignored: any candidate, uniformly (a baseline for the scorers to beat)."""
+    return rng.sample(ranked, len(ranked))
+
+
 FILTERS: dict[str, Filter] = {"healthy": healthy_filter, "model": model_filter, "role": role_filter}
 SCORERS: dict[str, Scorer] = {
     "prefix": prefix_scorer,
@@ -133,44 +155,52 @@ SCORERS: dict[str, Scorer] = {
     "inflight": inflight_scorer,
     "kv-cost": kv_cost_scorer,
 }
+PICKERS: dict[str, Picker] = {"max-score": max_score_picker, "random": random_picker}
 
 
 class Pipeline:
-    def __init__(self, filters: Sequence[str], weights: dict[str, float]) -> None:
+    def __init__(
+        self, filters: Sequence[str], weights: dict[str, float], picker: str = "max-score"
+    ) -> None:
         unknown = [f for f in filters if f not in FILTERS]
         unknown += [s for s in weights if s not in SCORERS]
+        unknown += [picker] if picker not in PICKERS else []
         if unknown:
             raise ValueError(
-                f"unknown plugins {unknown}; filters: {sorted(FILTERS)}, scorers: {sorted(SCORERS)}"
+                f"unknown plugins {unknown}; filters: {sorted(FILTERS)}, "
+                f"scorers: {sorted(SCORERS)}, pickers: {sorted(PICKERS)}"
             )
         if any(w < 0 for w in weights.values()):
             raise ValueError("scorer weights must be >= 0")
         self.filters = [FILTERS[f] for f in filters]
         self.weights = {name: w for name, w in weights.items() if w > 0}
+        self.picker = PICKERS[picker]
 
     @classmethod
     def from_config(cls, config: dict | None = None) -> Pipeline:
-        """From the router's YAML config: `{filters: [...], scorers: {name: weight}}`."""
+        """From the router's YAML config:
+        `{filters: [...], scorers: {name: weight}, picker: name}`."""
         config = config or {}
-        unknown = set(config) - {"filters", "scorers", "pd_threshold_tokens"}
+        known = ("filters", "scorers", "picker", "pd_threshold_tokens")
+        unknown = set(config) - set(known)
         if unknown:
             raise ValueError(
-                f"router config: unknown keys {sorted(unknown)}; "
-                "known: filters, scorers, pd_threshold_tokens"
+                f"router config: unknown keys {sorted(unknown)}; known: {', '.join(known)}"
             )
         filters = config.get("filters", ["healthy", "model", "role"])
         weights = config.get("scorers", DEFAULT_WEIGHTS)
+        picker = config.get("picker", "max-score")
         if not isinstance(filters, list) or not isinstance(weights, dict):
             raise ValueError("router config: filters must be a list, scorers a mapping")
-        return cls(filters, {str(k): float(v) for k, v in weights.items()})
+        return cls(filters, {str(k): float(v) for k, v in weights.items()}, str(picker))
 
     def candidates(self, req: RoutingRequest, pods: list[Pod]) -> list[Pod]:
         for f in self.filters:
             pods = f(req, pods)
         return pods
 
-    def rank(self, req: RoutingRequest, pods: list[Pod]) -> list[tuple[float, Pod, dict]]:
-        """Candidates best first, each with its score and per-scorer contributions."""
+    def rank(self, req: RoutingRequest, pods: list[Pod]) -> list[Candidate]:
+        """Candidates best score first (equal scores in the pods' order)."""
         pods = self.candidates(req, pods)
         if not pods:
             return []
@@ -178,15 +208,12 @@ class Pipeline:
         ranked = []
         for pod in pods:
             parts = {name: w * per_scorer[name][pod.name] for name, w in self.weights.items()}
-            ranked.append((sum(parts.values()), pod, parts))
-        ranked.sort(key=lambda r: r[0], reverse=True)
+            ranked.append(Candidate(pod, sum(parts.values()), parts))
+        ranked.sort(key=lambda c: c.score, reverse=True)
         return ranked
 
-    def pick(self, req: RoutingRequest, pods: list[Pod], rng: random.Random) -> Decision | None:
+    def pick(self, req: RoutingRequest, pods: list[Pod], rng: random.Random) -> list[Candidate]:
+        """The candidates in the order to try them: the picker's choice first, then the
+        fallbacks for a pod that fails before answering. Empty: no pod can serve `req`."""
         ranked = self.rank(req, pods)
-        if not ranked:
-            return None
-        best = ranked[0][0]
-        tied = [r for r in ranked if best - r[0] <= 1e-9]
-        score, pod, parts = rng.choice(tied)
-        return Decision(pod, score, parts)
+        return self.picker(ranked, rng) if ranked else []

@@ -1,0 +1,86 @@
+"""The router's books on a routed request, in-process (the app over mock engines): what a
+request sent to a pod books when it leaves is settled once its outcome is known."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from pagefleet.router.app import Router, RouterConfig, build_router_app
+from pagefleet.router.pods import PodRegistry
+from pagefleet.router.prefix_index import PrefixIndex
+from pagefleet.router.routed import Outcome
+from pagefleet.router.scoring import Pipeline, Pod
+
+PROMPT = "a prompt long enough for a few blocks of routing hashes " * 8
+
+
+def _router(index: PrefixIndex) -> Router:
+    """Two pods, "down" preferred on load: the choice depends on no tie-break."""
+    registry = PodRegistry()
+    registry.set_pods([Pod("down", "http://down"), Pod("up", "http://up")])
+    for status in registry.status.values():
+        status.scraped_at = 0.0  # fresh at the router's clock
+    registry.status["up"].pod.waiting = 5.0
+    pipeline = Pipeline.from_config({"scorers": {"queue": 1.0}})
+    return Router(registry, index, pipeline, RouterConfig(), clock=lambda: 0.0)
+
+
+def _engines(request: httpx.Request) -> httpx.Response:
+    if request.url.host == "down":
+        return httpx.Response(503, json={"error": {"message": "overloaded"}})
+    # A stream, as a real engine's answer is (the router relays it raw).
+    body = json.dumps({"choices": [{"text": "ok"}]}).encode()
+    return httpx.Response(
+        200, headers={"content-type": "application/json"}, stream=httpx.ByteStream(body)
+    )
+
+
+async def _complete(router: Router) -> httpx.Response:
+    engines = httpx.AsyncClient(transport=httpx.MockTransport(_engines))
+    app = build_router_app(router, client=engines)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": PROMPT})
+    await engines.aclose()
+    return response
+
+
+def _metric(router: Router, name: str, labels: dict | None = None) -> float:
+    value = router.metrics.registry.get_sample_value(name, labels)
+    return value or 0.0
+
+
+def test_a_refused_request_gives_its_blocks_back_and_every_pod_its_load():
+    """Catches bookkeeping skipped on an outcome: an in-flight count that never falls back
+    skews every later decision, and blocks predicted on a pod that never took the request
+    pull that prompt's later requests towards it."""
+    index = PrefixIndex("approximate")
+    router = _router(index)
+    response = asyncio.run(_complete(router))
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "ok"
+    hashes = router.prompt_hashes("/v1/completions", {"prompt": PROMPT}, 16)
+    assert len(hashes) > 2
+    assert index.match(hashes, now=0.0) == {"up": len(hashes)}  # "down" gave its blocks back
+    for status in router.registry.status.values():
+        assert (status.pod.inflight, status.pod.active_blocks) == (0, 0)
+    assert _metric(router, "pagefleet_router:retries_total") == 1
+    for pod in ("down", "up"):
+        assert _metric(router, "pagefleet_router:requests_total", {"pod": pod}) == 1
+
+
+def test_an_attempt_is_settled_once_whatever_reports_its_outcome():
+    """Catches a double settle (a relay's end after a failure path already settled): the
+    pod's in-flight count would go negative and it would attract more than its share."""
+    router = _router(PrefixIndex("approximate"))
+    routed = router.decide("/v1/completions", {"model": "m", "prompt": PROMPT})
+    assert [c.pod.name for c in routed.candidates] == ["down", "up"]
+    attempt = router.hooks.dispatch(routed, routed.candidates[0])
+    pod = routed.candidates[0].pod
+    assert (pod.inflight, pod.active_blocks) == (1, routed.blocks)
+    router.hooks.finish(routed, attempt, Outcome.CLIENT_LEFT)
+    router.hooks.finish(routed, attempt, Outcome.RELAYED)
+    assert (pod.inflight, pod.active_blocks) == (0, 0)
+    assert routed.outcome is Outcome.CLIENT_LEFT and routed.chosen is routed.candidates[0]
