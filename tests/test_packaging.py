@@ -87,6 +87,11 @@ def _pip(venv: Path, *args: str, cwd: Path) -> None:
 def test_every_module_is_found_at_its_file_path():
     files = _src_files()
     assert len(files) > 50
+    tracked = subprocess.run(
+        ["git", "ls-files", *ROLE_DIRS], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    strays = [f for f in tracked if f.endswith(".py") and f.split("/")[1] != "src"]
+    assert not strays, f"modules outside a role's src/ never import: {strays}"
     for name, path in files:
         spec = importlib.util.find_spec(name)
         assert spec is not None and Path(spec.origin).resolve() == path.resolve(), (name, spec)

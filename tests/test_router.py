@@ -80,12 +80,15 @@ def test_repeated_prompt_sticks_to_its_pod_and_hits_its_cache(tiny_checkpoints):
             assert second.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
             assert metric_value(engine, "vllm:prefix_cache_hits_total") - hits_before >= 240
             assert routed_pod(router)[pod] >= 2
-            # Streams pass through untouched, ending in [DONE].
+            # Streams pass through untouched, ending in [DONE]. (How many tokens share a chunk
+            # depends on how fast the client reads: the text, not the chunk count, is checked.)
             with httpx.stream(
                 "POST", f"{router}/v1/completions", timeout=60, json={**body, "stream": True}
             ) as r:
                 lines = [x for x in r.iter_lines() if x.startswith("data: ")]
-            assert lines[-1] == "data: [DONE]" and len(lines) >= 5
+            assert lines[-1] == "data: [DONE]" and len(lines) >= 2
+            chunks = [json.loads(x[6:])["choices"][0]["text"] for x in lines[:-1]]
+            assert "".join(chunks) == first.json()["choices"][0]["text"]
 
 
 def test_precise_index_follows_engine_events(tiny_checkpoints):

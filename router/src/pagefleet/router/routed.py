@@ -21,7 +21,7 @@ from typing import Protocol
 
 from prometheus_client import Counter
 
-from pagefleet.block_hash import BlockHash
+from pagefleet.common.block_hash import BlockHash
 from pagefleet.router.prefix_index import PrefixIndex
 from pagefleet.router.scoring import Candidate, RoutingRequest
 
