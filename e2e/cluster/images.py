@@ -19,7 +19,11 @@ DOCKERFILE = REPO_ROOT / "deploy" / "docker" / "Dockerfile.cpu"
 IMAGE_VENV = "/opt/pagefleet"
 # PATH of the python:*-slim base image, which the Dockerfile's `ENV PATH=...:$PATH` extends.
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-PROJECT_REPOSITORY = "ghcr.io/pagefleet/pagefleet"
+PROJECT_REPOSITORY = "ghcr.io/pagefleet/pagefleet"  # the engine
+# The router's and the operator's images (Dockerfile.slim): their Dockerfile's environment, run
+# from the same virtualenv (the router process keeps torch out: tests/test_packaging.py).
+SLIM_DOCKERFILE = REPO_ROOT / "deploy" / "docker" / "Dockerfile.slim"
+SLIM_REPOSITORIES = ("ghcr.io/pagefleet/pagefleet-router", "ghcr.io/pagefleet/pagefleet-operator")
 
 
 def final_stage(dockerfile: str) -> list[tuple[str, str]]:
@@ -65,13 +69,20 @@ def image_from_dockerfile(dockerfile: str, venv: str) -> Image:
     return Image(env=env, entrypoint=entrypoint, cmd=cmd, user=user, workdir=workdir)
 
 
-def project_image() -> Image:
-    """The project's image, running this checkout's virtualenv (and the Python it links to)."""
+def project_image(dockerfile: Path = DOCKERFILE) -> Image:
+    """One of the project's images, running this checkout's virtualenv (and the Python it links
+    to) with the environment its Dockerfile sets."""
     venv = str(Path(sys.executable).parent.parent)
-    base = image_from_dockerfile(DOCKERFILE.read_text(), venv)
+    base = image_from_dockerfile(dockerfile.read_text(), venv)
     python_home = str(Path(os.path.realpath(sys.executable)).parent.parent)
     expose = tuple(sorted({venv, python_home, str(REPO_ROOT)}))
     return Image(**{**base.__dict__, "expose": expose})
+
+
+def project_images() -> dict[str, Image]:
+    """Every image the chart and the operator name, by repository."""
+    slim = project_image(SLIM_DOCKERFILE)
+    return {PROJECT_REPOSITORY: project_image(), **dict.fromkeys(SLIM_REPOSITORIES, slim)}
 
 
 def files_image(files: dict[str, str]) -> Image:

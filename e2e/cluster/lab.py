@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from .api import LabApi, Res, serve
 from .controllers import ControllerManager, is_ready
-from .images import PROJECT_REPOSITORY, project_image
+from .images import project_images
 from .kubelet import CREATED_MOUNT_POINTS, SHIM, Kubelet, NodeConfig
 from .labels import parse_selector
 from .net import LabNetwork, enter_netns, leftover_namespaces, other_labs
@@ -181,7 +181,7 @@ class Lab:
         self.root = Path(root)
         self.claims = claims or {}
         self.host_paths = host_paths or {}
-        self.images = {PROJECT_REPOSITORY: project_image(), **(images or {})}
+        self.images = {**project_images(), **(images or {})}
         self.time = TimeScale(time_factor)
         self.network = LabNetwork(f"pfl{os.getpid()}x{id(self) % 10000}")
         self.kube = Kube(self)

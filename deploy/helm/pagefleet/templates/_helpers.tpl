@@ -43,6 +43,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{- define "pagefleet.routerImage" -}}
+{{- printf "%s:%s" .Values.routerImage.repository (default .Chart.AppVersion .Values.routerImage.tag) -}}
+{{- end -}}
+
+{{- define "pagefleet.operatorImage" -}}
+{{- printf "%s:%s" .Values.operatorImage.repository (default .Chart.AppVersion .Values.operatorImage.tag) -}}
+{{- end -}}
+
 {{- define "pagefleet.operator.fullname" -}}
 {{- printf "%s-operator" (include "pagefleet.fullname" .) -}}
 {{- end -}}

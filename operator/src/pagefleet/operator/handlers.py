@@ -42,7 +42,14 @@ from pagefleet.operator.reconcile import (
     pool_selector,
     retired_objects,
 )
-from pagefleet.operator.spec import Pool, SecretKeyRef, Spec, SpecError, parse_spec
+from pagefleet.operator.spec import (
+    DEFAULT_ROUTER_IMAGE,
+    Pool,
+    SecretKeyRef,
+    Spec,
+    SpecError,
+    parse_spec,
+)
 from pagefleet.operator.status import Observed, PoolObserved, build_status
 
 log = logging.getLogger("pagefleet.operator")
@@ -51,6 +58,7 @@ log = logging.getLogger("pagefleet.operator")
 @dataclass(frozen=True)
 class OperatorConfig:
     default_image: str | None = None
+    router_image: str = DEFAULT_ROUTER_IMAGE
     prometheus_url: str | None = None
     metrics_port: int = 8000
     # One periodic pass per ModelDeployment does both the drift check and the autoscaler's
@@ -451,6 +459,7 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
             replicas,
             config.network_policy,
             config.allowed_host_paths,
+            config.router_image,
         )
         foreign, incomplete = apply_all(client, md, options)
         for pool in spec.pools:

@@ -29,8 +29,14 @@ def add_operator_parser(sub) -> None:
     p.add_argument(
         "--image",
         default=None,
-        help="engine/router image for ModelDeployments that give none "
+        help="engine image for ModelDeployments that give none "
         "(default: ghcr.io/pagefleet/pagefleet:<version>)",
+    )
+    p.add_argument(
+        "--router-image",
+        default=None,
+        help="image of every router the operator runs "
+        "(default: ghcr.io/pagefleet/pagefleet-router:<version>)",
     )
     p.add_argument(
         "--autoscale-interval",
@@ -124,6 +130,7 @@ def run_operator(args: argparse.Namespace) -> int:
         build_registry,
         configure,
     )
+    from pagefleet.operator.spec import DEFAULT_ROUTER_IMAGE
 
     if args.verbose:
         logging.basicConfig(level=logging.DEBUG)
@@ -132,6 +139,7 @@ def run_operator(args: argparse.Namespace) -> int:
 
     config = OperatorConfig(
         default_image=args.image,
+        router_image=args.router_image or DEFAULT_ROUTER_IMAGE,
         prometheus_url=args.prometheus_url,
         metrics_port=args.metrics_port,
         autoscale_interval=args.autoscale_interval,

@@ -32,6 +32,7 @@ from pagefleet.common.serve_command import (
 from pagefleet.operator.crd import POOL_NAMES
 from pagefleet.operator.network_policy import PolicyInputs, PolicyPeers, pool_policy, router_policy
 from pagefleet.operator.spec import (
+    DEFAULT_ROUTER_IMAGE,
     Pool,
     SecretKeyRef,
     Spec,
@@ -76,6 +77,7 @@ class RenderOptions:
     network_policy: PolicyPeers | None = field(default_factory=PolicyPeers)
     # Folders hostPath model sources may be under; None: not checked (rendering only).
     allowed_host_paths: tuple[str, ...] | None = None
+    router_image: str = DEFAULT_ROUTER_IMAGE
 
 
 def desired_objects(md: dict[str, Any], options: RenderOptions | None = None) -> list[dict]:
@@ -86,7 +88,7 @@ def desired_objects(md: dict[str, Any], options: RenderOptions | None = None) ->
     if options.allowed_host_paths is not None:
         check_host_path(spec.model, options.allowed_host_paths)
     meta = md["metadata"]
-    ctx = _Context(meta["name"], meta["namespace"], _owner(md), spec)
+    ctx = _Context(meta["name"], meta["namespace"], _owner(md), spec, options.router_image)
     objects: list[dict] = [fleet_secret(ctx)]
     for pool in spec.pools:
         objects.append(engine_deployment(ctx, pool, _pool_replicas(pool, options)))
@@ -138,6 +140,7 @@ class _Context:
     namespace: str
     owner: dict[str, Any]
     spec: Spec
+    router_image: str = DEFAULT_ROUTER_IMAGE
 
 
 def _owner(md: dict[str, Any]) -> dict[str, Any]:
@@ -625,7 +628,7 @@ def router_objects(ctx: _Context) -> list[dict]:
     model_volume, init_containers = _tokenizer_volume(spec)
     container = {
         "name": "router",
-        "image": spec.image,
+        "image": ctx.router_image,
         "command": command,
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "env": env,
