@@ -55,9 +55,9 @@ def check_invariants(sched: Scheduler) -> None:
     kv = sched.kv_cache
     pool = kv.pool
     holders = [*sched.running, *sched.loading.values(), *sched.held.values(), *sched.quarantined]
-    refs = Counter(b.block_id for r in holders for b in r.block_table)
+    refs = Counter(block_id for r in holders for block_id in r.block_ids)
     for r in sched.waiting:
-        assert not r.block_table, f"waiting {r} holds blocks"
+        assert not r.block_ids, f"waiting {r} holds blocks"
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
     free_ids = [b.block_id for b in pool.free_queue]
     assert len(free_ids) == len(set(free_ids)) == pool.free_queue.num_free
@@ -71,9 +71,8 @@ def check_invariants(sched: Scheduler) -> None:
     assert pool.num_cached_free == sum(1 for b in pool.free_queue if b.block_hash is not None)
     for r in sched.running:
         assert r.status is RequestStatus.RUNNING
-        assert [b.block_id for b in r.block_table] == r.block_ids
-        assert r.num_computed_tokens <= len(r.block_table) * kv.block_size
-        assert r.num_cached_blocks <= len(r.block_table)
+        assert r.num_computed_tokens <= len(r.block_ids) * kv.block_size
+        assert r.num_cached_blocks <= len(r.block_ids)
     assert len(sched.running) <= sched.config.max_num_seqs
 
 

@@ -32,8 +32,8 @@ def test_free_queue_removes_from_the_middle_and_keeps_order():
 def test_allocate_takes_from_the_head_and_is_all_or_nothing():
     pool = BlockPool(4)
     got = pool.allocate(3)
-    assert [b.block_id for b in got] == [0, 1, 2]
-    assert all(b.ref_cnt == 1 for b in got)
+    assert got == [0, 1, 2]
+    assert all(pool.blocks[i].ref_cnt == 1 for i in got)
     with pytest.raises(ValueError):
         pool.allocate(2)
     assert pool.num_free_blocks == 1
@@ -51,7 +51,7 @@ def test_least_recently_freed_cached_block_is_evicted_first():
     assert pool.num_cached_free == 4 and pool.usage() == 0.0
     # Tail-first freeing: a1 went to the free list before a0, so it is evicted before a0.
     first = pool.allocate(1)[0]
-    assert first is a[1]
+    assert first == a[1]
     assert b"a1" not in pool.cached and b"a0" in pool.cached
     assert events[-1] == BlockRemoved([b"a1"])
     assert pool.num_cached_free == 3
@@ -63,14 +63,14 @@ def test_cached_free_block_is_revived_by_touch():
     pool.cache_blocks(blocks, [b"x", b"y"], None, list(range(8)), 4)
     pool.free(blocks)
     assert pool.num_free_blocks == 3
-    hit = pool.lookup(b"x")
-    assert hit is blocks[0]
+    hit = pool.cached[b"x"]
+    assert hit.block_id == blocks[0]
     pool.touch([hit])
     assert hit.ref_cnt == 1 and pool.num_free_blocks == 2 and pool.num_cached_free == 1
     # The revived block is no longer evictable: the next allocations skip it.
     others = pool.allocate(2)
-    assert hit not in others
-    assert pool.lookup(b"x") is hit and pool.lookup(b"y") is None
+    assert hit.block_id not in others
+    assert pool.cached.get(b"x") is hit and b"y" not in pool.cached
 
 
 def test_duplicate_hash_keeps_the_first_block():
@@ -78,7 +78,7 @@ def test_duplicate_hash_keeps_the_first_block():
     a, b = pool.allocate(1)[0], pool.allocate(1)[0]
     pool.cache_blocks([a], [b"h"], None, [1, 2], 2)
     pool.cache_blocks([b], [b"h"], None, [1, 2], 2)
-    assert pool.lookup(b"h") is a and b.block_hash is None
+    assert pool.cached[b"h"].block_id == a and pool.blocks[b].block_hash is None
 
 
 def test_block_stored_event_carries_parent_and_tokens():
@@ -99,4 +99,5 @@ def test_reset_prefix_cache_drops_every_hash_and_emits_cleared():
     assert pool.reset_prefix_cache() == 2
     assert events[-1] == AllBlocksCleared()
     assert not pool.cached and pool.num_cached_free == 0
-    assert held[0].ref_cnt == 1 and held[0].block_hash is None
+    block = pool.blocks[held[0]]
+    assert block.ref_cnt == 1 and block.block_hash is None

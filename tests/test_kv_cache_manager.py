@@ -18,7 +18,7 @@ def test_allocation_is_all_or_nothing():
     assert kv.allocate_slots(a, 8, [])
     b = _req("b", list(range(100, 108)))
     assert not kv.allocate_slots(b, 8, [])
-    assert b.block_table == [] and kv.num_free_blocks == 1
+    assert b.block_ids == [] and kv.num_free_blocks == 1
     # The miss was not counted as a query: only admitted requests are.
     assert kv.prefix_cache_queries == 8
 
@@ -34,8 +34,8 @@ def test_prefix_hit_shares_computed_blocks_and_counts_tokens():
     sched.add_request(second)
     out = sched.schedule()
     assert dict((r.request_id, n) for r, n in out.scheduled) == {"first": 1, "second": 3}
-    assert second.block_table[:2] == first.block_table[:2]
-    assert all(b.ref_cnt == 2 for b in second.block_table[:2])
+    assert second.block_ids[:2] == first.block_ids[:2]
+    assert all(sched.kv_cache.pool.blocks[i].ref_cnt == 2 for i in second.block_ids[:2])
     kv = sched.kv_cache
     assert kv.prefix_cache_queries == 10 + 11 and kv.prefix_cache_hits == 8
 
@@ -64,8 +64,9 @@ def test_full_hit_computes_only_the_last_token_without_writing_shared_blocks():
     sched.update_from_output(out, [3])
     # The next token (position 8) goes into a fresh, private block.
     out = sched.schedule()
-    assert out.scheduled == [(again, 1)] and len(again.block_table) == 3
-    assert again.block_table[2].ref_cnt == 1 and again.block_table[2].block_hash is None
+    assert out.scheduled == [(again, 1)] and len(again.block_ids) == 3
+    fresh = sched.kv_cache.pool.blocks[again.block_ids[2]]
+    assert fresh.ref_cnt == 1 and fresh.block_hash is None
 
 
 def test_usage_excludes_cached_free_blocks_which_are_counted_apart():

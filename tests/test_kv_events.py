@@ -99,7 +99,7 @@ def test_router_index_mirrors_a_real_engine_cache(tiny_checkpoints, publisher):
         max_model_len=128,
         kv_event_listener=publisher.add,
     )
-    llm.engine.step_observers.append(lambda _: publisher.flush())
+    llm.engine.subscribe(publisher)  # flushes each step's events
     prompts = [[i + 1] * 40 + list(range(10)) for i in range(5)]  # evictions in a small pool
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     publisher.flush()

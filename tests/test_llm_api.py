@@ -119,6 +119,19 @@ def test_engine_args_are_validated():
         resolve_dtype("int3", __import__("torch").device("cpu"))
 
 
+def test_one_set_of_engine_defaults_from_flags_to_the_scheduler():
+    """`pagefleet serve` without flags, EngineArgs and the configs it builds agree on every
+    default (max_num_batched_tokens once was 2048 for the server and 8192 for the scheduler)."""
+    from pagefleet.common.cli import build_parser
+    from pagefleet.engine.config import CacheConfig, SchedulerConfig
+    from pagefleet.engine.server.serve import engine_args_from
+
+    args = EngineArgs(model="m")
+    assert engine_args_from(build_parser().parse_args(["serve", "m"])) == args
+    assert args.scheduler_config(4096) == SchedulerConfig(max_model_len=4096)
+    assert args.cache_config(7) == CacheConfig(num_gpu_blocks=7)
+
+
 def test_tiny_checkpoint_refuses_unknown_architectures(tmp_path):
     with pytest.raises(ValueError, match="unknown architecture"):
         write_tiny_checkpoint(tmp_path / "x", "GPT2LMHeadModel")

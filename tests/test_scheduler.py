@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import check_invariants, make_request, make_scheduler
-from pagefleet.engine.demo import run_step
 from pagefleet.engine.request import RequestStatus
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.simulated import run_step
 
 
 def _chunks(out) -> dict[str, int]:
@@ -93,7 +93,7 @@ def test_preemption_picks_the_most_recently_admitted_and_keeps_its_tokens():
         run_step(sched, out)
     assert victim is reqs[2], "the last admitted request is the victim"
     assert victim.status is RequestStatus.PREEMPTED and sched.waiting[0] is victim
-    assert victim.num_computed_tokens == 0 and victim.block_table == []
+    assert victim.num_computed_tokens == 0 and victim.block_ids == []
     assert victim.num_output_tokens > 0, "generated tokens survive preemption"
     assert sched.num_preemptions == 1 and victim.num_preemptions == 1
     # It resumes later, recomputing prompt + output, and finishes like the others.

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import check_invariants, make_scheduler
-from pagefleet.engine.demo import run_step, stand_in_token
-from pagefleet.engine.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored
+from pagefleet.engine.kv_cache import AllBlocksCleared, Block, BlockRemoved, BlockStored
 from pagefleet.engine.request import Request, RequestStatus
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.simulated import run_step, stand_in_token
 
 VOCAB = 5  # tiny, so prompts collide into shared blocks by chance too
 EOS = 3
@@ -29,18 +29,19 @@ class ShadowKV:
         self.bs = block_size
         self.slots: list[list[tuple | None]] = [[None] * block_size for _ in range(num_blocks)]
 
-    def run(self, scheduled: list[tuple[Request, int]]) -> None:
+    def run(self, scheduled: list[tuple[Request, int]], blocks: list[Block]) -> None:
+        """`blocks`: the pool's blocks, by id."""
         bs = self.bs
         # Reads first: everything already computed must hold this request's prefix.
         for req, _ in scheduled:
             for pos in range(req.num_computed_tokens):
-                block = req.block_table[pos // bs]
-                assert self.slots[block.block_id][pos % bs] == tuple(
-                    req.all_token_ids[: pos + 1]
-                ), f"{req} reads a slot holding another prefix at position {pos}"
+                block_id = req.block_ids[pos // bs]
+                assert self.slots[block_id][pos % bs] == tuple(req.all_token_ids[: pos + 1]), (
+                    f"{req} reads a slot holding another prefix at position {pos}"
+                )
         for req, n in scheduled:
             for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
-                block = req.block_table[pos // bs]
+                block = blocks[req.block_ids[pos // bs]]
                 ident = tuple(req.all_token_ids[: pos + 1])
                 if pos < req.num_cached_tokens:
                     # A prefix hit: the keys/values are there and must not be rewritten.
@@ -196,7 +197,7 @@ def test_random_workloads(
         assert all(n >= 1 for _, n in out.scheduled)
         assert len({r.request_id for r, _ in out.scheduled}) == len(out.scheduled)
         check_invariants(sched)
-        shadow.run(out.scheduled)
+        shadow.run(out.scheduled, sched.kv_cache.pool.blocks)
         if abort_mid_step:  # between the forward pass and update_from_output
             aborted.update(rid for rid in due if sched.abort(rid) is not None)
         run_step(sched, out, VOCAB)

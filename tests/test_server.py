@@ -11,6 +11,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.client import EngineLimits, EngineObserver, EngineStats
+from pagefleet.engine.validation import RequestRules
 from server_utils import metric_value, running_server
 
 MESSAGES = [{"role": "user", "content": "Tell me about the river and the mountain."}]
@@ -186,6 +188,8 @@ def test_request_id_is_honoured_and_echoed(server):
         ({"prompt": "hi", "model": "gpt-9"}, 404, "gpt-9"),
         ({"prompt": [], "max_tokens": 2}, 400, "prompt"),
         ({"prompt": [10**9], "max_tokens": 2}, 400, "token ids"),
+        # Refused before the stream starts (once the engine thread refused it mid-stream).
+        ({"prompt": "hi", "max_tokens": 2, "stream": True, "stop_token_ids": [10**6]}, 400, "stop"),
     ],
 )
 def test_client_mistakes_are_openai_shaped_errors(server, body, status, needle):
@@ -426,3 +430,47 @@ def test_openapi_fuzz_never_answers_5xx(server):
             assert response.status_code < 500, (case.method, case.path, case.body, response.text)
 
         check()
+
+
+class _StubEngine(EngineObserver):
+    """Only the EngineClient seam: what the server may know of an engine."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.limits = EngineLimits(RequestRules(64, 16, 8, len(tokenizer)), 4, True, "float32")
+        self.is_running = True
+        self.num_waiting_sequences = 0
+        self.observers = []
+
+    def stats(self) -> EngineStats:
+        return EngineStats(3, 2, 0.25, 1, 100, 40, 5, 0, None)
+
+    def subscribe(self, observer) -> None:
+        self.observers.append(observer)
+
+
+def test_the_server_needs_only_the_engine_client_seam(tiny_checkpoints):
+    """The app is built over EngineClient alone: limits, a stats snapshot, subscriptions."""
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagefleet.engine.model.loader import load_tokenizer
+    from pagefleet.engine.server.app import ServerConfig, build_app
+
+    engine = _StubEngine(load_tokenizer(tiny_checkpoints["llama"]))
+    app = build_app(engine, ServerConfig("stub"))
+    assert len(engine.observers) == 1  # the metrics hear of steps, pulls and stalls
+    with TestClient(app) as http:
+        assert http.get("/health").status_code == 200
+        assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 64
+        samples = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(http.get("/metrics").text)
+            for sample in family.samples
+        }
+        assert samples["vllm:num_requests_running"] == 3
+        assert samples["vllm:prefix_cache_hits_total"] == 40
+        too_long = http.post("/v1/completions", json={"prompt": [1] * 64})
+        assert too_long.status_code == 400 and "maximum context length is 64" in too_long.text
+        app.state.server.draining = True
+        assert http.get("/health").status_code == 503

@@ -24,6 +24,7 @@ from typing import Any
 
 from pagefleet.common.fleet_auth import FleetSecret
 from pagefleet.common.kv_events import KVEventListener
+from pagefleet.engine.client import EngineLimits, EngineObserver, EngineStats
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.llm_engine import LLMEngine
 from pagefleet.engine.outputs import RequestOutput
@@ -114,10 +115,12 @@ def _release(llm_ref, request_id: str, state: dict) -> None:
 
 
 class AsyncLLM:
+    """The engine's `EngineClient` (see client.py): what the server may use of it."""
+
     def __init__(self, engine: LLMEngine, client_stall_timeout: float | None = None) -> None:
         self.engine = engine
         self.client_stall_timeout = client_stall_timeout
-        self.stall_observers: list[Callable[[], None]] = []  # on the loop, per stalled abort
+        self._observers: list[EngineObserver] = []  # told of stalled aborts, on the loop
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request id -> (consumer's loop, its slot, sequences: n)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Slot, int]] = {}
@@ -173,9 +176,31 @@ class AsyncLLM:
 
     @property
     def num_unfinished_sequences(self) -> int:
-        """Their sequences (n of each): what admission control counts."""
+        """Their sequences (n of each)."""
         with self._lock:
             return sum(n for _, _, n in self._streams.values())
+
+    @property
+    def num_waiting_sequences(self) -> int:
+        """Unfinished sequences not running yet: what admission control counts."""
+        return self.num_unfinished_sequences - self.engine.scheduler.num_running
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self.engine.limits
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The scheduler's rules, applied now on the caller's thread (they read only limits
+        fixed at start-up); nothing is submitted."""
+        self.engine.limits.rules.check(prompt_token_ids, params)
+
+    def subscribe(self, observer: EngineObserver) -> None:
+        """Tell `observer` of every step, KV pull and stalled abort from now on."""
+        self._observers.append(observer)
+        self.engine.subscribe(observer)
 
     def _abort_stalled(self, request_id: str) -> None:
         logger.warning(
@@ -184,8 +209,8 @@ class AsyncLLM:
             self.client_stall_timeout,
         )
         self.abort(request_id)
-        for observer in self.stall_observers:
-            observer()
+        for observer in self._observers:
+            observer.on_stall_abort()
 
     def _release(self, request_id: str, finished: bool) -> None:
         if not finished:

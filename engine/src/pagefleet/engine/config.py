@@ -1,4 +1,8 @@
-"""Engine configuration: cache and scheduler limits, named and meant as vLLM's engine args."""
+"""Engine configuration, named and meant as vLLM's engine args.
+
+`EngineArgs` is the one set of defaults: `pagefleet serve`'s flags take theirs from it, and
+it builds the scheduler's and the cache's configs (whose defaults are its own).
+"""
 
 from __future__ import annotations
 
@@ -18,11 +22,80 @@ def _require(ok: bool, name: str, value: object, rule: str) -> None:
         raise ValueError(f"{name}={value!r} is invalid ({_flag(name)}): {rule}")
 
 
+@dataclass
+class EngineArgs:
+    """Engine arguments, named as vLLM's (`LLM(model=..., **engine_args)`)."""
+
+    model: str
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    # Requests whose prompt is split over several steps at once (vLLM's name and default).
+    max_num_partial_prefills: int = 1
+    # Most prompt tokens one request may compute in one step; 0 means no cap beyond the budget.
+    long_prefill_token_threshold: int = 0
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    seed: int = 0
+    kv_cache_memory: float = 4.0  # GiB for the KV pool on CPU (VLLM_CPU_KVCACHE_SPACE)
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.92
+    device: str = "auto"  # auto = cuda if available, else cpu
+    attention_backend: str = "auto"  # auto = triton on CUDA, torch on CPU
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    served_model_name: str | None = None
+    # Run the real scheduler and cache with a time model instead of the weights.
+    simulate: SimulationProfile | None = None
+    # Disaggregated prefill/decode: vLLM's --kv-transfer-config JSON (parsed by the engine).
+    kv_transfer_config: str | None = None
+    kv_hold_timeout: float = 120.0  # seconds a prefill engine keeps blocks for a decode engine
+
+    def __post_init__(self) -> None:
+        _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "must be > 0")
+        _require(
+            self.attention_backend in ("auto", "torch", "triton"),
+            "attention_backend",
+            self.attention_backend,
+            "must be auto, torch or triton",
+        )
+        _require(
+            0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "must be in (0, 1]",
+        )
+        if self.num_gpu_blocks_override is not None:
+            _require(
+                self.num_gpu_blocks_override >= 1,
+                "num_gpu_blocks_override",
+                self.num_gpu_blocks_override,
+                "must be >= 1",
+            )
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's limits, with max_model_len resolved against the checkpoint."""
+        return SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_num_partial_prefills=self.max_num_partial_prefills,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+        )
+
+    def cache_config(self, num_gpu_blocks: int) -> CacheConfig:
+        """The cache's shape, with the pool's size as measured (or overridden)."""
+        return CacheConfig(self.block_size, num_gpu_blocks, self.enable_prefix_caching)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = EngineArgs.block_size
     num_gpu_blocks: int = 0  # the pool's size; sized from memory by the runner when 0
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = EngineArgs.enable_prefix_caching
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -30,16 +103,14 @@ class CacheConfig:
         _require(self.num_gpu_blocks >= 0, "num_gpu_blocks", self.num_gpu_blocks, "must be >= 0")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 8192
-    enable_chunked_prefill: bool = True
-    # Requests whose prompt is split over several steps at once (vLLM's name and default).
-    max_num_partial_prefills: int = 1
-    # Most prompt tokens one request may compute in one step; 0 means no cap beyond the budget.
-    long_prefill_token_threshold: int = 0
+    max_model_len: int  # resolved by the engine (EngineArgs' default is the checkpoint's)
+    max_num_seqs: int = EngineArgs.max_num_seqs
+    max_num_batched_tokens: int = EngineArgs.max_num_batched_tokens
+    enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill
+    max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills
+    long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
@@ -80,56 +151,4 @@ class SchedulerConfig:
                 "max_num_batched_tokens",
                 self.max_num_batched_tokens,
                 f"must be >= max_model_len ({self.max_model_len}) without chunked prefill",
-            )
-
-
-@dataclass
-class EngineArgs:
-    """Engine arguments, named as vLLM's (`LLM(model=..., **engine_args)`)."""
-
-    model: str
-    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    max_num_partial_prefills: int = 1
-    long_prefill_token_threshold: int = 0
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    seed: int = 0
-    kv_cache_memory: float = 4.0  # GiB for the KV pool on CPU (VLLM_CPU_KVCACHE_SPACE)
-    num_gpu_blocks_override: int | None = None
-    gpu_memory_utilization: float = 0.92
-    device: str = "auto"  # auto = cuda if available, else cpu
-    attention_backend: str = "auto"  # auto = triton on CUDA, torch on CPU
-    enforce_eager: bool = False  # no CUDA graphs for decode steps
-    served_model_name: str | None = None
-    # Run the real scheduler and cache with a time model instead of the weights.
-    simulate: SimulationProfile | None = None
-    # Disaggregated prefill/decode: vLLM's --kv-transfer-config JSON (parsed by the engine).
-    kv_transfer_config: str | None = None
-    kv_hold_timeout: float = 120.0  # seconds a prefill engine keeps blocks for a decode engine
-
-    def __post_init__(self) -> None:
-        _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "must be > 0")
-        _require(
-            self.attention_backend in ("auto", "torch", "triton"),
-            "attention_backend",
-            self.attention_backend,
-            "must be auto, torch or triton",
-        )
-        _require(
-            0 < self.gpu_memory_utilization <= 1,
-            "gpu_memory_utilization",
-            self.gpu_memory_utilization,
-            "must be in (0, 1]",
-        )
-        if self.num_gpu_blocks_override is not None:
-            _require(
-                self.num_gpu_blocks_override >= 1,
-                "num_gpu_blocks_override",
-                self.num_gpu_blocks_override,
-                "must be >= 1",
             )

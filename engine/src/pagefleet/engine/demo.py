@@ -1,9 +1,9 @@
 """The demo main job: `LLM.generate` on the tiny local checkpoint, and a stand-in-model run.
 
 `run_llm_demo` serves chat prompts that share a system prompt through the real engine. The
-stand-in run drives only the scheduler and KV cache: its "model" derives a deterministic
-token from the sequence so far, so runs are reproducible and the scheduling, prefix caching
-and preemption are the real ones (tests and benchmarks use it too).
+stand-in run drives only the scheduler and KV cache with the stand-in model of
+engine/simulated.py, so runs are reproducible and the scheduling, prefix caching and
+preemption are the real ones.
 """
 
 from __future__ import annotations
@@ -15,25 +15,9 @@ from dataclasses import dataclass
 from pagefleet.engine.config import CacheConfig, SchedulerConfig
 from pagefleet.engine.request import Request
 from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.engine.scheduler import Scheduler, SchedulerOutput
-
-VOCAB = 32000
-
-
-def stand_in_token(token_ids: list[int], vocab: int = VOCAB) -> int:
-    """A deterministic next token that depends on the sequence so far (not on the batch)."""
-    return (token_ids[-1] * 1103515245 + len(token_ids)) % vocab
-
-
-def run_step(scheduler: Scheduler, out: SchedulerOutput, vocab: int = VOCAB) -> list[Request]:
-    """Finish one step as a model would: a token for every request whose prompt is done."""
-    sampled = [
-        stand_in_token(req.all_token_ids, vocab)
-        if req.num_computed_tokens + n >= req.num_tokens
-        else None
-        for req, n in out.scheduled
-    ]
-    return scheduler.update_from_output(out, sampled)
+from pagefleet.engine.scheduler import Scheduler
+from pagefleet.engine.simulated import STAND_IN_VOCAB as VOCAB
+from pagefleet.engine.simulated import run_step
 
 
 @dataclass
@@ -93,7 +77,7 @@ def run_demo(
                 sched.add_request(pending.pop())
         out = sched.schedule()
         peak = max(peak, sched.kv_cache.usage)
-        run_step(sched, out)
+        run_step(sched, out, VOCAB)
         steps += 1
     kv = sched.kv_cache
     return DemoReport(

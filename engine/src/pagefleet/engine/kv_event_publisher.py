@@ -28,6 +28,7 @@ from pagefleet.common.kv_events import (
     seq_bytes,
     seq_from_bytes,
 )
+from pagefleet.engine.client import EngineObserver, StepStats
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,10 @@ def _curve_server(socket, keys: CurveKeys) -> None:
     socket.curve_server = True
 
 
-class ZmqEventPublisher:
+class ZmqEventPublisher(EngineObserver):
+    """Publishes the KV events of each engine step as one batch: `add` is the KV cache's
+    listener, and as an engine observer it flushes at the end of every step."""
+
     def __init__(self, config: KVEventsConfig, secret: FleetSecret | None = None) -> None:
         import zmq
 
@@ -135,6 +139,9 @@ class ZmqEventPublisher:
     def add(self, event: KVEvent) -> None:
         """The KV-cache listener: called on the engine thread."""
         self._pending.append(event)
+
+    def on_step(self, stats: StepStats) -> None:
+        self.flush()
 
     def flush(self) -> None:
         """End of a step: publish what it emitted as one batch (engine thread)."""

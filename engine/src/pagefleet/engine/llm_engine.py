@@ -12,7 +12,6 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +21,14 @@ from pagefleet.common.fleet_auth import FleetSecret, load_fleet_secret
 from pagefleet.common.kv_events import KVEventListener
 from pagefleet.common.tokenizer import load_tokenizer
 from pagefleet.engine.attention.backend import select_backend
-from pagefleet.engine.config import CacheConfig, EngineArgs, SchedulerConfig
+from pagefleet.engine.client import (
+    EngineLimits,
+    EngineObserver,
+    EngineStats,
+    KVTransferStats,
+    StepStats,
+)
+from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.detokenizer import Detokenizer
 from pagefleet.engine.model.loader import load_model, read_config, resolve_dtype
 from pagefleet.engine.model.transformer import ModelConfig
@@ -41,7 +47,6 @@ from pagefleet.engine.simulated import SimulatedRunner
 
 logger = logging.getLogger("pagefleet.engine")
 GiB = 1 << 30
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
 @dataclass
@@ -54,15 +59,6 @@ class _Sequence:
     logprobs: list[TokenLogprobs] | None
     cumulative_logprob: float | None
     stop_reason: int | str | None = None
-
-
-@dataclass
-class StepStats:
-    """What one step did, for throughput metrics."""
-
-    num_prompt_tokens: int  # prompt tokens computed (cache hits excluded)
-    num_generation_tokens: int  # tokens sampled
-    num_preempted: int
 
 
 @dataclass
@@ -120,16 +116,10 @@ class LLMEngine:
             runner, num_blocks = self._load_model_runner()
         self.runner = runner
         self.scheduler = Scheduler.create(
-            SchedulerConfig(
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=args.enable_chunked_prefill,
-                max_num_partial_prefills=args.max_num_partial_prefills,
-                long_prefill_token_threshold=args.long_prefill_token_threshold,
-            ),
-            CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
+            args.scheduler_config(self.max_model_len),
+            args.cache_config(num_blocks),
             kv_event_listener,
+            self.model_config.vocab_size,
         )
         self.connector = self._kv_connector(hf_config, fleet_secret)
         self.sampler = Sampler(args.seed, self.device)
@@ -137,10 +127,36 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         self._group_of: dict[str, str] = {}  # scheduler request id -> user request id
         self._ids = itertools.count()
-        # Called on the engine's thread after every step that ran (metrics, logging).
-        self.step_observers: list[Callable[[StepStats], None]] = []
-        # Called on the engine's thread with each finished KV pull (LoadResult).
-        self.transfer_observers: list[Callable] = []
+        # Told of every step and KV pull, on the engine's thread (metrics, event flushing).
+        self.observers: list[EngineObserver] = []
+        self.limits = EngineLimits(
+            self.scheduler.rules,
+            args.max_num_seqs,
+            args.enable_prefix_caching,
+            self.runner.kv_cache_dtype,
+        )
+
+    def subscribe(self, observer: EngineObserver) -> None:
+        self.observers.append(observer)
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        kv = sched.kv_cache
+        transfer = None
+        if self.connector is not None:
+            t = self.connector.stats
+            transfer = KVTransferStats(t.bytes, t.transfers, t.failures, t.fallbacks)
+        return EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            kv_cache_usage=kv.usage,
+            num_cached_free_blocks=kv.num_cached_free_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=sched.num_preemptions,
+            num_held_blocks=sched.num_held_blocks,
+            kv_transfer=transfer,
+        )
 
     # ------------------------------------------------------------------ set-up
 
@@ -283,23 +299,16 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> str:
         """Queue a request (text or token ids); returns its id. Raises ValueError if it cannot
-        run (empty, too long for max_model_len or for the whole KV pool, duplicate id)."""
+        run (the scheduler's rules, see validation.py; a duplicate id; kv_transfer_params this
+        engine cannot act on)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups or request_id in self._group_of:
             raise ValueError(f"duplicate request id {request_id!r}")
-        for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
-            if k is not None and k > MAX_LOGPROBS:
-                raise ValueError(f"{name}={k} is more than the maximum, {MAX_LOGPROBS}")
         hold, source = self._kv_transfer_role(params)
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         arrival = arrival_time or time.time()
         group = _Group(
             request_id, text, token_ids, params, arrival, metrics=RequestMetrics(arrival)
@@ -322,7 +331,6 @@ class LLMEngine:
                 arrival_time=group.arrival_time,
             )
             req.hold_blocks, req.remote_source = hold, source
-            self.scheduler.check_request(req)
             detok = Detokenizer(
                 self.tokenizer,
                 token_ids,
@@ -338,6 +346,7 @@ class LLMEngine:
                 0.0 if params.logprobs is not None else None,
             )
             group.sequences.append(seq)
+        # Validates the request (its siblings share its prompt and parameters).
         self.scheduler.add_request(group.sequences[0].request)
         group.pending = group.sequences[1:]
         self.groups[request_id] = group
@@ -377,8 +386,7 @@ class LLMEngine:
         group.metrics.finished_time = time.time()
         for seq in group.sequences:
             if not seq.request.status.finished:
-                self.scheduler.abort(seq.request.request_id)
-                seq.request.status = RequestStatus.FINISHED_ABORTED
+                self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
         self._forget(group)
         return self._output(group)
 
@@ -410,8 +418,8 @@ class LLMEngine:
             stats = connector.stats
             stats.transfers += 1
             stats.bytes += result.num_bytes
-            for observer in self.transfer_observers:
-                observer(result)
+            for observer in self.observers:
+                observer.on_kv_transfer(result.seconds)
             if not result.ok:
                 stats.failures += 1
                 if req is not None and not req.status.finished:
@@ -444,10 +452,10 @@ class LLMEngine:
                 group.metrics.first_scheduled_time = now
             if req.num_computed_tokens < req.num_prompt_tokens:
                 num_prompt += min(n, req.num_prompt_tokens - req.num_computed_tokens)
+        # Sampled rows come back in batch order, as update_from_output takes them.
         logits, sample_reqs, prompt_logprobs = self.runner.execute(out)
         sampled = self.sampler.sample(logits, sample_reqs)
-        token_of = {id(r): t for r, t in zip(sample_reqs, sampled.token_ids, strict=True)}
-        self.scheduler.update_from_output(out, [token_of.get(id(r)) for r, _ in out.scheduled])
+        self.scheduler.update_from_output(out, sampled.token_ids)
         touched: dict[str, _Group] = {}
         for rid, (start, entries) in prompt_logprobs.items():
             group = self.groups[self._group_of[rid]]
@@ -478,8 +486,8 @@ class LLMEngine:
             if group.finished:
                 self._forget(group)
         stats = StepStats(num_prompt, len(sample_reqs), len(out.preempted))
-        for observer in self.step_observers:
-            observer(stats)
+        for observer in self.observers:
+            observer.on_step(stats)
         return outputs
 
     def _record_token(self, group: _Group, req: Request, token: int, logprobs) -> None:
@@ -498,9 +506,8 @@ class LLMEngine:
             may_stop = req.num_output_tokens >= params.min_tokens
             stop_str = seq.detok.add_token(token, check_stop=may_stop)
         if stop_str is not None:
-            if not req.status.finished:
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-            req.status = RequestStatus.FINISHED_STOPPED  # also when max_tokens ended it too
+            # "stop" also when max_tokens ended it in the same step.
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
             seq.stop_reason = stop_str
         elif req.status.finished:
             if stopped_by_token and seq.stop_reason is None:

@@ -6,7 +6,6 @@ import enum
 from collections.abc import Collection
 
 from pagefleet.common.block_hash import BlockHash, hash_block, hash_blocks
-from pagefleet.engine.kv_cache.block_pool import Block
 from pagefleet.engine.sampling_params import SamplingParams
 
 
@@ -38,7 +37,6 @@ class Request:
         "block_hashes",
         "block_ids",
         "block_size",
-        "block_table",
         "extra_keys",
         "hold_blocks",
         "max_len",
@@ -82,7 +80,7 @@ class Request:
         # Prompt tokens whose keys/values came from the prefix cache at admission: the runner
         # must not write their slots (the blocks may be shared).
         self.num_cached_tokens = 0
-        self.block_table: list[Block] = []
+        # The request's KV blocks by id, in token order (the pool maps ids to its blocks).
         self.block_ids: list[int] = []
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
         self.block_hashes: list[BlockHash] = hash_blocks(
@@ -125,13 +123,6 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
 
-    def append_token(self, token_id: int) -> None:
-        """Add a sampled token, hashing the block it completes (O(block_size), once per block)."""
-        tokens = self.all_token_ids
-        tokens.append(token_id)
-        if len(tokens) % self.block_size == 0:
-            self.hash_last_block()
-
     def hash_last_block(self) -> None:
         """Hash the block the last token completed."""
         hashes = self.block_hashes
@@ -142,5 +133,5 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
         )

@@ -30,7 +30,8 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    # Rows whose logits are sampled (a request's last row once its prompt is done), in order.
+    # Rows whose logits are sampled (a request's last row once its prompt is done), in the
+    # scheduler's batch order (rows themselves are laid out in another order, see prepare).
     sample_rows: list[int]
     sample_requests: list[Request]
     # Requests asking for prompt logprobs: (request, first row, first position, rows).
@@ -98,7 +99,8 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput
     ) -> tuple[torch.Tensor, list[Request], dict[str, tuple[int, list[TokenLogprobs]]]]:
-        """Run one step; returns (logits of sampled rows, their requests, prompt logprobs)."""
+        """Run one step; returns (logits of the sampled rows, their requests, in batch order as
+        `out.samples()`, and prompt logprobs by request id)."""
         inputs = self.prepare(out)
         hidden = None
         if self.decode_graphs is not None:
@@ -114,22 +116,23 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         bs = self.block_size
-        # Single-token rows sorted by context length, so attention groups pad little.
+        # Single-token rows sorted by context length, so attention groups pad little; each
+        # entry keeps its place k in the batch, so sampled rows come back in batch order.
         singles = sorted(
-            ((r, n) for r, n in out.scheduled if n == 1), key=lambda e: e[0].num_computed_tokens
+            ((k, r) for k, (r, n) in enumerate(out.scheduled) if n == 1),
+            key=lambda e: e[1].num_computed_tokens,
         )
-        chunks = [(r, n) for r, n in out.scheduled if n > 1]
+        chunks = [(k, r, n) for k, (r, n) in enumerate(out.scheduled) if n > 1]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         skipped: list[int] = []  # rows whose keys/values are already in a shared block
         tables: list[list[int]] = []
         context_lens: list[int] = []
-        sample_rows: list[int] = []
-        sample_requests: list[Request] = []
+        sample_row_of: list[int | None] = [None] * len(out.scheduled)  # by batch place
         prompt_rows: list[tuple[Request, int, int, int]] = []
 
-        for row, (req, _) in enumerate(singles):
+        for row, (k, req) in enumerate(singles):
             pos = req.num_computed_tokens
             ids = req.block_ids
             input_ids.append(req.all_token_ids[pos])
@@ -141,13 +144,13 @@ class ModelRunner:
             num_blocks = pos // bs + 1
             tables.append(ids[:num_blocks])
             context_lens.append(pos + 1)
-            self._note_rows(req, row, pos, 1, sample_rows, sample_requests, prompt_rows)
+            self._note_rows(req, k, row, pos, 1, sample_row_of, prompt_rows)
 
         prefills: list[PrefillChunk] = []
         chunk_slots: list[torch.Tensor] = []
         chunk_positions: list[torch.Tensor] = []
         row = len(singles)
-        for req, n in chunks:
+        for k, req, n in chunks:
             start = req.num_computed_tokens
             input_ids.extend(req.all_token_ids[start : start + n])
             pos = torch.arange(start, start + n)
@@ -155,8 +158,12 @@ class ModelRunner:
             block_ids = torch.tensor(req.block_ids[: (start + n + bs - 1) // bs])
             chunk_slots.append(block_ids[pos // bs] * bs + pos % bs)
             prefills.append(PrefillChunk(row, n, start, block_ids.to(self.device)))
-            self._note_rows(req, row, start, n, sample_rows, sample_requests, prompt_rows)
+            self._note_rows(req, k, row, start, n, sample_row_of, prompt_rows)
             row += n
+        sample_rows = [r for r in sample_row_of if r is not None]
+        sample_requests = [
+            out.scheduled[k][0] for k, r in enumerate(sample_row_of) if r is not None
+        ]
 
         num_single = len(singles)
         dev = self.device
@@ -220,11 +227,10 @@ class ModelRunner:
         return groups
 
     @staticmethod
-    def _note_rows(req, row, start, n, sample_rows, sample_requests, prompt_rows) -> None:
+    def _note_rows(req, k, row, start, n, sample_row_of, prompt_rows) -> None:
         end = start + n
         if end >= req.num_tokens:
-            sample_rows.append(row + n - 1)
-            sample_requests.append(req)
+            sample_row_of[k] = row + n - 1
         if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
             # Rows at positions p < prompt_len - 1 predict prompt token p + 1.
             count = min(end, req.num_prompt_tokens - 1) - start

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pagefleet.engine.config import CacheConfig, SchedulerConfig
 from pagefleet.engine.kv_cache.manager import KVCacheManager
 from pagefleet.engine.request import Request, RequestStatus
+from pagefleet.engine.validation import RequestRules
 
 
 @dataclass
@@ -41,12 +42,22 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled and not self.kv_loads
 
+    def samples(self) -> list[Request]:
+        """The scheduled requests that sample a token in this step (their prompt is done
+        after it), in batch order: the rows a runner returns logits for."""
+        return [r for r, n in self.scheduled if r.num_computed_tokens + n >= len(r.all_token_ids)]
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, vocab_size: int | None = None
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
+        self.rules = RequestRules(
+            config.max_model_len, kv_cache.block_size, kv_cache.num_blocks, vocab_size
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -61,7 +72,11 @@ class Scheduler:
 
     @classmethod
     def create(
-        cls, scheduler_config: SchedulerConfig, cache_config: CacheConfig, listener=None
+        cls,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        listener=None,
+        vocab_size: int | None = None,
     ) -> Scheduler:
         if cache_config.num_gpu_blocks < 1:
             raise ValueError("num_gpu_blocks must be set (>= 1) to build a scheduler")
@@ -71,7 +86,7 @@ class Scheduler:
             cache_config.enable_prefix_caching,
             listener,
         )
-        return cls(scheduler_config, kv)
+        return cls(scheduler_config, kv, vocab_size)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -84,39 +99,32 @@ class Scheduler:
         self.waiting.append(request)
 
     def check_request(self, request: Request) -> None:
-        cfg = self.config
-        n = request.num_prompt_tokens
+        """Raise ValueError unless `request` can be queued (see validation.RequestRules)."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        if n == 0:
-            raise ValueError("the prompt is empty: at least one token is required")
         if request.block_size != self.block_size:
             raise ValueError(
                 f"request hashed with block_size={request.block_size}, "
                 f"engine uses {self.block_size} (--block-size)"
             )
-        if n >= cfg.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens; max_model_len={cfg.max_model_len} leaves no room "
-                f"for output (raise --max-model-len or shorten the prompt)"
-            )
-        # Every accepted request must be able to finish alone in the whole pool. The last
-        # token's keys/values are never written, hence the -1.
-        final_len = min(n + request.sampling_params.max_tokens, cfg.max_model_len)
-        blocks = (final_len - 1 + self.block_size - 1) // self.block_size
-        if blocks > self.kv_cache.num_blocks:
-            raise ValueError(
-                f"the request needs up to {blocks} KV blocks ({final_len} tokens) but the pool "
-                f"has num_gpu_blocks={self.kv_cache.num_blocks} (raise --num-gpu-blocks-override,"
-                f" --kv-cache-memory or --gpu-memory-utilization, or lower max_tokens)"
-            )
+        self.rules.check(request.all_token_ids, request.sampling_params)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request now and free its blocks; unknown or finished ids are ignored."""
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request from outside the step (abort, a stop string), freeing its blocks if
+        it is queued here. One that is not (a sibling never admitted, or one that finished
+        in the step whose last token turned out to end a stop string) only takes `status`:
+        the scheduler is the one writer of a request's status."""
+        if self.requests.get(request.request_id) is request:
+            self.finish_request(request.request_id, status)
+        else:
+            request.status = status
+
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """End a request from outside the step (abort, a stop string) and free its blocks."""
+        """End the queued request `request_id` now and free its blocks; None if unknown."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -172,7 +180,7 @@ class Scheduler:
 
     @property
     def num_held_blocks(self) -> int:
-        return sum(len(r.block_table) for r in self.held.values())
+        return sum(len(r.block_ids) for r in self.held.values())
 
     @property
     def num_running(self) -> int:
@@ -206,7 +214,7 @@ class Scheduler:
             if n > 1:
                 n = min(n, budget, chunk_cap)
             # The inline test is the fast path: the last block has room (most decode steps).
-            if computed + n > len(req.block_table) * bs and not self._allocate_or_preempt(
+            if computed + n > len(req.block_ids) * bs and not self._allocate_or_preempt(
                 req, i, n, out
             ):
                 break  # the request preempted itself: nothing later fits either
@@ -290,27 +298,33 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled_token_ids: list[int | None]
+        self, out: SchedulerOutput, sampled_token_ids: list[int]
     ) -> list[Request]:
         """Apply one step's results; returns the requests that finished in it.
 
-        `sampled_token_ids[k]` is the token sampled for `out.scheduled[k]`; it is ignored (and
-        may be None) while that request's prompt is not yet fully computed.
+        `sampled_token_ids` holds one token per scheduled request that samples in this step
+        (see `SchedulerOutput.samples`), in `out.scheduled` order; a request whose prompt is
+        still unfinished after its chunk samples nothing. Extra tokens are ignored.
         """
         kv = self.kv_cache
         bs = self.block_size
         caching = kv.enable_prefix_caching
         running_status = RequestStatus.RUNNING
         finished: list[Request] = []
-        for (req, n), token in zip(out.scheduled, sampled_token_ids, strict=True):
+        next_token = 0
+        for req, n in out.scheduled:
+            computed = req.num_computed_tokens + n
+            tokens = req.all_token_ids
+            samples = computed >= len(tokens)
+            if samples:
+                token = sampled_token_ids[next_token]
+                next_token += 1
             if req.status is not running_status:
                 continue  # aborted between schedule() and now
-            computed = req.num_computed_tokens + n
             req.num_computed_tokens = computed
             if caching and computed // bs > req.num_cached_blocks:
                 kv.cache_computed_blocks(req)
-            tokens = req.all_token_ids
-            if computed < len(tokens):
+            if not samples:
                 continue  # a prompt chunk: no token yet
             tokens.append(token)
             num_tokens = computed + 1

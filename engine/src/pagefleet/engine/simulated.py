@@ -1,27 +1,31 @@
-"""A simulated model runner: the real scheduler, KV cache, metrics and events, no forward pass.
+"""The stand-in model: the real scheduler, KV cache, metrics and events, no forward pass.
 
-Each step sleeps for what a calibrated time model says it would take (prefill time linear in
-computed prompt tokens; decode time linear in batch size and KV tokens read), then emits
-deterministic filler tokens. Many of these fit on a small machine, which makes fleet-level
-experiments (routing, autoscaling) measurable without GPUs.
+Its next token is a deterministic function of the sequence so far (`stand_in_token`), so it
+never depends on the batch: preemption, chunking and prefix hits cannot change what a request
+generates, and the scheduler's tests and the demo check exactly that with `run_step`.
+`SimulatedRunner` serves the same tokens behind `--simulate`: each step sleeps for what a
+calibrated time model says it would take (prefill time linear in computed prompt tokens;
+decode time linear in batch size and KV tokens read). Many of these fit on a small machine,
+which makes fleet-level experiments (routing, autoscaling) measurable without GPUs.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
-from pagefleet.engine.scheduler import SchedulerOutput
+from pagefleet.engine.request import Request
+from pagefleet.engine.scheduler import Scheduler, SchedulerOutput
 
 # Tokens below this id are left alone (special tokens live there in our tokenizers).
 FIRST_FILLER_TOKEN = 16
 _NOT_CHOSEN = -1e4  # finite, so logprobs stay JSON numbers
+STAND_IN_VOCAB = 32000  # the vocabulary of scheduler-only runs (no model, no tokenizer)
 
 
 @dataclass(frozen=True)
@@ -73,10 +77,20 @@ class SimulationProfile:
         return (self.step_overhead_s + busy) / self.speedup
 
 
-def filler_token(request_id: str, position: int, vocab_size: int) -> int:
-    """Deterministic per request and position, never a special token."""
-    span = max(vocab_size - FIRST_FILLER_TOKEN, 1)
-    return FIRST_FILLER_TOKEN + (zlib.crc32(request_id.encode()) + 7919 * position) % span
+def stand_in_token(token_ids: list[int], vocab_size: int, first: int = 0) -> int:
+    """The next token after `token_ids`: a function of the sequence so far (its last token
+    and length), never of the batch; in [first, vocab_size)."""
+    span = max(vocab_size - first, 1)
+    return first + (token_ids[-1] * 1103515245 + len(token_ids)) % span
+
+
+def run_step(
+    scheduler: Scheduler, out: SchedulerOutput, vocab_size: int = STAND_IN_VOCAB
+) -> list[Request]:
+    """Finish one scheduled step as the stand-in model: a token for every request whose
+    prompt is done. Returns the requests that finished."""
+    sampled = [stand_in_token(r.all_token_ids, vocab_size) for r in out.samples()]
+    return scheduler.update_from_output(out, sampled)
 
 
 class SimulatedRunner:
@@ -94,11 +108,11 @@ class SimulatedRunner:
         self.simulated_seconds = 0.0
 
     def execute(self, out: SchedulerOutput):
+        """Sleep for the step's modelled time; returns (logits that make the stand-in token
+        the only choice, the requests that sample, no prompt logprobs), as ModelRunner."""
         prompt_tokens = decode_seqs = kv_tokens = 0
-        sample_reqs = []
+        sample_reqs = out.samples()
         for req, n in out.scheduled:
-            if req.num_computed_tokens + n >= req.num_tokens:
-                sample_reqs.append(req)
             if n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
                 decode_seqs += 1
                 kv_tokens += req.num_computed_tokens + 1
@@ -109,5 +123,6 @@ class SimulatedRunner:
         self.sleep(seconds)
         logits = torch.full((len(sample_reqs), self.vocab_size), _NOT_CHOSEN)
         for row, req in enumerate(sample_reqs):
-            logits[row, filler_token(req.request_id, req.num_tokens, self.vocab_size)] = 0.0
+            token = stand_in_token(req.all_token_ids, self.vocab_size, FIRST_FILLER_TOKEN)
+            logits[row, token] = 0.0
         return logits, sample_reqs, {}

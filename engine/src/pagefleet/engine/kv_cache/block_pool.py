@@ -83,16 +83,10 @@ class FreeBlockQueue:
 class BlockPool:
     """Owns all blocks: allocation, reference counts, the prefix-cache map and KV events."""
 
-    def __init__(
-        self,
-        num_blocks: int,
-        enable_caching: bool = True,
-        listener: KVEventListener | None = None,
-    ) -> None:
+    def __init__(self, num_blocks: int, listener: KVEventListener | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.listener = listener
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
@@ -108,11 +102,9 @@ class BlockPool:
         """Fraction of blocks referenced by live requests (cached-but-free blocks excluded)."""
         return 1.0 - self.free_queue.num_free / self.num_blocks
 
-    def lookup(self, block_hash: BlockHash) -> Block | None:
-        return self.cached.get(block_hash)
-
-    def allocate(self, n: int) -> list[Block]:
-        """Take `n` blocks from the LRU head, evicting their cached hashes. Caller checked space."""
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` blocks from the LRU head, evicting their cached hashes; returns their ids.
+        The caller checked there is space."""
         if n > self.free_queue.num_free:
             raise ValueError(f"asked for {n} blocks, {self.free_queue.num_free} free")
         out = []
@@ -125,7 +117,7 @@ class BlockPool:
                 block.block_hash = None
                 self.num_cached_free -= 1
             block.ref_cnt = 1
-            out.append(block)
+            out.append(block.block_id)
         if evicted and self.listener is not None:
             self.listener(BlockRemoved(evicted))
         return out
@@ -138,9 +130,11 @@ class BlockPool:
                 self.num_cached_free -= 1  # only cached blocks can be hit
             block.ref_cnt += 1
 
-    def free(self, blocks: list[Block]) -> None:
+    def free(self, block_ids: list[int]) -> None:
         """Drop one reference on each block, last block first, so chains are evicted tail-first."""
-        for block in reversed(blocks):
+        blocks = self.blocks
+        for block_id in reversed(block_ids):
+            block = blocks[block_id]
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
@@ -149,7 +143,7 @@ class BlockPool:
 
     def cache_blocks(
         self,
-        blocks: list[Block],
+        block_ids: list[int],
         hashes: list[BlockHash],
         parent: BlockHash | None,
         token_ids: list[int],
@@ -161,8 +155,9 @@ class BlockPool:
         keeps its first block; the duplicate stays private and is freed like any other. Every
         hash is announced either way: after the call this engine holds all of them.
         """
-        cached = self.cached
-        for block, block_hash in zip(blocks, hashes, strict=True):
+        cached, blocks = self.cached, self.blocks
+        for block_id, block_hash in zip(block_ids, hashes, strict=True):
+            block = blocks[block_id]
             if block.block_hash is None and block_hash not in cached:
                 block.block_hash = block_hash
                 cached[block_hash] = block

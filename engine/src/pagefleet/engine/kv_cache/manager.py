@@ -6,13 +6,9 @@ that cannot get its blocks changes nothing, so the scheduler can preempt and ret
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pagefleet.common.kv_events import KVEventListener
 from pagefleet.engine.kv_cache.block_pool import Block, BlockPool
-
-if TYPE_CHECKING:  # request.py imports the kv_cache package for Block
-    from pagefleet.engine.request import Request
+from pagefleet.engine.request import Request
 
 
 class KVCacheManager:
@@ -25,7 +21,7 @@ class KVCacheManager:
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching, listener)
+        self.pool = BlockPool(num_blocks, listener)
         # Prefix-cache accounting in tokens, as vLLM's prefix_cache_queries/hits counters.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -74,7 +70,7 @@ class KVCacheManager:
         admitted; the request then starts with those blocks computed.
         """
         bs = self.block_size
-        table = request.block_table
+        table = request.block_ids
         if not hits:
             # The common decode case: the current last block has room.
             num_needed = request.num_computed_tokens + num_new_tokens
@@ -83,9 +79,7 @@ class KVCacheManager:
             num_new_blocks = (num_needed + bs - 1) // bs - len(table)
             if num_new_blocks > self.pool.free_queue.num_free:
                 return False
-            new_blocks = self.pool.allocate(num_new_blocks)
-            table.extend(new_blocks)
-            request.block_ids.extend(b.block_id for b in new_blocks)
+            table.extend(self.pool.allocate(num_new_blocks))
             if hits is not None:  # admission without a hit still counts as a query
                 self._count_query(request, 0)
             return True
@@ -97,10 +91,8 @@ class KVCacheManager:
         if num_new_blocks > self.pool.free_queue.num_free - num_revived:
             return False
         self.pool.touch(hits)
-        new_blocks = self.pool.allocate(max(num_new_blocks, 0))
-        table.extend(hits)
-        table.extend(new_blocks)
-        request.block_ids.extend(b.block_id for b in table)
+        table.extend(b.block_id for b in hits)
+        table.extend(self.pool.allocate(max(num_new_blocks, 0)))
         request.num_cached_blocks = len(hits)
         request.num_cached_tokens = len(hits) * bs
         request.num_computed_tokens = num_computed
@@ -125,7 +117,7 @@ class KVCacheManager:
             return
         hashes = request.block_hashes
         self.pool.cache_blocks(
-            request.block_table[start:num_full],
+            request.block_ids[start:num_full],
             hashes[start:num_full],
             hashes[start - 1] if start else None,
             request.all_token_ids[start * bs : num_full * bs],
@@ -135,8 +127,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (tail first); cached ones stay reusable until evicted."""
-        self.pool.free(request.block_table)
-        request.block_table.clear()
+        self.pool.free(request.block_ids)
         request.block_ids.clear()
         request.num_cached_blocks = 0
         request.num_cached_tokens = 0

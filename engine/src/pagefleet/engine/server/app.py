@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,7 +31,7 @@ from pagefleet.common.http_errors import (
     error_response,
     wait_disconnect,
 )
-from pagefleet.engine.async_llm import AsyncLLM
+from pagefleet.engine.client import EngineClient
 from pagefleet.engine.outputs import RequestOutput, TokenLogprobs
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.server.fleet_fields import check_fleet_fields
@@ -42,6 +43,7 @@ from pagefleet.engine.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagefleet.engine.validation import InvalidRequest
 
 
 @dataclass
@@ -54,313 +56,364 @@ class ServerConfig:
     max_sequences_per_request: int | None = None  # prompts x n; default: --max-num-seqs
 
 
-def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
+@dataclass
+class ServerState:
+    """Everything the handlers share, kept on `app.state.server`."""
+
+    engine: EngineClient
+    config: ServerConfig
+    tokenizer: Any  # the event loop's own, to render logprobs (see Tokenization)
+    tokens: Tokenization  # tokenizing on a thread of its own, with the request limits
+    limits: RequestLimits
+    metrics: EngineMetrics
+    draining: bool = False  # set by SIGTERM: /health fails, in-flight requests finish
+
+
+def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="pagefleet", version=__version__)
     # Inside the key check (middleware added later wraps it): bodies of clients without the
     # key are never read.
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
-    app.state.draining = False
-    core = engine.engine
-    tokenizer = engine.tokenizer
-    metrics = EngineMetrics(core, config.served_model_name)
-    engine.stall_observers.append(metrics.stall_aborts.inc)
-    app.state.metrics = metrics
-    max_model_len = core.max_model_len
-    limits = RequestLimits(
-        max_model_len,
-        max_token_bytes(tokenizer),
-        config.max_sequences_per_request or core.args.max_num_seqs,
+    app.state.server = server_state(engine, config)
+    for exc_class, handler in _EXCEPTION_HANDLERS:
+        app.add_exception_handler(exc_class, handler)
+    app.middleware("http")(_auth_and_ids)
+    for method, path, endpoint in _ROUTES:
+        app.add_api_route(path, endpoint, methods=[method])
+    return app
+
+
+def server_state(engine: EngineClient, config: ServerConfig) -> ServerState:
+    limits = engine.limits
+    request_limits = RequestLimits(
+        limits.max_model_len,
+        max_token_bytes(engine.tokenizer),
+        config.max_sequences_per_request or limits.max_num_seqs,
         config.max_waiting_requests,
     )
-    tokens = Tokenization(tokenizer, limits)
+    return ServerState(
+        engine=engine,
+        config=config,
+        tokenizer=engine.tokenizer,
+        tokens=Tokenization(engine.tokenizer, request_limits),
+        limits=request_limits,
+        metrics=EngineMetrics(engine, config.served_model_name),
+    )
 
-    @app.exception_handler(APIError)
-    async def _apierror_response(_, exc: APIError):
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message = "malformed JSON body"
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+# ------------------------------------------------------------------ errors and middleware
+
+
+async def _apierror_response(_, exc: APIError):
+    return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+
+async def _invalid_request(_, exc: InvalidRequest):
+    return error_response(400, str(exc), "invalid_request_error", exc.param)
+
+
+async def _invalid_body(_, exc: RequestValidationError):
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        message = "malformed JSON body"
+    return error_response(
+        400, f"{param + ': ' if param else ''}{message}", "invalid_request_error", param
+    )
+
+
+async def _http(_, exc: StarletteHTTPException):
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(exc.status_code, str(exc.detail), kind)
+
+
+async def _unexpected(_, exc: Exception):  # JSON, never plain text; details stay in the log
+    return error_response(500, "internal error (see the server log)", "internal_error")
+
+
+_EXCEPTION_HANDLERS = (
+    (APIError, _apierror_response),
+    (InvalidRequest, _invalid_request),
+    (RequestValidationError, _invalid_body),
+    (StarletteHTTPException, _http),
+    (Exception, _unexpected),
+)
+
+
+async def _auth_and_ids(request: Request, call_next):
+    denied = check_api_key(
+        request.headers.get("authorization", ""),
+        _state(request).config.api_key,
+        request.url.path,
+        ("/health", "/metrics", "/version"),
+    )
+    if denied is not None:
+        return denied
+    response = await call_next(request)
+    request_id = request.headers.get("x-request-id")
+    if request_id:
+        response.headers["X-Request-Id"] = request_id
+    return response
+
+
+# ------------------------------------------------------------------ request checks
+
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    served = state.config.served_model_name
+    if name is not None and name != served:
+        raise APIError(
+            404,
+            f"model {name!r} does not exist; this server serves {served!r}",
+            "not_found_error",
+            "model",
+        )
+
+
+def _check_capacity(state: ServerState, sequences: int) -> None:
+    # Every sequence counts: n samples of each of a request's prompts.
+    state.limits.check_capacity(state.engine.num_waiting_sequences, sequences)
+
+
+def _check_fleet(state: ServerState, req, request: Request) -> None:
+    check_fleet_fields(
+        req.kv_transfer_params, request.headers, state.config.fleet_signer, time.time()
+    )
+
+
+async def _encode(state: ServerState, prompt: str | list[int]) -> list[int]:
+    return await state.tokens.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+async def _chat_prompt(state: ServerState, req: ChatCompletionRequest | TokenizeRequest):
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    return await state.tokens.chat(messages, getattr(req, "add_generation_prompt", True))
+
+
+def _request_id(request: Request, prefix: str) -> str:
+    return f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
+
+
+# ------------------------------------------------------------------ submitting
+
+
+def _submit(state: ServerState, rid: str, token_ids: list[int], params: SamplingParams):
+    """Submit now (so the next capacity check counts it); outputs come from the returned
+    generator, with metrics observed on the way."""
+    try:
+        # Unique inside the engine even when clients reuse an X-Request-Id.
+        stream = state.engine.generate(token_ids, params, f"{rid}.{uuid.uuid4().hex[:8]}")
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    return _observe(state.metrics, stream, params)
+
+
+async def _observe(
+    metrics: EngineMetrics, stream, params: SamplingParams
+) -> AsyncIterator[RequestOutput]:
+    previous = None
+    try:
+        async for out in stream:
+            metrics.observe(previous, out)
+            previous = out
+            yield out
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    finally:
+        await stream.aclose()
+        if previous is None or not previous.finished:
+            metrics.count_abort(params.n)
+
+
+async def _last(gen) -> RequestOutput | None:
+    final = None
+    async for out in gen:
+        final = out
+    return final
+
+
+async def _collect(gens, request: Request) -> list[RequestOutput]:
+    """Final outputs of several streams; a client disconnect aborts them all."""
+    tasks = [asyncio.ensure_future(_last(g)) for g in gens]
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    pending = {*tasks, gone}
+    try:
+        while True:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not gone and task.exception() is not None:
+                    raise task.exception()
+            if all(t.done() for t in tasks):
+                return [t.result() for t in tasks]
+            if gone.done():  # the client left: the finally below aborts the requests
+                raise APIError(499, "client closed the request")
+    finally:
+        await _cancel_and_close([*tasks, gone], gens)
+
+
+# ------------------------------------------------------------------ endpoints
+
+
+async def health(request: Request):
+    state = _state(request)
+    if state.draining or not state.engine.is_running:
         return error_response(
-            400, f"{param + ': ' if param else ''}{message}", "invalid_request_error", param
+            503,
+            "shutting down" if state.draining else "engine stopped",
+            "service_unavailable",
         )
+    return Response(status_code=200)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_, exc: StarletteHTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), kind)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_, exc: Exception):  # JSON, never plain text; details stay in the log
-        return error_response(500, "internal error (see the server log)", "internal_error")
+async def prometheus(request: Request):
+    registry = _state(request).metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.middleware("http")
-    async def _auth_and_ids(request: Request, call_next):
-        denied = check_api_key(
-            request.headers.get("authorization", ""),
-            config.api_key,
-            request.url.path,
-            ("/health", "/metrics", "/version"),
-        )
-        if denied is not None:
-            return denied
-        response = await call_next(request)
-        request_id = request.headers.get("x-request-id")
-        if request_id:
-            response.headers["X-Request-Id"] = request_id
-        return response
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != config.served_model_name:
-            raise APIError(
-                404,
-                f"model {name!r} does not exist; this server serves {config.served_model_name!r}",
-                "not_found_error",
-                "model",
-            )
+async def version():
+    return {"version": __version__}
 
-    def check_capacity(sequences: int) -> None:
-        # Every sequence counts: n samples of each of a request's prompts.
-        limits.check_capacity(
-            engine.num_unfinished_sequences - core.scheduler.num_running, sequences
-        )
 
-    def check_fleet(req, request: Request) -> None:
-        check_fleet_fields(
-            req.kv_transfer_params, request.headers, config.fleet_signer, time.time()
-        )
-
-    def fit_max_tokens(prompt_len: int, requested: int | None) -> int:
-        if prompt_len >= max_model_len:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {max_model_len} "
-                f"tokens; the prompt has {prompt_len} tokens.",
-                param="prompt",
-            )
-        if requested is None:
-            return max_model_len - prompt_len
-        if prompt_len + requested > max_model_len:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {max_model_len} "
-                f"tokens. However, you requested {prompt_len + requested} tokens "
-                f"({prompt_len} in the prompt, {requested} for the completion).",
-                param="max_tokens",
-            )
-        return requested
-
-    async def encode(prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return await tokens.encode(prompt)
-        vocab = core.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return list(prompt)
-
-    async def chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        return await tokens.chat(messages, getattr(req, "add_generation_prompt", True))
-
-    def request_id(request: Request, prefix: str) -> str:
-        return f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
-
-    def submit(rid: str, token_ids: list[int], params: SamplingParams):
-        """Submit now (so the next capacity check counts it); outputs come from the returned
-        generator, with metrics observed on the way."""
-        try:
-            # Unique inside the engine even when clients reuse an X-Request-Id.
-            stream = engine.generate(token_ids, params, f"{rid}.{uuid.uuid4().hex[:8]}")
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        return observe(stream, params)
-
-    async def observe(stream, params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        previous = None
-        try:
-            async for out in stream:
-                metrics.observe(previous, out)
-                previous = out
-                yield out
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        finally:
-            await stream.aclose()
-            if previous is None or not previous.finished:
-                metrics.count_abort(params.n)
-
-    async def collect(gens, request: Request) -> list[RequestOutput]:
-        """Final outputs of several streams; a client disconnect aborts them all."""
-
-        async def last(gen):
-            final = None
-            async for out in gen:
-                final = out
-            return final
-
-        tasks = [asyncio.ensure_future(last(g)) for g in gens]
-        gone = asyncio.ensure_future(wait_disconnect(request))
-        pending = {*tasks, gone}
-        try:
-            while True:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    if task is not gone and task.exception() is not None:
-                        raise task.exception()
-                if all(t.done() for t in tasks):
-                    return [t.result() for t in tasks]
-                if gone.done():  # the client left: the finally below aborts the requests
-                    raise APIError(499, "client closed the request")
-        finally:
-            await _cancel_and_close([*tasks, gone], gens)
-
-    # ---------------------------------------------------------------- endpoints
-
-    @app.get("/health")
-    async def health():
-        if app.state.draining or not engine.is_running:
-            return error_response(
-                503,
-                "shutting down" if app.state.draining else "engine stopped",
-                "service_unavailable",
-            )
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/version")
-    async def version():
-        return {"version": __version__}
-
-    @app.get("/v1/models")
-    async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": config.served_model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "pagefleet",
-                    "root": config.served_model_name,  # never the checkpoint's path
-                    "max_model_len": max_model_len,
-                }
-            ],
-        }
-
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
-        check_model(req.model)
-        if req.messages is not None:
-            ids = await chat_prompt(req)
-        else:
-            ids = await tokens.encode(req.prompt, req.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
-
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
-        check_model(req.model)
-        vocab = core.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in req.tokens):
-            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": await tokens.decode(req.tokens)}
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        check_model(req.model)
-        check_fleet(req, request)
-        sequences = limits.check_sequences(len(req.prompts()), req.n)
-        prompts = [await encode(p) for p in req.prompts()]
-        if any(not p for p in prompts):
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        max_tokens = [fit_max_tokens(len(p), req.max_tokens) for p in prompts]
-        params = [_params(req, m, req.logprobs) for m in max_tokens]
-        rid = request_id(request, "cmpl")
-        check_capacity(sequences)  # and submit at once, with no await in between
-        gens = [
-            submit(f"{rid}-{i}", p, sp)
-            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
-        ]
-        created = int(time.time())
-        if req.stream:
-            return _sse(
-                _completion_chunks(
-                    gens, rid, created, config.served_model_name, req, prompts, tokenizer
-                )
-            )
-        finals = await collect(gens, request)
-        choices = []
-        for i, out in enumerate(finals):
-            for c in out.outputs:
-                choices.append(
-                    {
-                        "index": i * req.n + c.index,
-                        "text": c.text,
-                        "logprobs": _completion_logprobs(c.logprobs, c.token_ids, tokenizer)
-                        if req.logprobs is not None
-                        else None,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                )
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": config.served_model_name,
-            "choices": choices,
-            "usage": _usage(prompts, finals),
-            **_kv_transfer_params(finals),
-        }
-
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, request: Request):
-        check_model(req.model)
-        check_fleet(req, request)
-        sequences = limits.check_sequences(1, req.n)
-        prompt = await chat_prompt(req)
-        max_tokens = fit_max_tokens(len(prompt), req.requested_max_tokens())
-        rid = request_id(request, "chatcmpl")
-        top = req.top_logprobs or 0
-        params = _params(req, max_tokens, top if req.logprobs else None)
-        check_capacity(sequences)  # and submit at once, with no await in between
-        gen = submit(rid, prompt, params)
-        created = int(time.time())
-        if req.stream:
-            return _sse(
-                _chat_chunks(gen, rid, created, config.served_model_name, req, prompt, tokenizer)
-            )
-        (final,) = await collect([gen], request)
-        choices = [
+async def models(request: Request):
+    state = _state(request)
+    name = state.config.served_model_name
+    return {
+        "object": "list",
+        "data": [
             {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": _chat_logprobs(c.logprobs, c.token_ids, tokenizer, top)
-                if req.logprobs
-                else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
+                "id": name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "pagefleet",
+                "root": name,  # never the checkpoint's path
+                "max_model_len": state.limits.max_model_len,
             }
-            for c in final.outputs
-        ]
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": config.served_model_name,
-            "choices": choices,
-            "usage": _usage([prompt], [final]),
-            **_kv_transfer_params([final]),
-        }
+        ],
+    }
 
-    return app
+
+async def tokenize(req: TokenizeRequest, request: Request):
+    state = _state(request)
+    _check_model(state, req.model)
+    if req.messages is not None:
+        ids = await _chat_prompt(state, req)
+    else:
+        ids = await state.tokens.encode(req.prompt, req.add_special_tokens)
+    return {"tokens": ids, "count": len(ids), "max_model_len": state.limits.max_model_len}
+
+
+async def detokenize(req: DetokenizeRequest, request: Request):
+    state = _state(request)
+    _check_model(state, req.model)
+    state.engine.limits.rules.check_token_ids(req.tokens, "token ids", "tokens")
+    return {"prompt": await state.tokens.decode(req.tokens)}
+
+
+async def completions(req: CompletionRequest, request: Request):
+    state = _state(request)
+    _check_model(state, req.model)
+    _check_fleet(state, req, request)
+    sequences = state.limits.check_sequences(len(req.prompts()), req.n)
+    prompts = [await _encode(state, p) for p in req.prompts()]
+    rules = state.engine.limits.rules
+    params = [
+        _params(req, rules.fit_max_tokens(len(p), req.max_tokens), req.logprobs) for p in prompts
+    ]
+    for prompt, sp in zip(prompts, params, strict=True):  # every one before any is submitted
+        state.engine.check_request(prompt, sp)
+    rid = _request_id(request, "cmpl")
+    _check_capacity(state, sequences)  # and submit at once, with no await in between
+    gens = [
+        _submit(state, f"{rid}-{i}", p, sp)
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
+    created = int(time.time())
+    model, tokenizer = state.config.served_model_name, state.tokenizer
+    if req.stream:
+        return _sse(_completion_chunks(gens, rid, created, model, req, prompts, tokenizer))
+    finals = await _collect(gens, request)
+    choices = []
+    for i, out in enumerate(finals):
+        for c in out.outputs:
+            choices.append(
+                {
+                    "index": i * req.n + c.index,
+                    "text": c.text,
+                    "logprobs": _completion_logprobs(c.logprobs, c.token_ids, tokenizer)
+                    if req.logprobs is not None
+                    else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": _usage(prompts, finals),
+        **_kv_transfer_params(finals),
+    }
+
+
+async def chat(req: ChatCompletionRequest, request: Request):
+    state = _state(request)
+    _check_model(state, req.model)
+    _check_fleet(state, req, request)
+    sequences = state.limits.check_sequences(1, req.n)
+    prompt = await _chat_prompt(state, req)
+    max_tokens = state.engine.limits.rules.fit_max_tokens(len(prompt), req.requested_max_tokens())
+    top = req.top_logprobs or 0
+    params = _params(req, max_tokens, top if req.logprobs else None)
+    state.engine.check_request(prompt, params)
+    rid = _request_id(request, "chatcmpl")
+    _check_capacity(state, sequences)  # and submit at once, with no await in between
+    gen = _submit(state, rid, prompt, params)
+    created = int(time.time())
+    model, tokenizer = state.config.served_model_name, state.tokenizer
+    if req.stream:
+        return _sse(_chat_chunks(gen, rid, created, model, req, prompt, tokenizer))
+    (final,) = await _collect([gen], request)
+    choices = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": _chat_logprobs(c.logprobs, c.token_ids, tokenizer, top)
+            if req.logprobs
+            else None,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        for c in final.outputs
+    ]
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": _usage([prompt], [final]),
+        **_kv_transfer_params([final]),
+    }
+
+
+_ROUTES = (
+    ("GET", "/health", health),
+    ("GET", "/metrics", prometheus),
+    ("GET", "/version", version),
+    ("GET", "/v1/models", models),
+    ("POST", "/tokenize", tokenize),
+    ("POST", "/detokenize", detokenize),
+    ("POST", "/v1/completions", completions),
+    ("POST", "/v1/chat/completions", chat),
+)
 
 
 def _kv_transfer_params(finals) -> dict:

@@ -12,7 +12,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pagefleet.engine.llm_engine import LLMEngine, StepStats
+from pagefleet.engine.client import EngineClient, EngineObserver, StepStats
 from pagefleet.engine.outputs import RequestOutput
 
 logger = logging.getLogger("pagefleet.server")
@@ -67,15 +67,15 @@ _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384
 
 
 class _EngineCollector:
-    """Reads the engine's live state at scrape time (thread-safe enough: ints and lengths)."""
+    """Reads the engine's stats snapshot at scrape time."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
     def collect(self):
-        sched = self.engine.scheduler
-        kv = sched.kv_cache
+        stats = self.engine.stats()
+        limits = self.engine.limits
         name = [self.model_name]
 
         def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -89,20 +89,20 @@ class _EngineCollector:
             return c
 
         yield gauge(
-            "vllm:num_requests_running", "Requests in the running batch.", sched.num_running
+            "vllm:num_requests_running", "Requests in the running batch.", stats.num_running
         )
         yield gauge(
-            "vllm:num_requests_waiting", "Requests waiting to be scheduled.", sched.num_waiting
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting
         )
         yield gauge(
             "vllm:kv_cache_usage_perc",
             "Fraction of KV blocks held by live requests (1 = full).",
-            kv.usage,
+            stats.kv_cache_usage,
         )
         yield gauge(
             "pagefleet:kv_cache_cached_free_blocks",
             "Free KV blocks that still hold reusable prefixes.",
-            kv.num_cached_free_blocks,
+            stats.num_cached_free_blocks,
         )
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
@@ -118,10 +118,10 @@ class _EngineCollector:
         info.add_metric(
             [
                 self.model_name,
-                str(kv.block_size),
-                str(kv.num_blocks),
-                str(kv.enable_prefix_caching),
-                self.engine.runner.kv_cache_dtype,
+                str(limits.block_size),
+                str(limits.num_gpu_blocks),
+                str(limits.enable_prefix_caching),
+                limits.kv_cache_dtype,
             ],
             1.0,
         )
@@ -129,37 +129,38 @@ class _EngineCollector:
         yield counter(
             "vllm:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
-            kv.prefix_cache_queries,
+            stats.prefix_cache_queries,
         )
         yield counter(
             "vllm:prefix_cache_hits",
             "Prompt tokens found in the prefix cache.",
-            kv.prefix_cache_hits,
+            stats.prefix_cache_hits,
         )
-        yield counter("vllm:num_preemptions", "Preemptions by recompute.", sched.num_preemptions)
+        yield counter("vllm:num_preemptions", "Preemptions by recompute.", stats.num_preemptions)
         yield gauge(
             "pagefleet:kv_transfer_held_blocks",
             "KV blocks a prefill engine holds for decode engines to read.",
-            sched.num_held_blocks,
+            stats.num_held_blocks,
         )
-        connector = self.engine.connector
-        if connector is not None:
-            stats = connector.stats
+        transfer = stats.kv_transfer
+        if transfer is not None:
             for metric, doc, value in (
-                ("bytes", "KV bytes pulled from prefill engines.", stats.bytes),
-                ("transfers", "KV pulls finished (either way).", stats.transfers),
-                ("failures", "KV pulls that failed.", stats.failures),
+                ("bytes", "KV bytes pulled from prefill engines.", transfer.bytes),
+                ("transfers", "KV pulls finished (either way).", transfer.transfers),
+                ("failures", "KV pulls that failed.", transfer.failures),
                 (
                     "fallbacks",
                     "Requests that computed their prompt after a failed pull.",
-                    stats.fallbacks,
+                    transfer.fallbacks,
                 ),
             ):
                 yield counter(f"pagefleet:kv_transfer_{metric}", doc, value)
 
 
-class EngineMetrics:
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+class EngineMetrics(EngineObserver):
+    """The server's metrics registry; subscribed to the engine's steps, pulls and stalls."""
+
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -212,18 +213,21 @@ class EngineMetrics:
             "Time to pull one request's KV blocks (handshake, transfer, release).",
             _ITL_BUCKETS,
         )
-        engine.transfer_observers.append(
-            lambda result: self.transfer_seconds.observe(result.seconds)
-        )
         reg.register(_EngineCollector(engine, model_name))
-        engine.step_observers.append(self.observe_step)
+        engine.subscribe(self)
         # For the periodic log line.
         self._logged_at = time.monotonic()
         self._logged_prompt = self._logged_generation = 0.0
         self._prompt_total = self._generation_total = 0.0
         self.engine = engine
 
-    def observe_step(self, stats: StepStats) -> None:
+    def on_kv_transfer(self, seconds: float) -> None:
+        self.transfer_seconds.observe(seconds)
+
+    def on_stall_abort(self) -> None:
+        self.stall_aborts.inc()
+
+    def on_step(self, stats: StepStats) -> None:
         self.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_generation_tokens)
@@ -265,12 +269,12 @@ class EngineMetrics:
         gen_rate = (self._generation_total - self._logged_generation) / span
         self._logged_at, self._logged_prompt = now, self._prompt_total
         self._logged_generation = self._generation_total
-        sched = self.engine.scheduler
-        kv = sched.kv_cache
-        hit = kv.prefix_cache_hits / kv.prefix_cache_queries if kv.prefix_cache_queries else 0.0
+        stats = self.engine.stats()
+        queries = stats.prefix_cache_queries
+        hit = stats.prefix_cache_hits / queries if queries else 0.0
         return (
             f"Avg prompt throughput: {prompt_rate:.1f} tokens/s, Avg generation throughput: "
-            f"{gen_rate:.1f} tokens/s, Running: {sched.num_running} reqs, Waiting: "
-            f"{sched.num_waiting} reqs, KV cache usage: {kv.usage:.1%}, "
+            f"{gen_rate:.1f} tokens/s, Running: {stats.num_running} reqs, Waiting: "
+            f"{stats.num_waiting} reqs, KV cache usage: {stats.kv_cache_usage:.1%}, "
             f"Prefix cache hit rate: {hit:.1%}"
         )

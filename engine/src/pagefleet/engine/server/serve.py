@@ -25,85 +25,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("model", help="path of a local Hugging Face checkpoint directory")
     p.add_argument("--host", default="0.0.0.0", help="address to bind (0.0.0.0)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (8000)")
-    p.add_argument(
-        "--served-model-name", default=None, help="model name in the API (default: the model path)"
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="most tokens (prompt + output) per request (default: the model's)",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most running requests (256)")
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="token budget of one engine step (2048)",
-    )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse KV blocks of shared prefixes (on)",
-    )
-    p.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="split long prompts over steps (on)",
-    )
-    p.add_argument(
-        "--max-num-partial-prefills",
-        type=int,
-        default=1,
-        help="prompts split over steps at once (1)",
-    )
-    p.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=0,
-        help="most prompt tokens per request per step; 0 = the budget (0)",
-    )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.92,
-        help="fraction of GPU memory for weights, activations and KV (0.92)",
-    )
-    p.add_argument("--kv-cache-memory", type=float, default=4.0, help="GiB of KV cache on CPU (4)")
-    p.add_argument(
-        "--num-gpu-blocks-override",
-        type=int,
-        default=None,
-        help="KV blocks in the pool, overriding the memory-based size",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
-        help="weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="KV cache dtype (auto: the model's)",
-    )
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (auto)")
-    p.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=["auto", "triton", "torch"],
-        help="paged-attention kernels (auto: triton on CUDA, torch on CPU)",
-    )
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="no CUDA graphs: run decode steps eagerly (graphs are captured at start-up)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (0)")
+    _add_engine_flags(p)
     p.add_argument(
         "--api-key",
         default=os.environ.get("PAGEFLEET_API_KEY"),
@@ -178,48 +100,93 @@ def add_serve_parser(sub) -> None:
         '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558"}',
     )
+    p.set_defaults(func=run_serve)
+
+
+def _default(name: str):
+    return EngineArgs.__dataclass_fields__[name].default
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Flags with EngineArgs' names; every default is EngineArgs' own (one set of defaults)."""
+
+    def flag(name: str, help: str, **kwargs) -> None:
+        default = _default(name)
+        shown = "" if default is None else " (%(default)s)"
+        p.add_argument("--" + name.replace("_", "-"), default=default, help=help + shown, **kwargs)
+
+    def switch(name: str, help: str) -> None:
+        flag(name, help, action=argparse.BooleanOptionalAction)
+
+    flag("served_model_name", "model name in the API (default: the model path)")
+    flag(
+        "max_model_len",
+        "most tokens (prompt + output) per request (default: the model's)",
+        type=int,
+    )
+    flag("max_num_seqs", "most running requests", type=int)
+    flag("max_num_batched_tokens", "token budget of one engine step", type=int)
+    flag("block_size", "tokens per KV block", type=int)
+    switch("enable_prefix_caching", "reuse KV blocks of shared prefixes")
+    switch("enable_chunked_prefill", "split long prompts over steps")
+    flag("max_num_partial_prefills", "prompts split over steps at once", type=int)
+    flag(
+        "long_prefill_token_threshold",
+        "most prompt tokens per request per step; 0 = the budget",
+        type=int,
+    )
+    flag(
+        "gpu_memory_utilization",
+        "fraction of GPU memory for weights, activations and KV",
+        type=float,
+    )
+    flag("kv_cache_memory", "GiB of KV cache on CPU", type=float)
+    flag(
+        "num_gpu_blocks_override",
+        "KV blocks in the pool, overriding the memory-based size",
+        type=int,
+    )
+    flag(
+        "dtype",
+        "weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+        choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+    )
+    flag(
+        "kv_cache_dtype",
+        "KV cache dtype (auto: the model's)",
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
+    flag("device", "cpu, cuda or auto")
+    flag(
+        "attention_backend",
+        "paged-attention kernels (auto: triton on CUDA, torch on CPU)",
+        choices=["auto", "triton", "torch"],
+    )
     p.add_argument(
-        "--kv-transfer-config",
-        default=None,
-        help="disaggregated prefill/decode; vLLM's JSON, e.g. "
+        "--enforce-eager",
+        action="store_true",
+        default=_default("enforce_eager"),
+        help="no CUDA graphs: run decode steps eagerly (graphs are captured at start-up)",
+    )
+    flag("seed", "seed of unseeded sampling", type=int)
+    flag(
+        "kv_transfer_config",
+        "disaggregated prefill/decode; vLLM's JSON, e.g. "
         '{"kv_connector": "nixl", "kv_role": "kv_producer"} (kv_connector nixl or tcp; kv_role '
         "kv_producer, kv_consumer or kv_both; optional kv_ip (address peers use, 127.0.0.1), "
         "kv_port (14579), kv_bind_host, transfer_timeout (30 s))",
     )
-    p.add_argument(
-        "--kv-hold-timeout",
+    flag(
+        "kv_hold_timeout",
+        "seconds a prefill engine holds a request's blocks for its decode engine",
         type=float,
-        default=120.0,
-        help="seconds a prefill engine holds a request's blocks for its decode engine (120)",
     )
-    p.set_defaults(func=run_serve)
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(
-        model=args.model,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        max_num_partial_prefills=args.max_num_partial_prefills,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        seed=args.seed,
-        kv_cache_memory=args.kv_cache_memory,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        served_model_name=args.served_model_name,
-        simulate=_simulation(args),
-        kv_transfer_config=args.kv_transfer_config,
-        kv_hold_timeout=args.kv_hold_timeout,
-    )
+    """EngineArgs from parsed flags: every field but `simulate` is a flag of the same name."""
+    names = [f for f in EngineArgs.__dataclass_fields__ if f != "simulate"]
+    return EngineArgs(**{name: getattr(args, name) for name in names}, simulate=_simulation(args))
 
 
 def _simulation(args: argparse.Namespace):
@@ -256,7 +223,7 @@ def run_serve(args: argparse.Namespace, banner: str | None = None) -> int:
         args.client_stall_timeout,
     )
     if publisher is not None:
-        engine.engine.step_observers.append(lambda _: publisher.flush())
+        engine.subscribe(publisher)  # one batch of events per step
     name = args.served_model_name or args.model
     app = build_app(
         engine,
@@ -277,26 +244,9 @@ def run_serve(args: argparse.Namespace, banner: str | None = None) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
     server = DrainingServer(config, app)
-
-    async def announce() -> None:
-        while not server.started:
-            await asyncio.sleep(0.05)
-        logger.info("serving %s on http://%s:%d", name, args.host, args.port)
-        if banner:
-            print(banner, flush=True)
-
-    async def main() -> None:
-        helpers = [asyncio.ensure_future(announce())]
-        if args.log_stats_interval > 0:
-            helpers.append(asyncio.ensure_future(_log_stats(app, args.log_stats_interval)))
-        try:
-            await server.serve()
-        finally:
-            for task in helpers:
-                task.cancel()
-
+    announced = f"serving {name} on http://{args.host}:{args.port}"
     try:
-        asyncio.run(main())
+        asyncio.run(_serve(server, announced, banner, args.log_stats_interval))
     finally:
         engine.shutdown()
         if publisher is not None:
@@ -313,7 +263,7 @@ class DrainingServer(uvicorn.Server):
         self.app = app
 
     def handle_exit(self, sig, frame) -> None:
-        self.app.state.draining = True
+        self.app.state.server.draining = True
         if sig == signal.SIGTERM:
             logger.info("SIGTERM: draining in-flight requests, then exiting")
             self.should_exit = True
@@ -321,7 +271,28 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+async def _serve(
+    server: DrainingServer, announced: str, banner: str | None, log_stats_interval: float
+) -> None:
+    helpers = [asyncio.ensure_future(_announce(server, announced, banner))]
+    if log_stats_interval > 0:
+        helpers.append(asyncio.ensure_future(_log_stats(server.app, log_stats_interval)))
+    try:
+        await server.serve()
+    finally:
+        for task in helpers:
+            task.cancel()
+
+
+async def _announce(server: DrainingServer, announced: str, banner: str | None) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    logger.info(announced)
+    if banner:
+        print(banner, flush=True)
+
+
 async def _log_stats(app, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
-        logger.info(app.state.metrics.log_line())
+        logger.info(app.state.server.metrics.log_line())

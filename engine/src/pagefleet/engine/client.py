@@ -1,0 +1,121 @@
+"""The engine as its server sees it: limits, counts, a stats snapshot, generate and abort.
+
+`AsyncLLM` implements `EngineClient` (vLLM's name for the same seam). The HTTP server and its
+metrics depend on this and nothing deeper, so the scheduler, the KV cache and the core loop
+can change without the server noticing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.validation import RequestRules
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What an engine is, fixed at start-up."""
+
+    rules: RequestRules  # what a request must satisfy (max_model_len, vocabulary, pool)
+    max_num_seqs: int
+    enable_prefix_caching: bool
+    kv_cache_dtype: str
+
+    @property
+    def max_model_len(self) -> int:
+        return self.rules.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.rules.vocab_size
+
+    @property
+    def block_size(self) -> int:
+        return self.rules.block_size
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.rules.num_gpu_blocks
+
+
+@dataclass(frozen=True)
+class KVTransferStats:
+    """Cumulative KV pulls of a decode engine."""
+
+    bytes: int
+    transfers: int
+    failures: int
+    fallbacks: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's live state, read at scrape time (ints and lengths read
+    off the engine thread's objects: each is exact, together they are near-simultaneous)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks held by live requests
+    num_cached_free_blocks: int  # free blocks still holding reusable prefixes
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found
+    num_preemptions: int
+    num_held_blocks: int  # blocks a prefill engine holds for decode engines
+    kv_transfer: KVTransferStats | None  # None without --kv-transfer-config
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did, for throughput metrics."""
+
+    num_prompt_tokens: int  # prompt tokens computed (cache hits excluded)
+    num_generation_tokens: int  # tokens sampled
+    num_preempted: int
+
+
+class EngineObserver:
+    """Events the engine reports as they happen (metrics, event flushing); subclasses
+    override the ones they want."""
+
+    def on_step(self, stats: StepStats) -> None:
+        """After every step that ran, on the engine's thread."""
+
+    def on_kv_transfer(self, seconds: float) -> None:
+        """After each finished KV pull, on the engine's thread."""
+
+    def on_stall_abort(self) -> None:
+        """When a client left output unread too long and its request was aborted (loop)."""
+
+
+class EngineClient(Protocol):
+    @property
+    def limits(self) -> EngineLimits: ...
+
+    @property
+    def tokenizer(self): ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    @property
+    def num_waiting_sequences(self) -> int:
+        """Sequences (n of each request) submitted and not running yet: what admission
+        control counts."""
+
+    def stats(self) -> EngineStats: ...
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise validation.InvalidRequest unless the request can be queued (synchronously:
+        nothing is submitted)."""
+
+    def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def subscribe(self, observer: EngineObserver) -> None: ...
