@@ -454,7 +454,7 @@ def test_the_server_needs_only_the_engine_client_seam(tiny_checkpoints):
     from fastapi.testclient import TestClient
     from prometheus_client.parser import text_string_to_metric_families
 
-    from pagefleet.engine.model.loader import load_tokenizer
+    from pagefleet.common.tokenizer import load_tokenizer
     from pagefleet.engine.server.app import ServerConfig, build_app
 
     engine = _StubEngine(load_tokenizer(tiny_checkpoints["llama"]))
