@@ -328,7 +328,10 @@ def run_up(args: argparse.Namespace) -> int:
             sup.up(args.timeout)
             if args.state_file:
                 state = [{**asdict(s), "pid": sup.procs[s.name].pid} for s in specs]
-                Path(args.state_file).write_text(json.dumps(state, indent=2))
+                # Whole or absent: a reader polling for the file never sees half of it.
+                partial = Path(f"{args.state_file}.partial")
+                partial.write_text(json.dumps(state, indent=2))
+                partial.replace(args.state_file)
             print(banner(opts, specs), flush=True)
             while stop["signal"] is None:
                 sup.watch_once()
