@@ -194,3 +194,36 @@ def test_a_client_leaving_a_non_streaming_request_aborts_it_on_the_engine(tiny_c
             assert time.monotonic() < deadline, "the engine kept generating for nobody"
             time.sleep(0.1)
         assert metric_value(router, "pagefleet_router:inflight", {"pod": engine[7:]}) == 0
+
+
+def test_a_client_leaving_a_stream_through_the_router_aborts_it_on_the_engine(tiny_checkpoints):
+    """A streaming client reads a few tokens through the router and leaves: the router closes
+    its upstream stream, the engine aborts the request (running drops to 0, one abort counted)
+    long before its 900 tokens. Fails for: a relay that keeps reading the upstream stream after
+    the client left (e.g. a pump task nobody cancels): the engine generates for nobody. (Not
+    for dropping `response.aclose()` alone: httpcore closes a connection whose read was
+    cancelled, so that mutant behaves the same.)"""
+    path = tiny_checkpoints["llama"]
+    profile = '{"decode_s_per_seq": 0.05}'
+    with (
+        running_server(
+            path, "--simulate", "--simulate-profile", profile, "--max-model-len", "1024"
+        ) as (engine, _),
+        running_router("--endpoints", engine, "--tokenizer", path) as (router, _),
+    ):
+        body = {"prompt": "slow one", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{router}/v1/completions", json=body, timeout=60) as r:
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: {")
+                if chunks == 3:
+                    break
+            assert metric_value(engine, "vllm:num_requests_running") == 1  # still generating
+        deadline = time.monotonic() + 10
+        while metric_value(engine, "vllm:num_requests_running") > 0:
+            assert time.monotonic() < deadline, "the engine kept generating for nobody"
+            time.sleep(0.1)
+        aborted = {"finished_reason": "abort"}
+        assert metric_value(engine, "vllm:request_success_total", aborted) == 1
+        assert metric_value(engine, "vllm:generation_tokens_total") < 900
+        assert metric_value(router, "pagefleet_router:inflight", {"pod": engine[7:]}) == 0

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagefleet.engine.kv_transfer.errors import TransferError, TransferTimeout
+from pagefleet.engine.kv_transfer.errors import TransferError, TransferTimeout, UnknownRequest
 from pagefleet.engine.kv_transfer.layout import CompatRecord
 from pagefleet.engine.kv_transfer.service import KVTransferClient, KVTransferServer, PeerInfo
 
@@ -106,6 +106,7 @@ class LoadResult:
     num_bytes: int = 0
     seconds: float = 0.0
     error: str | None = None
+    path: str | None = None  # the data path that moved the bytes: "nixl" or "tcp"
 
 
 @dataclass
@@ -222,7 +223,7 @@ class KVConnector:
         result = LoadResult(request_id, False)
         try:
             if pairs:
-                result.num_bytes = self._pull(source, pairs)
+                result.num_bytes, result.path = self._pull(source, pairs)
             result.ok = True
         except TransferError as e:
             result.error = str(e)
@@ -242,11 +243,12 @@ class KVConnector:
         self._result_ready.set()
         self.wake()
 
-    def _pull(self, source: RemoteSource, pairs: list[tuple[int, int]]) -> int:
+    def _pull(self, source: RemoteSource, pairs: list[tuple[int, int]]) -> tuple[int, str]:
         client, peer, nixl_peer = self._peer(source)
         timeout = self.config.transfer_timeout
         if self.nixl is None or nixl_peer is None:
-            return client.read_blocks_tcp(source.request_id, pairs, self.pool, timeout=timeout)
+            tcp = client.read_blocks_tcp(source.request_id, pairs, self.pool, timeout=timeout)
+            return tcp, "tcp"
         handle = self.nixl.start_read(nixl_peer, pairs)
         deadline = time.monotonic() + timeout
         try:
@@ -257,10 +259,15 @@ class KVConnector:
             if state == "failed":
                 raise TransferError(f"NIXL READ from {peer.engine_id} failed")
             # Held blocks are never reused, and a hold never comes back once released: if the
-            # peer still holds the request now, what we read was its KV all along. (Re-reading
-            # one block over the control channel checks that; it raises if not held.)
-            client.read_blocks_tcp(source.request_id, pairs[:1], self.pool, timeout=timeout)
-            return handle.num_bytes
+            # peer still held the request when the READ was over, what we read was its KV all
+            # along. Releasing it now both frees it and tells us whether it was still held.
+            # (Asking by re-reading a block over TCP overwrote that block with the TCP copy,
+            # which hid any NIXL error on it.)
+            if not client.release(source.request_id):
+                raise UnknownRequest(
+                    f"{peer.engine_id} no longer held {source.request_id!r} after the NIXL READ"
+                )
+            return handle.num_bytes, "nixl"
         finally:
             while not self.nixl.release(handle):
                 # NIXL could not cancel it: our blocks may still be written, so the request
