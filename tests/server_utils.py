@@ -18,6 +18,14 @@ from pagefleet.up import free_port, free_port_pair  # noqa: F401 - shared with t
 PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
 
 
+def wait_until(predicate, timeout: float = 10.0, what: str = "the condition") -> None:
+    """Poll `predicate` until it holds; fail after `timeout` seconds (never a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 def wait_healthy(proc: subprocess.Popen, base: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:

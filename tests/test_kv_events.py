@@ -64,6 +64,21 @@ def _wait(predicate, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def _wait_joined(publisher, index: PrefixIndex, pod: str = "pod-a") -> None:
+    """Until the subscriber receives what the publisher sends (a PUB socket drops messages sent
+    before a SUB joins): publish a probe block until it is indexed, then remove it again."""
+    probe = b"probe-block"
+    deadline = time.monotonic() + 10
+    while not index.match([probe], now=0):
+        assert time.monotonic() < deadline, "the subscriber never joined"
+        publisher.add(BlockStored([probe], None, [0], 1))
+        publisher.flush()
+        time.sleep(0.02)
+    publisher.add(BlockRemoved([probe]))
+    publisher.flush()
+    _wait(lambda: not index.match([probe], now=0))
+
+
 def _subscribe(
     publisher, index: PrefixIndex, pod: str = "pod-a", catch_up_ms: int = 0
 ) -> KVEventSubscriber:
@@ -92,7 +107,7 @@ def publisher():
 def test_router_index_mirrors_a_real_engine_cache(tiny_checkpoints, publisher):
     index = PrefixIndex("precise")
     live = _subscribe(publisher, index)
-    time.sleep(0.3)  # let SUB connect (PUB drops what is sent before)
+    _wait_joined(publisher, index)
     llm = LLM(
         tiny_checkpoints["llama"],
         num_gpu_blocks_override=12,
@@ -124,7 +139,7 @@ def test_router_index_mirrors_a_real_engine_cache(tiny_checkpoints, publisher):
 def test_a_restarted_publisher_purges_the_pod(publisher):
     index = PrefixIndex("precise")
     sub = _subscribe(publisher, index)
-    time.sleep(0.3)
+    _wait_joined(publisher, index)
     for i in range(3):
         publisher.add(BlockStored([bytes([i])], None, [i], 1))
         publisher.flush()
@@ -165,7 +180,7 @@ def test_discovered_pods_get_a_subscriber_each_and_lose_it_when_they_go():
     try:
         subs.sync([Pod("engine-0", "http://127.0.0.1:8000")])
         _wait(lambda: subs.pods == {"engine-0"})
-        time.sleep(0.3)  # the SUB socket joins
+        _wait_joined(pub, index, "engine-0")
         pub.add(BlockStored([b"h1", b"h2"], None, [1, 2], 1))
         pub.flush()
         _wait(lambda: index.num_blocks("engine-0") == 2)

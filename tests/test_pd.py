@@ -18,7 +18,7 @@ import pytest
 from pagefleet.engine.llm import LLM
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.router.pd import release_prefill
-from server_utils import free_port, metric_value, running_router, running_server
+from server_utils import free_port, metric_value, running_router, running_server, wait_until
 
 MAX_LEN = 1024
 SHARED = list(range(3, 203))  # a 200-token shared prefix
@@ -273,13 +273,6 @@ def held_blocks(engine: str) -> float:
     return metric_value(engine, "pagefleet:kv_transfer_held_blocks")
 
 
-def wait_for(predicate, within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def test_a_hold_nobody_reads_expires_and_cannot_be_read_after(tiny_checkpoints, colocated):
     """A prefill engine with hold_timeout 1 s frees blocks no decode engine came for; a decode
     engine that comes later finds nothing held and computes the prompt itself. Fails for: the
@@ -296,7 +289,7 @@ def test_a_hold_nobody_reads_expires_and_cannot_be_read_after(tiny_checkpoints, 
     ):
         params = prefill_directly(prefill, prompt)
         assert len(params["remote_block_ids"]) == -(-len(prompt) // 16)
-        wait_for(lambda: held_blocks(prefill) == 0, 15, "the hold to expire")
+        wait_until(lambda: held_blocks(prefill) == 0, 15, "the hold to expire")
         assert metric_value(prefill, "vllm:kv_cache_usage_perc") == 0
         assert decode_directly(decode, prompt, params) == expected
         assert metric_value(decode, "pagefleet:kv_transfer_fallbacks_total") == 1
@@ -330,7 +323,7 @@ def test_the_router_releases_the_prefill_hold_when_decode_does_not_answer_200(
         # The prefill engine did hold the blocks: its answer reached the decode pod.
         assert "remote_block_ids" in decode.received[0]["kv_transfer_params"]
         assert pd_decisions(router) == {"disaggregated": 1.0}
-        wait_for(lambda: held_blocks(prefill) == 0, 10, "the router to release the hold")
+        wait_until(lambda: held_blocks(prefill) == 0, 10, "the router to release the hold")
         assert metric_value(prefill, "vllm:kv_cache_usage_perc") == 0
 
 
@@ -349,4 +342,4 @@ def test_kv_both_engines_prefill_for_each_other(tiny_checkpoints, colocated):
             assert decode_directly(consumer, prompt, params) == expected
             assert pulls(consumer, "nixl") == 1
             assert metric_value(consumer, "pagefleet:kv_transfer_fallbacks_total") == 0
-            wait_for(lambda p=producer: held_blocks(p) == 0, 10, "the pull to release the hold")
+            wait_until(lambda p=producer: held_blocks(p) == 0, 10, "the pull to release the hold")

@@ -11,7 +11,13 @@ import httpx
 import pytest
 
 from pagefleet.router.main import static_pods
-from server_utils import free_port_pair, metric_value, running_router, running_server
+from server_utils import (
+    free_port_pair,
+    metric_value,
+    running_router,
+    running_server,
+    wait_until,
+)
 
 LONG = " ".join(f"word{i % 37} cache block" for i in range(90))  # ~250 tokens
 
@@ -107,15 +113,34 @@ def test_precise_index_follows_engine_events(tiny_checkpoints):
             # Warm the LAST engine directly, behind the router's back: only its KV events
             # can tell the router where this prefix lives.
             target, _ = engines[-1]
+            pod = target.removeprefix("http://")
             body = {"model": "tiny", "prompt": LONG, "max_tokens": 2, "temperature": 0}
             assert httpx.post(f"{target}/v1/completions", json=body, timeout=60).status_code == 200
-            time.sleep(0.5)
+            # Then probes, each warmed on the target and routed once: the first routed to the
+            # target as a prefix hit proves the router applied its events, and so (same stream,
+            # in order) the first prompt's. A probe routed elsewhere pollutes only itself.
+            probes = iter(range(1000))
+
+            def probe_hits_the_target() -> bool:
+                probe = {**body, "prompt": f"probe {next(probes)} {LONG}"}
+                assert httpx.post(f"{target}/v1/completions", json=probe, timeout=60)
+                hits = metric_value(router, "pagefleet_router:predicted_hit_blocks_total")
+                sent = routed_pod(router).get(pod, 0)
+                assert httpx.post(f"{router}/v1/completions", json=probe, timeout=60)
+                return (
+                    routed_pod(router).get(pod, 0) == sent + 1
+                    and metric_value(router, "pagefleet_router:predicted_hit_blocks_total") > hits
+                )
+
+            wait_until(probe_hits_the_target, 30, "the target's KV events to reach the router")
+            before = routed_pod(router)
             for _ in range(3):
                 assert (
                     httpx.post(f"{router}/v1/completions", json=body, timeout=60).status_code == 200
                 )
-            counts = routed_pod(router)
-            assert counts == {target.removeprefix("http://"): 3}
+            after = routed_pod(router)
+            moved = {name: after[name] - before.get(name, 0) for name in after}
+            assert {name: n for name, n in moved.items() if n} == {pod: 3}
 
 
 def test_requests_keep_succeeding_when_an_engine_dies(tiny_checkpoints):
