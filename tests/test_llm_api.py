@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import json
 import logging
 import shutil
+import time
 
 import pytest
 
