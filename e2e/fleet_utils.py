@@ -93,6 +93,17 @@ def pids_of(children: dict) -> dict[str, int]:
     return out
 
 
+def events_endpoints(children: dict) -> dict[str, str]:
+    """Each engine's KV-event endpoint, from its command line."""
+    out = {}
+    for name, child in children.items():
+        argv = child["argv"]
+        if "--kv-events-config" in argv:
+            config = json.loads(argv[argv.index("--kv-events-config") + 1])
+            out[name] = config["endpoint"]
+    return out
+
+
 def metrics(base: str) -> dict[tuple[str, tuple], float]:
     text = httpx.get(f"{base}/metrics", timeout=5).text
     return {

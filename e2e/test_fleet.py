@@ -9,13 +9,12 @@ import json
 import os
 import random
 import signal
-import time
 
 import httpx
 import openai
 import pytest
 
-from fleet_utils import fleet_up, idle, metric, pids_of, tiny_model, wait_until
+from fleet_utils import events_endpoints, fleet_up, idle, metric, pids_of, tiny_model, wait_until
 
 SHORT = ["What is a KV cache?", "Name a prime.", "block table", "Why page attention?"]
 __all__ = ["tiny_model"]  # a fixture, imported for pytest
@@ -166,31 +165,32 @@ def test_engines_and_router_dying_under_load(fleet, offline):
         r = httpx.post(f"{router}/v1/completions", timeout=120, json=_body(prompt))
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline(prompt, 8)
 
-    # ... and once the supervisor has restarted it, the router uses it again.
+    # ... and once the supervisor has restarted it, the router admits it again and sends it
+    # what it is the better pick for: prompts it alone holds (prefix affinity). Short prompts
+    # could go to either engine by load and tie-break: they proved nothing (and flaked).
     restarted = fleet[victim]["url"]
     wait_until(lambda: _healthy(restarted), 120, f"{victim} to be restarted")
-    served = 0.0
-    deadline = time.monotonic() + 90
-    while served == 0 and time.monotonic() < deadline:
-        for i in range(4):
-            httpx.post(f"{router}/v1/completions", timeout=120, json=_body(f"again {i}"))
-        served = metric(restarted, "vllm:request_success_total")
-    assert served > 0
+    probes = iter(range(10_000))
+    wait_until(
+        lambda: _routed_to_holder(router, restarted, f"probe {next(probes)} {LONG}", "", offline),
+        120,
+        f"the router to send the restarted {victim} a prompt it holds",
+    )
 
     # 2. Kill the prefill engine: long prompts fall back to prefilling on the decode side.
+    #    Each prompt starts with a prefix only the decode engine holds, so the router picks it
+    #    (then, with a long uncached rest, tries the dead prefill engine).
     os.kill(pids_of({"prefill": fleet["prefill"]})["prefill"], signal.SIGKILL)
-    skipped = 0.0
-    for k in range(8):  # until one lands on the decode engine (the colocated one may win)
-        prompt = f"w{k} {LONG}"
-        r = httpx.post(f"{router}/v1/completions", timeout=120, json=_body(prompt))
-        assert r.json()["choices"][0]["text"] == offline(prompt, 8)
-        skipped = sum(
-            metric(router, "pagefleet_router:pd_decisions_total", outcome=o)
-            for o in ("prefill_failed", "no_prefill_pod")
-        )
-        if skipped:
-            break
-    assert skipped >= 1
+    decode = fleet["decode"]["url"]
+    warm = iter(range(10_000))
+    wait_until(
+        lambda: (
+            _routed_to_holder(router, decode, f"w{next(warm)} {SHORT[3]} " * 8, LONG, offline)
+            and _skipped_prefills(router) >= 1
+        ),
+        120,
+        "a long prompt on the decode engine to skip the dead prefill engine",
+    )
     wait_until(lambda: _healthy(prefill), 120, "prefill to be restarted")
 
     # 3. Kill the router: clients retry until the restarted router answers; engines leak nothing.
@@ -201,6 +201,26 @@ def test_engines_and_router_dying_under_load(fleet, offline):
     for name, child in fleet.items():
         if name != "router":
             wait_until(lambda c=child: idle(c["url"]), 15, f"{name} to be idle")
+
+
+def _routed_to_holder(router: str, engine: str, held: str, rest: str, offline) -> bool:
+    """Send `held` to `engine` directly, then `held + rest` through the router: True if the
+    router sent it to `engine` (the right answer either way). False while the router has not
+    yet applied the engine's KV events (then the caller tries a new prompt: one routed
+    elsewhere is cached there too, and would tie)."""
+    assert httpx.post(f"{engine}/v1/completions", timeout=120, json=_body(held)).status_code == 200
+    pod = engine.removeprefix("http://")
+    before = metric(router, "pagefleet_router:requests_total", pod=pod)
+    r = httpx.post(f"{router}/v1/completions", timeout=120, json=_body(held + rest))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline(held + rest, 8)
+    return metric(router, "pagefleet_router:requests_total", pod=pod) == before + 1
+
+
+def _skipped_prefills(router: str) -> float:
+    return sum(
+        metric(router, "pagefleet_router:pd_decisions_total", outcome=o)
+        for o in ("prefill_failed", "no_prefill_pod")
+    )
 
 
 def _body(prompt: str) -> dict:
@@ -214,6 +234,35 @@ def _healthy(base: str) -> bool:
         return False
 
 
+def _published(children: dict, prefixes: list[list[int]]) -> bool:
+    """Every prefix's blocks appear in the engines' KV events (read from their replay buffers,
+    so a late subscriber misses nothing)."""
+    from pagefleet.block_hash import hash_blocks
+    from pagefleet.router.kv_subscriber import KVEventSubscriber
+    from pagefleet.router.prefix_index import PrefixIndex
+
+    index = PrefixIndex("precise")
+    subscribers = [
+        KVEventSubscriber(name, endpoint, index.apply, index.remove_pod, _replay(endpoint)).start(
+            catch_up_ms=500
+        )
+        for name, endpoint in events_endpoints(children).items()
+    ]
+    try:
+        return all(
+            max(index.match(hash_blocks(p, 16), now=0).values(), default=0) == len(p) // 16
+            for p in prefixes
+        )
+    finally:
+        for sub in subscribers:
+            sub.stop()
+
+
+def _replay(endpoint: str) -> str:
+    host, _, port = endpoint.rpartition(":")
+    return f"{host}:{int(port) + 1}"
+
+
 def test_simulated_fleet_of_8_routes_shared_prefixes_to_one_engine(tmp_path, tiny_model):
     with fleet_up(tmp_path, "--simulate", "--engines", "8", "--model", tiny_model) as children:
         router = children["router"]["url"]
@@ -222,12 +271,16 @@ def test_simulated_fleet_of_8_routes_shared_prefixes_to_one_engine(tmp_path, tin
         rng = random.Random(1)
         groups = [[rng.randrange(10, 500) for _ in range(480)] for _ in range(4)]
         for turn in range(5):
-            for g, prefix in enumerate(groups):
+            for prefix in groups:
                 prompt = prefix + [rng.randrange(10, 500) for _ in range(24)]
                 body = {"model": "demo", "prompt": prompt, "max_tokens": 2}
                 assert httpx.post(f"{router}/v1/completions", json=body, timeout=60).is_success
-                if turn == 0 and g == len(groups) - 1:
-                    time.sleep(0.5)  # the first turn's KV events reach the router
+            if turn == 0:  # the first turn's blocks are published (the router reads the same
+                wait_until(  # stream; until then its speculative entries route the next turns)
+                    lambda: _published(children, [g[:480] for g in groups]),
+                    30,
+                    "the engines' KV events for the first turn",
+                )
         hits = sum(metric(e, "vllm:prefix_cache_hits_total") for e in engines)
         queries = sum(metric(e, "vllm:prefix_cache_queries_total") for e in engines)
         # After each group's first request, its 480-token prefix (30 blocks) must be found:
