@@ -11,6 +11,7 @@ and by `make mutate`).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -220,3 +221,104 @@ def test_rows_without_logprobs_get_none_beside_rows_with_them():
     out = Sampler(0).sample(LOGITS.repeat(2, 1), [asks, silent])
     assert out.logprobs[1] is None
     assert set(out.logprobs[0]) == {0} and out.logprobs[0][0].rank == 1
+
+
+# Probabilities 1/2, 1/4, 1/8, 1/8 exactly (softmax of these logits is exact in float32): the
+# edges of top-p and min-p fall exactly on a token.
+DYADIC = torch.tensor([2.0, 1.0, 0.0, 0.0]) * math.log(2.0)
+
+
+def draw_row(logits: torch.Tensor, params: SamplingParams, n: int = 4000) -> torch.Tensor:
+    req = make_request(params, prompt=[0], output=[])
+    tokens = Sampler(0).sample(logits.repeat(n, 1), [req] * n).token_ids
+    return torch.bincount(torch.tensor(tokens), minlength=logits.numel())
+
+
+def hf_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    scores, ids = logits.unsqueeze(0), torch.tensor([[0]])
+    scores = TemperatureLogitsWarper(params.temperature)(ids, scores)
+    if params.top_k:
+        scores = TopKLogitsWarper(params.top_k)(ids, scores)
+    if params.top_p < 1.0:
+        scores = TopPLogitsWarper(params.top_p)(ids, scores)
+    if params.min_p:
+        scores = MinPLogitsWarper(params.min_p)(ids, scores)
+    return torch.softmax(scores[0], dim=-1)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_p=0.75),  # the mass before token 2 is exactly 0.75
+        SamplingParams(temperature=1.0, top_p=0.5),  # ... before token 1 exactly 0.5
+        SamplingParams(temperature=1.0, min_p=0.25),  # tokens 2, 3 exactly at 0.25 x 0.5
+        SamplingParams(temperature=1.0, top_k=1),  # top-k 1 is greedy, not "off"
+    ],
+    ids=["top_p at an edge", "top_p 0.5 at an edge", "min_p at an edge", "top_k 1"],
+)
+def test_edges_of_top_p_min_p_and_top_k_fall_as_in_hf(params):
+    """Top-p keeps the smallest prefix whose mass reaches p (a token whose predecessors already
+    reach it is out); min-p drops only tokens strictly below the scaled threshold; top_k=1 keeps
+    one token. Fails for: `>=` turned into `>` in top-p, `<` into `<=` in min-p, top_k=1
+    treated as no top-k."""
+    expected = hf_distribution(DYADIC, params)
+    assert_fits(draw_row(DYADIC, params), expected)
+
+
+def test_min_p_scales_by_each_rows_own_top_probability():
+    """Two rows with different peaks in one batch: each row's threshold uses its own top
+    probability. Fails for: the top probability taken over the whole batch."""
+    flat = SamplingParams(temperature=1.0, min_p=0.3)
+    peaky = SamplingParams(temperature=0.3, min_p=0.3)
+    n = 6000
+    requests = [make_request(flat, "f"), make_request(peaky, "p")] * (n // 2)
+    tokens = torch.tensor(Sampler(0).sample(LOGITS.repeat(n, 1), requests).token_ids)
+    for start, params in ((0, flat), (1, peaky)):
+        counts = torch.bincount(tokens[start::2], minlength=LOGITS.numel())
+        assert_fits(counts, hf_distribution(LOGITS, params))
+
+
+def test_a_repetition_penalty_of_exactly_2_applies():
+    """Fails for: the penalty's no-op check comparing against a value other than 1."""
+    params = SamplingParams(temperature=1.0, repetition_penalty=2.0)
+    assert_fits(draw(params), oracle(params))
+
+
+def test_token_ids_beyond_the_logits_are_ignored_not_fatal():
+    """A tokenizer can have more ids than the model has logits (HF clamps them away in its
+    repetition penalty). Such ids in the prompt, the output or the EOS set neither crash the
+    sampler nor penalise a real token. Fails for: `< vocab` filters turned into `<= vocab`
+    (an index error at id == vocab)."""
+    vocab = LOGITS.numel()
+    params = SamplingParams(temperature=0.0, repetition_penalty=5.0, min_tokens=3)
+    req = Request("o", [vocab, 2], params, eos_token_id=vocab)
+    req.all_token_ids.append(vocab)
+    penalised = LOGITS.clone()
+    penalised[2] /= 5.0
+    assert Sampler(0).sample(LOGITS.unsqueeze(0), [req]).token_ids == [int(penalised.argmax())]
+
+
+def test_unseeded_rows_follow_the_samplers_own_seed():
+    """An engine's sampler seed makes unseeded requests reproducible, whatever else uses
+    torch's global generator. Fails for: unseeded rows drawn from the global generator."""
+    params = SamplingParams(temperature=1.0)
+    first = Sampler(seed=5).sample(LOGITS.repeat(64, 1), [make_request(params)] * 64).token_ids
+    torch.manual_seed(12345)  # someone else's use of the global generator
+    again = Sampler(seed=5).sample(LOGITS.repeat(64, 1), [make_request(params)] * 64).token_ids
+    other = Sampler(seed=6).sample(LOGITS.repeat(64, 1), [make_request(params)] * 64).token_ids
+    assert first == again != other
+
+
+def test_forgetting_a_request_restarts_its_seeded_stream():
+    """The engine forgets a finished request's generator: a new request reusing the id starts
+    from its seed again (and the dict does not grow with every request). Fails for: forget
+    removing nothing."""
+    params = SamplingParams(temperature=1.0, seed=9)
+    sampler = Sampler(0)
+    req = make_request(params, "again")
+    first = [sampler.sample(LOGITS.unsqueeze(0), [req]).token_ids[0] for _ in range(8)]
+    sampler.forget("again")
+    assert "again" not in sampler.request_generators
+    replay = [sampler.sample(LOGITS.unsqueeze(0), [req]).token_ids[0] for _ in range(8)]
+    assert replay == first
+    sampler.forget("never-seen")  # unknown ids are fine
