@@ -5,6 +5,7 @@ the router dying under it. Nothing may be lost or leaked."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -234,28 +235,35 @@ def _healthy(base: str) -> bool:
         return False
 
 
-def _published(children: dict, prefixes: list[list[int]]) -> bool:
-    """Every prefix's blocks appear in the engines' KV events (read from their replay buffers,
-    so a late subscriber misses nothing)."""
-    from pagefleet.block_hash import hash_blocks
+@contextlib.contextmanager
+def _events_of(children: dict):
+    """A prefix index fed by every engine's KV events, from their replay buffers on (so a
+    late subscriber misses nothing), as the router's is."""
     from pagefleet.router.kv_subscriber import KVEventSubscriber
     from pagefleet.router.prefix_index import PrefixIndex
 
     index = PrefixIndex("precise")
     subscribers = [
         KVEventSubscriber(name, endpoint, index.apply, index.remove_pod, _replay(endpoint)).start(
-            catch_up_ms=500
+            catch_up_ms=200
         )
         for name, endpoint in events_endpoints(children).items()
     ]
     try:
-        return all(
-            max(index.match(hash_blocks(p, 16), now=0).values(), default=0) == len(p) // 16
-            for p in prefixes
-        )
+        yield index
     finally:
         for sub in subscribers:
             sub.stop()
+
+
+def _published(index, prefixes: list[list[int]]) -> bool:
+    """Every prefix's blocks are in the engines' published events."""
+    from pagefleet.block_hash import hash_blocks
+
+    return all(
+        max(index.match(hash_blocks(p, 16), now=0).values(), default=0) == len(p) // 16
+        for p in prefixes
+    )
 
 
 def _replay(endpoint: str) -> str:
@@ -264,7 +272,10 @@ def _replay(endpoint: str) -> str:
 
 
 def test_simulated_fleet_of_8_routes_shared_prefixes_to_one_engine(tmp_path, tiny_model):
-    with fleet_up(tmp_path, "--simulate", "--engines", "8", "--model", tiny_model) as children:
+    with (
+        fleet_up(tmp_path, "--simulate", "--engines", "8", "--model", tiny_model) as children,
+        _events_of(children) as published,
+    ):
         router = children["router"]["url"]
         engines = [c["url"] for n, c in children.items() if n != "router"]
         assert len(engines) == 8
@@ -277,7 +288,7 @@ def test_simulated_fleet_of_8_routes_shared_prefixes_to_one_engine(tmp_path, tin
                 assert httpx.post(f"{router}/v1/completions", json=body, timeout=60).is_success
             if turn == 0:  # the first turn's blocks are published (the router reads the same
                 wait_until(  # stream; until then its speculative entries route the next turns)
-                    lambda: _published(children, [g[:480] for g in groups]),
+                    lambda: _published(published, [g[:480] for g in groups]),
                     30,
                     "the engines' KV events for the first turn",
                 )

@@ -94,3 +94,180 @@ def test_a_hold_that_ended_before_the_pull_fails_it(kind):
         (result,) = consumer.finished_loads()
         assert not result.ok and result.path is None
         assert "req-2" in result.error
+
+
+def test_the_config_parses_vllms_json_and_says_what_is_wrong():
+    """Fails for: defaults changed, the extra-config key refused, overrides ignored, a bad
+    connector, role or key accepted, or the messages not naming the problem."""
+    from pagefleet.engine.kv_transfer.connector import DEFAULT_KV_PORT
+
+    default = KVTransferConfig.parse("{}")
+    assert default == KVTransferConfig("nixl", "kv_both", "127.0.0.1", DEFAULT_KV_PORT)
+    assert (default.kv_bind_host, default.hold_timeout, default.transfer_timeout) == (
+        None,
+        120.0,
+        30.0,
+    )
+    text = '{"kv_connector": "tcp", "kv_role": "kv_consumer", "kv_connector_extra_config": {}}'
+    parsed = KVTransferConfig.parse(text, hold_timeout=5.0)
+    assert (parsed.kv_connector, parsed.kv_role, parsed.hold_timeout) == ("tcp", "kv_consumer", 5)
+    for bad, message in (
+        ("{", "--kv-transfer-config is not JSON"),
+        ("[1]", "--kv-transfer-config must be a JSON object"),
+        ('{"kv_rank": 0}', "unknown keys ['kv_rank']; known: ['hold_timeout', 'kv_bind_host'"),
+        ('{"kv_connector": "lmcache"}', "kv_connector 'lmcache': one of ['nixl', 'tcp']"),
+        ('{"kv_role": "both"}', "kv_role 'both': one of ['kv_producer', 'kv_consumer', 'kv_both']"),
+    ):
+        with pytest.raises(ValueError) as caught:
+            KVTransferConfig.parse(bad)
+        assert message in str(caught.value), (bad, str(caught.value))
+    roles = {}
+    for role in ("kv_producer", "kv_consumer", "kv_both"):
+        config = KVTransferConfig(kv_role=role)
+        roles[role] = (config.produces, config.consumes)
+    assert roles == {
+        "kv_producer": (True, False),
+        "kv_consumer": (False, True),
+        "kv_both": (True, True),
+    }
+
+
+def test_remote_source_reads_the_prefill_answer_and_refuses_a_partial_one():
+    params = {
+        "remote_engine_id": 7,
+        "remote_host": "10.0.0.2",
+        "remote_port": "9000",
+        "remote_block_ids": ["4", 5],
+        "remote_request_id": 11,
+    }
+    assert RemoteSource.from_params(params) == RemoteSource("7", "10.0.0.2", 9000, (4, 5), "11")
+    for broken in (
+        {k: v for k, v in params.items() if k != "remote_port"},
+        {**params, "remote_block_ids": None},
+        {**params, "remote_port": "http"},
+    ):
+        with pytest.raises(ValueError, match="needs remote_engine_id, remote_host, remote_port"):
+            RemoteSource.from_params(broken)
+
+
+def test_holds_answer_as_vllm_and_end_by_release_or_deadline():
+    """Fails for: the params' shape changed, a release of an unknown request acknowledged, a
+    hold expiring before (or not at) its deadline, a released hold returned twice, the engine
+    loop not woken for a release."""
+    with ExitStack() as stack:
+        producer, _ = connectors(stack, "tcp")
+        rings = []
+        producer.wake = lambda: rings.append(1)
+        params = producer.hold("r1", [4, 5], now=100.0)
+        assert params == {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": "prefill-a",
+            "remote_host": "127.0.0.1",
+            "remote_port": producer.port,
+            "remote_block_ids": [4, 5],
+            "remote_request_id": "r1",
+        }
+        producer.hold("r2", [6], now=100.0)
+        assert producer.blocks_of("r1") == [4, 5] and producer.blocks_of("nope") is None
+        assert producer.release("nope") is False and rings == []
+        assert producer.release("r1") is True and rings == [1]
+        assert producer.due_releases(now=100.0) == ["r1"]
+        assert producer.due_releases(now=100.0) == []
+        timeout = producer.config.hold_timeout
+        assert producer.due_releases(now=100.0 + timeout - 0.001) == []
+        assert producer.due_releases(now=100.0 + timeout) == ["r2"]
+        assert producer.blocks_of("r2") is None
+
+
+def test_a_prefill_answer_with_too_few_blocks_fails_at_once_and_is_released():
+    """Fails for: pulling from a short block list (an index error on a worker), or the prefill
+    pod's hold left to time out."""
+    with ExitStack() as stack:
+        producer, consumer = connectors(stack, "tcp")
+        params = producer.hold("short", REMOTE_BLOCKS[:2], now=time.monotonic())
+        consumer.start_load("short", RemoteSource.from_params(params), LOCAL_BLOCKS, first=0)
+        (result,) = consumer.finished_loads()
+        assert not result.ok and result.error == (
+            "prefill pod sent 2 block ids, the prompt needs 5"
+        )
+        assert wait_released(producer) == ["short"]
+
+
+def wait_released(producer: KVConnector) -> list[str]:
+    """The requests a producer frees at its next step, once there are some."""
+    deadline = time.monotonic() + 10
+    while not (released := producer.due_releases(time.monotonic())):
+        assert time.monotonic() < deadline, "nothing was released"
+        time.sleep(0.02)
+    return released
+
+
+def test_a_pull_skips_the_blocks_the_decode_pod_already_has():
+    """Fails for: `first` ignored (cached local blocks overwritten), or an empty pull treated
+    as a transfer (a data path reported, bytes counted)."""
+    with ExitStack() as stack:
+        producer, consumer = connectors(stack, "tcp")
+        before = consumer.pool.clone()
+        params = producer.hold("part", REMOTE_BLOCKS, now=time.monotonic())
+        consumer.start_load("part", RemoteSource.from_params(params), LOCAL_BLOCKS, first=3)
+        consumer.wait_for_results(20)
+        (result,) = consumer.finished_loads()
+        assert result.ok and result.num_bytes == 2 * producer.pool[:, :, :, 0].nbytes
+        for local in LOCAL_BLOCKS[:3]:
+            assert torch.equal(consumer.pool[:, :, :, local], before[:, :, :, local])
+        for remote, local in zip(REMOTE_BLOCKS[3:], LOCAL_BLOCKS[3:], strict=True):
+            assert torch.equal(consumer.pool[:, :, :, local], producer.pool[:, :, :, remote])
+        params = producer.hold("none", REMOTE_BLOCKS, now=time.monotonic())
+        consumer.start_load("none", RemoteSource.from_params(params), LOCAL_BLOCKS, first=5)
+        consumer.wait_for_results(20)
+        (result,) = consumer.finished_loads()
+        assert (result.ok, result.num_bytes, result.path) == (True, 0, None)
+        assert producer.due_releases(time.monotonic()) == ["part", "none"]
+
+
+def test_an_unexpected_error_in_a_pull_still_ends_it():
+    """Every pull ends in a result, or its request waits forever. Fails for: a non-transfer
+    exception escaping the worker."""
+    with ExitStack() as stack:
+        producer, consumer = connectors(stack, "tcp")
+
+        def broken(*args):
+            raise RuntimeError("boom")
+
+        consumer._pull = broken
+        rings = []
+        consumer.wake = lambda: rings.append(1)
+        result = pull(producer, consumer, "err")
+        assert not result.ok and result.error == "unexpected: RuntimeError('boom')"
+        assert rings and result.seconds >= 0
+
+
+@pytest.mark.parametrize(("state", "error"), [("pending", "timed out"), ("failed", "failed")])
+def test_a_nixl_read_that_hangs_or_fails_ends_the_pull(monkeypatch, state, error):
+    """Fails for: a READ polled past transfer_timeout, or a failed READ taken as done."""
+    with ExitStack() as stack:
+        producer, consumer = connectors(stack, "nixl")
+        object.__setattr__(consumer.config, "transfer_timeout", 0.5)
+        monkeypatch.setattr(consumer.nixl, "poll", lambda handle: state)
+        result = pull(producer, consumer, "stuck")
+        assert not result.ok and f"NIXL READ from prefill-a {error}" in result.error
+
+
+def test_a_peer_restarted_at_the_same_address_is_handshaken_again():
+    """Fails for: the old peer's channel (and NIXL metadata) reused for a new engine."""
+    from pagefleet.up import free_port
+
+    port = free_port()
+    with ExitStack() as stack:
+        _, consumer = connectors(stack, "nixl")
+        for engine_id in ("first", "second"):
+            pool = make_pool(3)
+            config = KVTransferConfig(kv_connector="nixl", kv_role="kv_producer", kv_port=port)
+            producer = KVConnector(config, pool, compat_of(pool), engine_id)
+            try:
+                result = pull(producer, consumer, f"req-{engine_id}")
+                assert result.ok and result.path == "nixl", result.error
+                assert_blocks_equal(producer, consumer)
+            finally:
+                producer.close()
