@@ -100,3 +100,21 @@ def test_held_scale_down_and_held_scale_up_say_which_window():
     assert "; scale-up held to 2 by the 60s window" in held_up.reason
     steady = decide((obs(0, 8, pods=2, replicas=2),), PoolReplicas(2, 2), SPEC, 0.0)
     assert "held" not in steady.reason and steady.replicas == 2
+
+
+def test_windows_with_no_observation_in_them_fall_back_to_the_latest():
+    """Zero-length windows and an observation older than them: the latest recommendation
+    decides. Fails for: an empty window's min/max taken without a default."""
+    instant = Autoscaling(**{**SPEC.__dict__, "scale_down_stabilization_s": 0})
+    stale = (obs(0, 40, pods=2, replicas=2),)  # 10 seconds old at decision time
+    decision = decide(stale, PoolReplicas(2, 2), instant, 10.0)
+    assert (decision.replicas, decision.recommendation) == (6, 10)
+    down = decide((obs(0, 0, pods=4, replicas=4),), PoolReplicas(4, 4), instant, 10.0)
+    assert (down.replicas, down.recommendation) == (1, 1)
+
+
+def test_a_scale_down_that_goes_through_is_not_noted_as_held():
+    """Fails for: the held-down note added when the decision reached the recommendation."""
+    instant = Autoscaling(**{**SPEC.__dict__, "scale_down_stabilization_s": 0})
+    decision = decide((obs(0, 4, pods=4, replicas=4),), PoolReplicas(4, 4), instant, 0.0)
+    assert decision.replicas == 1 and "held" not in decision.reason

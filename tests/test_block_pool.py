@@ -140,10 +140,12 @@ def test_touching_several_cached_free_blocks_counts_each():
     blocks = pool.allocate(3)
     pool.cache_blocks(blocks, [b"a", b"b", b"c"], None, [1, 2, 3], 1)
     pool.free(blocks)
+    pool.touch(blocks[:1])
+    assert pool.num_cached_free == 2
     pool.touch(blocks[:2])
     assert pool.num_cached_free == 1
     pool.touch(blocks[:2])  # already referenced: only the count of references moves
-    assert pool.num_cached_free == 1 and [b.ref_cnt for b in blocks] == [2, 2, 0]
+    assert pool.num_cached_free == 1 and [b.ref_cnt for b in blocks] == [3, 2, 0]
 
 
 def test_cache_blocks_refuses_a_hash_list_of_another_length():

@@ -237,7 +237,7 @@ def test_router_config_keys_are_checked_and_used():
     with pytest.raises(ValueError, match=r"unknown keys \['extra'\]; known: filters, scorers"):
         Pipeline.from_config({"extra": 1})
     for bad in ({"filters": "healthy"}, {"scorers": ["queue"]}):
-        with pytest.raises(ValueError, match="filters must be a list, scorers a mapping"):
+        with pytest.raises(ValueError, match=r"^router config: filters must be a list, scorers"):
             Pipeline.from_config(bad)
 
 

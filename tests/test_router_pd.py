@@ -128,3 +128,23 @@ def test_a_release_that_cannot_reach_its_pod_is_logged_not_raised(params):
     """The prefill pod's hold timeout frees the blocks then. Fails for: an exception escaping
     into the request that triggered the release."""
     release_prefill(params)
+
+
+def test_a_long_error_answer_is_cut_to_200_characters():
+    result = prefill_with(lambda _: httpx.Response(500, text="x" * 300))
+    assert result.error == "prefill at http://p: HTTP 500: " + "x" * 200
+
+
+def test_release_soon_never_raises_into_the_request(caplog):
+    """Even for params no release can use (a port of null): the request that triggered the
+    release is not the place for its error. The failure is logged with the request id.
+    Fails for: exceptions escaping release_prefill_soon, a log line without the request."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="pagefleet.router")
+    asyncio.run(release_prefill_soon({**PARAMS, "remote_port": None}))
+    release_prefill({**PARAMS, "remote_port": 1, "remote_request_id": "r-17"})
+    (record,) = [r for r in caplog.records if "r-17" in r.getMessage()]
+    assert record.levelno == logging.INFO
+    assert record.getMessage().startswith("could not release prefill blocks r-17: ")
+    assert "127.0.0.1:1" in record.getMessage()
