@@ -66,10 +66,15 @@ def choice_part(
 
 
 def completion_logprobs(
-    entries: list[TokenLogprobs | None], token_ids: list[int], tokenizer, first_offset: int = 0
-) -> dict:
-    """OpenAI's completions `logprobs` object. An entry of None (the first prompt token of an
-    echo) gives None for its logprob and top logprobs, as in vLLM."""
+    entries: list[TokenLogprobs | None] | None,
+    token_ids: list[int],
+    tokenizer,
+    first_offset: int = 0,
+) -> dict | None:
+    """OpenAI's completions `logprobs` object (None without entries). An entry of None (the
+    first prompt token of an echo) gives None for its logprob and top logprobs, as in vLLM."""
+    if entries is None:
+        return None
     texts = [tokenizer.decode([t]) for t in token_ids]
     offsets, pos = [], first_offset
     for text in texts:
