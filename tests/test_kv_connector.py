@@ -271,6 +271,8 @@ def test_a_peer_restarted_at_the_same_address_is_handshaken_again():
                 result = pull(producer, consumer, f"req-{engine_id}")
                 assert result.ok and result.path == "nixl", result.error
                 assert_blocks_equal(producer, consumer)
+                # The old engine's channel and NIXL peer were dropped, not kept beside.
+                assert len(consumer._peers) == 1 and len(consumer.nixl._peers) == 1
             finally:
                 producer.close()
 
@@ -398,6 +400,7 @@ def test_failures_are_logged_with_the_request_and_the_reason(caplog):
         info = next(r for r in caplog.records if r.getMessage().startswith("release of lost"))
         assert info.levelno == logging.INFO
         assert info.getMessage().startswith("release of lost on 127.0.0.1 failed: ")
+        assert "127.0.0.1:1" in info.getMessage()  # the error itself, naming the peer
 
 
 def test_close_finishes_every_pull_already_started():
@@ -412,3 +415,19 @@ def test_close_finishes_every_pull_already_started():
         results = consumer.finished_loads()
         assert sorted(r.request_id for r in results) == sorted(f"q{i}" for i in range(12))
         assert all(r.ok for r in results)
+
+
+def test_a_peer_that_never_answers_the_handshake_ends_the_pull():
+    """The handshake is bounded by transfer_timeout like the data. Fails for: a client built
+    without a timeout (the pull, and its request, would wait forever)."""
+    from test_pd import black_hole
+
+    with ExitStack() as stack:
+        _, consumer = connectors(stack, "tcp")
+        object.__setattr__(consumer.config, "transfer_timeout", 1.0)
+        port = stack.enter_context(black_hole())
+        source = RemoteSource("p", "127.0.0.1", port, tuple(REMOTE_BLOCKS), "hung")
+        consumer.start_load("hung", source, LOCAL_BLOCKS, 0)
+        consumer.wait_for_results(30)
+        (result,) = consumer.finished_loads()
+        assert result.ok is False and "timed out" in result.error

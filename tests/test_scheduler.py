@@ -324,3 +324,59 @@ def test_preemptions_are_counted_each_time():
         sched._preempt(b)
         run_step(sched, sched.schedule())
     assert (b.num_preemptions, sched.num_preemptions) == (2, 2)
+
+
+def test_a_resumed_request_is_protected_for_exactly_the_next_step():
+    """The anti-thrash window, through the real flow (not by setting resumed_step): a request
+    re-admitted after preemption is protected in the step after, not the one after that.
+    Fails for: the step counter moving by anything but one."""
+    sched = make_scheduler(num_blocks=32)
+    a, b = make_request("a", [1, 2], max_tokens=8), make_request("b", [3, 4], max_tokens=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched, sched.schedule())
+    sched._preempt(b)
+    run_step(sched, sched.schedule())  # b resumes: it recomputes its prompt and token
+    assert b.status is RequestStatus.RUNNING and b.resumed_step == sched.step_id
+    sched.schedule()  # the next step
+    assert sched._protected(b)
+    sched.schedule()  # and the one after
+    assert not sched._protected(b)
+
+
+def test_running_partial_prefills_count_against_the_partial_cap():
+    """Prompts still being prefilled count toward max_num_partial_prefills in later steps too.
+    Fails for: the count of running partial prefills set, decremented or doubled."""
+    flags = dict(max_num_batched_tokens=64, long_prefill_token_threshold=4)
+    sched = make_scheduler(max_num_partial_prefills=2, **flags)
+    for name in "ab":
+        sched.add_request(make_request(name, list(range(30)), max_tokens=1))
+    run_step(sched, sched.schedule())  # a and b: partial
+    sched.add_request(make_request("c", list(range(100, 130)), max_tokens=1))
+    assert _chunks(sched.schedule()) == {"a": 4, "b": 4}  # two partials running: c waits
+    one = make_scheduler(max_num_partial_prefills=2, **flags)
+    one.add_request(make_request("a", list(range(30)), max_tokens=1))
+    run_step(one, one.schedule())
+    one.add_request(make_request("b", list(range(100, 130)), max_tokens=1))
+    assert _chunks(one.schedule()) == {"a": 4, "b": 4}  # one running partial: room for b
+
+
+def test_a_remote_load_that_does_not_fit_waits_without_breaking_the_step():
+    """Fails for: admission returning nothing when a remote load cannot get its blocks."""
+    sched = make_scheduler(num_blocks=8, block_size=4)
+    sched.add_request(make_request("local", list(range(20)), max_tokens=4))
+    run_step(sched, sched.schedule())  # holds 6 of 8 blocks
+    remote = make_request("remote", list(range(100, 116)), max_tokens=1)  # needs 4 blocks
+    remote.remote_source = "prefill-pod"
+    sched.add_request(remote)
+    out = sched.schedule()
+    assert out.kv_loads == [] and out.num_tokens == 1 and sched.waiting[0] is remote
+
+
+def test_a_request_one_slot_larger_than_the_pool_is_refused():
+    """2 blocks of 4 hold 8 tokens' keys and values, and the last token's are never written:
+    a request of 9 tokens fits, 10 do not. Fails for: the capacity check off by one."""
+    sched = make_scheduler(num_blocks=2, block_size=4)
+    sched.add_request(make_request("fits", [1, 2], max_tokens=7))
+    with pytest.raises(ValueError, match="needs up to 3 KV blocks"):
+        sched.add_request(make_request("big", [1, 2], max_tokens=8))
