@@ -428,6 +428,8 @@ def test_a_peer_that_never_answers_the_handshake_ends_the_pull():
         port = stack.enter_context(black_hole())
         source = RemoteSource("p", "127.0.0.1", port, tuple(REMOTE_BLOCKS), "hung")
         consumer.start_load("hung", source, LOCAL_BLOCKS, 0)
-        consumer.wait_for_results(30)
+        # 15 s: well past the 1 s timeout even on a loaded machine, well short of gRPC's own
+        # 20 s connection deadline (which ends an unbounded handshake eventually).
+        consumer.wait_for_results(15)
         (result,) = consumer.finished_loads()
         assert result.ok is False and "timed out" in result.error

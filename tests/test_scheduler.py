@@ -349,10 +349,11 @@ def test_running_partial_prefills_count_against_the_partial_cap():
     Fails for: the count of running partial prefills set, decremented or doubled."""
     flags = dict(max_num_batched_tokens=64, long_prefill_token_threshold=4)
     sched = make_scheduler(max_num_partial_prefills=2, **flags)
-    for name in "ab":
+    for name in "abc":
         sched.add_request(make_request(name, list(range(30)), max_tokens=1))
-    run_step(sched, sched.schedule())  # a and b: partial
-    sched.add_request(make_request("c", list(range(100, 130)), max_tokens=1))
+    out = sched.schedule()
+    assert _chunks(out) == {"a": 4, "b": 4}  # admitted as partials up to the cap: c waits
+    run_step(sched, out)
     assert _chunks(sched.schedule()) == {"a": 4, "b": 4}  # two partials running: c waits
     one = make_scheduler(max_num_partial_prefills=2, **flags)
     one.add_request(make_request("a", list(range(30)), max_tokens=1))
