@@ -20,6 +20,7 @@ from fleet_utils import events_endpoints, fleet_up, idle, metric, pids_of, tiny_
 SHORT = ["What is a KV cache?", "Name a prime.", "block table", "Why page attention?"]
 __all__ = ["tiny_model"]  # a fixture, imported for pytest
 LONG = " ".join(f"history{i % 29} of the chat so far" for i in range(45))  # ~650 tokens
+OTHER_LONG = " ".join(f"story{i % 31} about the pages of a cache" for i in range(60))  # ~580
 
 
 @pytest.fixture(scope="module")
@@ -179,19 +180,28 @@ def test_engines_and_router_dying_under_load(fleet, offline):
     )
 
     # 2. Kill the prefill engine: long prompts fall back to prefilling on the decode side.
-    #    Each prompt starts with a prefix only the decode engine holds, so the router picks it
-    #    (then, with a long uncached rest, tries the dead prefill engine).
-    os.kill(pids_of({"prefill": fleet["prefill"]})["prefill"], signal.SIGKILL)
+    #    First a prefix the router knows only the decode engine holds (a long prompt after it
+    #    goes there, through the prefill engine); then, the instant the prefill engine is
+    #    dead (before its supervisor restarts it), another long prompt after that prefix.
     decode = fleet["decode"]["url"]
     warm = iter(range(10_000))
-    wait_until(
-        lambda: (
-            _routed_to_holder(router, decode, f"w{next(warm)} {SHORT[3]} " * 8, LONG, offline)
-            and _skipped_prefills(router) >= 1
-        ),
-        120,
-        "a long prompt on the decode engine to skip the dead prefill engine",
-    )
+    held = ""
+
+    def decode_holds_a_prefix() -> bool:
+        nonlocal held
+        held = f"w{next(warm)} {SHORT[3]} " * 8
+        return _routed_to_holder(router, decode, held, LONG, offline)
+
+    wait_until(decode_holds_a_prefix, 120, "the router to send the decode engine its prefix")
+    skipped = _skipped_prefills(router)
+    os.kill(pids_of({"prefill": fleet["prefill"]})["prefill"], signal.SIGKILL)
+    before = metric(router, "pagefleet_router:requests_total", pod=decode.removeprefix("http://"))
+    prompt = held + OTHER_LONG
+    r = httpx.post(f"{router}/v1/completions", timeout=120, json=_body(prompt))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline(prompt, 8)
+    pod = decode.removeprefix("http://")
+    assert metric(router, "pagefleet_router:requests_total", pod=pod) == before + 1
+    assert _skipped_prefills(router) == skipped + 1  # prefill_failed or no_prefill_pod
     wait_until(lambda: _healthy(prefill), 120, "prefill to be restarted")
 
     # 3. Kill the router: clients retry until the restarted router answers; engines leak nothing.
