@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up demo test lint bench clean helm venv
+.PHONY: up demo test lint bench clean helm venv mutate
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,17 @@ test: $(STAMP) helm
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+## Mutation testing of the cores with mutmut, one module at a time on its fast tests
+## (scripts/mutate.py; scores in docs/testing.md). Not part of `make test`: it takes a while.
+## MODULES=engine/src/pagefleet/engine/sampler.py limits it to some modules.
+MUTATE_STAMP := $(VENV)/.mutate-installed
+$(MUTATE_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,mutate]'
+	touch $(MUTATE_STAMP)
+
+mutate: $(MUTATE_STAMP)
+	$(BIN)/python scripts/mutate.py $(MODULES)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/scheduler_step.py

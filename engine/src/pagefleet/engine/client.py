@@ -84,8 +84,9 @@ class EngineObserver:
     def on_step(self, stats: StepStats) -> None:
         """After every step that ran, on the engine's thread."""
 
-    def on_kv_transfer(self, seconds: float) -> None:
-        """After each finished KV pull, on the engine's thread."""
+    def on_kv_transfer(self, seconds: float, path: str | None) -> None:
+        """After each finished KV pull, on the engine's thread; `path` is the data path that
+        moved the blocks ("nixl" or "tcp"), None if the pull failed."""
 
     def on_stall_abort(self) -> None:
         """When a client left output unread too long and its request was aborted (loop)."""

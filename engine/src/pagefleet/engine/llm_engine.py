@@ -419,7 +419,7 @@ class LLMEngine:
             stats.transfers += 1
             stats.bytes += result.num_bytes
             for observer in self.observers:
-                observer.on_kv_transfer(result.seconds)
+                observer.on_kv_transfer(result.seconds, result.path if result.ok else None)
             if not result.ok:
                 stats.failures += 1
                 if req is not None and not req.status.finished:

@@ -43,6 +43,14 @@ from pagefleet.engine.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagefleet.engine.server.responses import (
+    choice_part,
+    completion_logprobs,
+    continuous_usage,
+    echoed_prompt,
+    next_text_offset,
+    prompt_logprobs_json,
+)
 from pagefleet.engine.validation import InvalidRequest
 
 
@@ -187,12 +195,16 @@ def _check_fleet(state: ServerState, req, request: Request) -> None:
     )
 
 
-async def _encode(state: ServerState, prompt: str | list[int]) -> list[int]:
-    return await state.tokens.encode(prompt) if isinstance(prompt, str) else list(prompt)
+async def _encode(
+    state: ServerState, prompt: str | list[int], add_special_tokens: bool = True
+) -> list[int]:
+    if isinstance(prompt, str):
+        return await state.tokens.encode(prompt, add_special_tokens)
+    return list(prompt)
 
 
 async def _chat_prompt(state: ServerState, req: ChatCompletionRequest | TokenizeRequest):
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = [m.for_template() for m in req.messages]
     return await state.tokens.chat(messages, getattr(req, "add_generation_prompt", True))
 
 
@@ -320,7 +332,7 @@ async def completions(req: CompletionRequest, request: Request):
     _check_model(state, req.model)
     _check_fleet(state, req, request)
     sequences = state.limits.check_sequences(len(req.prompts()), req.n)
-    prompts = [await _encode(state, p) for p in req.prompts()]
+    prompts = [await _encode(state, p, req.add_special_tokens) for p in req.prompts()]
     rules = state.engine.limits.rules
     params = [
         _params(req, rules.fit_max_tokens(len(p), req.max_tokens), req.logprobs) for p in prompts
@@ -339,17 +351,20 @@ async def completions(req: CompletionRequest, request: Request):
         return _sse(_completion_chunks(gens, rid, created, model, req, prompts, tokenizer))
     finals = await _collect(gens, request)
     choices = []
-    for i, out in enumerate(finals):
+    for i, (prompt, out) in enumerate(zip(req.prompts(), finals, strict=True)):
+        echo = echoed_prompt(req, prompt, out, tokenizer)
         for c in out.outputs:
+            part = choice_part(c, echo=echo)
             choices.append(
                 {
                     "index": i * req.n + c.index,
-                    "text": c.text,
-                    "logprobs": _completion_logprobs(c.logprobs, c.token_ids, tokenizer)
+                    "text": part.text,
+                    "logprobs": completion_logprobs(part.logprobs, part.token_ids, tokenizer)
                     if req.logprobs is not None
                     else None,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
+                    **_prompt_logprobs(req, out, tokenizer),
                 }
             )
     return {
@@ -400,6 +415,7 @@ async def chat(req: ChatCompletionRequest, request: Request):
         "model": model,
         "choices": choices,
         "usage": _usage([prompt], [final]),
+        **_prompt_logprobs(req, final, tokenizer),
         **_kv_transfer_params([final]),
     }
 
@@ -414,6 +430,13 @@ _ROUTES = (
     ("POST", "/v1/completions", completions),
     ("POST", "/v1/chat/completions", chat),
 )
+
+
+def _prompt_logprobs(req, out: RequestOutput, tokenizer) -> dict:
+    """vLLM's `prompt_logprobs` field, when the client asked for it by name."""
+    if req.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs, tokenizer)}
 
 
 def _kv_transfer_params(finals) -> dict:
@@ -489,6 +512,7 @@ async def _merge(gens) -> AsyncIterator[tuple[int, RequestOutput]]:
 
 async def _completion_chunks(gens, rid, created, model, req: CompletionRequest, prompts, tokenizer):
     sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, sample) -> (chars, tokens)
+    offsets: dict[tuple[int, int], int] = {}  # text_offset of the next token
     finals: dict[int, RequestOutput] = {}
     async for i, out in _merge(gens):
         for c in out.outputs:
@@ -496,17 +520,24 @@ async def _completion_chunks(gens, rid, created, model, req: CompletionRequest, 
             chars, toks = sent.get(key, (0, 0))
             if len(c.text) == chars and not c.finished and len(c.token_ids) == toks:
                 continue
+            if key in sent and sent[key] == (-1, -1):
+                continue  # its final chunk went out already
+            # The echo goes with each choice's first chunk.
+            echo = None if key in sent else echoed_prompt(req, req.prompts()[i], out, tokenizer)
+            part = choice_part(c, chars, toks, echo)
+            logprobs = None
+            if req.logprobs is not None and part.logprobs is not None:
+                logprobs = completion_logprobs(
+                    part.logprobs, part.token_ids, tokenizer, offsets.get(key, 0)
+                )
+                offsets[key] = next_text_offset(logprobs, offsets.get(key, 0))
             choice = {
                 "index": i * req.n + c.index,
-                "text": c.text[chars:],
-                "logprobs": _completion_logprobs(c.logprobs[toks:], c.token_ids[toks:], tokenizer)
-                if req.logprobs is not None and c.logprobs is not None
-                else None,
+                "text": part.text,
+                "logprobs": logprobs,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
-            if key in sent and sent[key] == (-1, -1):
-                continue  # its final chunk went out already
             sent[key] = (-1, -1) if c.finished else (len(c.text), len(c.token_ids))
             yield {
                 "id": rid,
@@ -514,6 +545,7 @@ async def _completion_chunks(gens, rid, created, model, req: CompletionRequest, 
                 "created": created,
                 "model": model,
                 "choices": [choice],
+                **continuous_usage(req, len(prompts[i]), len(c.token_ids)),
             }
         if out.finished:
             finals[i] = out
@@ -538,17 +570,20 @@ async def _chat_chunks(gen, rid, created, model, req: ChatCompletionRequest, pro
             "choices": choices,
         }
 
-    yield chunk(
-        [
-            {
-                "index": i,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            for i in range(req.n)
-        ]
-    )
+    yield {
+        **chunk(
+            [
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for i in range(req.n)
+            ]
+        ),
+        **continuous_usage(req, len(prompt), 0),
+    }
     sent: dict[int, tuple[int, int]] = {}
     final = None
     async for _, out in _merge([gen]):
@@ -565,17 +600,20 @@ async def _chat_chunks(gen, rid, created, model, req: ChatCompletionRequest, pro
                 )
             delta = {"content": c.text[chars:]} if len(c.text) > chars else {}
             sent[c.index] = (-1, -1) if c.finished else (len(c.text), len(c.token_ids))
-            yield chunk(
-                [
-                    {
-                        "index": c.index,
-                        "delta": delta,
-                        "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                ]
-            )
+            yield {
+                **chunk(
+                    [
+                        {
+                            "index": c.index,
+                            "delta": delta,
+                            "logprobs": logprobs,
+                            "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason,
+                        }
+                    ]
+                ),
+                **continuous_usage(req, len(prompt), len(c.token_ids)),
+            }
         if out.finished:
             final = out
     if req.stream_options and req.stream_options.include_usage and final is not None:
@@ -594,24 +632,6 @@ def _usage(prompts: list[list[int]], finals: list[RequestOutput]) -> dict:
 
 def _token_text(tokenizer, token: int) -> str:
     return tokenizer.decode([token])
-
-
-def _completion_logprobs(entries: list[TokenLogprobs] | None, tokens: list[int], tokenizer):
-    if entries is None:
-        return None
-    texts = [_token_text(tokenizer, t) for t in tokens]
-    offsets, pos = [], 0
-    for text in texts:
-        offsets.append(pos)
-        pos += len(text)
-    return {
-        "tokens": texts,
-        "token_logprobs": [e[t].logprob for e, t in zip(entries, tokens, strict=True)],
-        "top_logprobs": [
-            {_token_text(tokenizer, tok): lp.logprob for tok, lp in e.items()} for e in entries
-        ],
-        "text_offset": offsets,
-    }
 
 
 def _chat_logprobs(entries: list[TokenLogprobs] | None, tokens: list[int], tokenizer, top_k: int):

@@ -213,6 +213,14 @@ class EngineMetrics(EngineObserver):
             "Time to pull one request's KV blocks (handshake, transfer, release).",
             _ITL_BUCKETS,
         )
+        self.transfer_pulls = Counter(
+            "pagefleet:kv_transfer_pulls",
+            "KV pulls that succeeded, by the data path that moved the blocks (nixl, tcp).",
+            ["model_name", "path"],
+            registry=reg,
+        )
+        for path in ("nixl", "tcp"):
+            self.transfer_pulls.labels(model_name, path)
         reg.register(_EngineCollector(engine, model_name))
         engine.subscribe(self)
         # For the periodic log line.
@@ -221,8 +229,10 @@ class EngineMetrics(EngineObserver):
         self._prompt_total = self._generation_total = 0.0
         self.engine = engine
 
-    def on_kv_transfer(self, seconds: float) -> None:
+    def on_kv_transfer(self, seconds: float, path: str | None) -> None:
         self.transfer_seconds.observe(seconds)
+        if path is not None:
+            self.transfer_pulls.labels(self.model_name, path).inc()
 
     def on_stall_abort(self) -> None:
         self.stall_aborts.inc()
