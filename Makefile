@@ -30,11 +30,13 @@ helm: $(STAMP)
 ## The whole test suite (lint included).
 test: $(STAMP) helm
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 ## Mutation testing of the cores with mutmut, one module at a time on its fast tests
 ## (scripts/mutate.py; scores in docs/testing.md). Not part of `make test`: it takes a while.
