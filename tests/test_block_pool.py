@@ -162,5 +162,5 @@ def test_block_repr_shows_id_references_and_whether_cached():
     pool = BlockPool(2)
     a, b = pool.allocate(2)
     pool.cache_blocks([a], [b"h"], None, [1], 1)
-    assert repr(a) == "Block(id=0, ref=1, cached=True)"
-    assert repr(b) == "Block(id=1, ref=1, cached=False)"
+    assert repr(pool.blocks[a]) == "Block(id=0, ref=1, cached=True)"
+    assert repr(pool.blocks[b]) == "Block(id=1, ref=1, cached=False)"
