@@ -125,11 +125,11 @@ def test_decode_fills_the_last_block_before_taking_another():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     r = _req("r", list(range(6)))
     assert kv.allocate_slots(r, 6, [])
-    assert len(r.block_table) == 2
+    assert len(r.block_ids) == 2
     r.num_computed_tokens = 6
-    assert kv.allocate_slots(r, 2) and len(r.block_table) == 2 and kv.num_free_blocks == 2
+    assert kv.allocate_slots(r, 2) and len(r.block_ids) == 2 and kv.num_free_blocks == 2
     r.num_computed_tokens = 8
-    assert kv.allocate_slots(r, 1) and len(r.block_table) == 3 and kv.num_free_blocks == 1
+    assert kv.allocate_slots(r, 1) and len(r.block_ids) == 3 and kv.num_free_blocks == 1
 
 
 def test_the_last_free_blocks_can_be_taken_exactly():
@@ -158,12 +158,12 @@ def test_a_prefix_hit_counts_its_revived_blocks_against_free_space():
     fits = _req("fits", [*prefix, *range(50, 58)])  # two hits + two new blocks: exactly all
     hits = kv.find_cached_prefix(fits)
     assert len(hits) == 2 and kv.allocate_slots(fits, 8, hits)
-    assert len(fits.block_table) == 4 and kv.num_free_blocks == 0
+    assert len(fits.block_ids) == 4 and kv.num_free_blocks == 0
     kv.free(fits)
     too_big = _req("big", [*prefix, *range(50, 62)])  # two hits + three new blocks: no
     hits = kv.find_cached_prefix(too_big)
     assert not kv.allocate_slots(too_big, 12, hits)
-    assert too_big.block_table == [] and kv.num_free_blocks == 4
+    assert too_big.block_ids == [] and kv.num_free_blocks == 4
 
 
 def test_hits_accumulate_and_only_count_with_prefix_caching_on():
@@ -213,7 +213,7 @@ def test_freeing_resets_what_the_request_had_cached():
     assert (r.num_cached_blocks, r.num_cached_tokens) == (2, 8)
     kv.free(r)
     assert (r.num_cached_blocks, r.num_cached_tokens) == (0, 0)
-    assert r.block_table == [] and r.block_ids == []
+    assert r.block_ids == []
 
 
 def test_a_hit_admission_allocates_blocks_for_all_new_tokens():
@@ -223,4 +223,4 @@ def test_a_hit_admission_allocates_blocks_for_all_new_tokens():
     r = _req("r", [*range(8), *range(60, 69)])  # 17 tokens: 2 hit blocks + 3 new
     hits = kv.find_cached_prefix(r)
     assert kv.allocate_slots(r, 9, hits)
-    assert len(r.block_table) == 5 and r.num_computed_tokens == 8
+    assert len(r.block_ids) == 5 and r.num_computed_tokens == 8

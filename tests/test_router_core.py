@@ -263,7 +263,7 @@ def test_router_config_keys_are_checked_and_used():
 def test_a_decision_reports_its_score_and_pods_count_what_they_are_sent():
     pipe = Pipeline(["healthy"], {"queue": 2.0})
     pod = Pod("a", "u", waiting=1.0)
-    decision = pipe.pick(RoutingRequest("m", H), [pod], random.Random(0))
+    decision = pipe.pick(RoutingRequest("m", H), [pod], random.Random(0))[0]
     assert decision.score == pytest.approx(2.0 / (1 + 1 / 2))
     pod.begin(blocks=3)
     pod.begin(blocks=4)
