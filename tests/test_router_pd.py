@@ -18,6 +18,7 @@ from pagefleet.router.pd import (
     PrefillResult,
     decode_body,
     prefill_body,
+    refuse_fleet_fields,
     release_prefill,
     release_prefill_soon,
     run_prefill,
@@ -164,3 +165,19 @@ def test_release_soon_never_raises_into_the_request(caplog):
     assert record.levelno == logging.INFO
     assert record.getMessage().startswith("could not release prefill blocks on 127.0.0.1: ")
     assert all(grant not in r.getMessage() for r in caplog.records)
+
+
+def test_a_client_setting_a_fleet_field_is_refused_by_name():
+    """Only the router sets kv_transfer_params. Fails for: the check skipped or inverted, a
+    field set to a falsy value let through, another status, type or parameter in the error."""
+    from pagefleet.common.http_errors import APIError
+
+    refuse_fleet_fields({"model": "m", "prompt": "p", "kv_transfer_params": None})
+    for value in ({}, {"do_remote_decode": True}, "x", 0, []):
+        with pytest.raises(APIError) as refused:
+            refuse_fleet_fields({"model": "m", "kv_transfer_params": value})
+        e = refused.value
+        assert (e.status, e.type, e.param) == (403, "permission_error", "kv_transfer_params")
+        assert e.message == (
+            "kv_transfer_params is set by the router only (disaggregated prefill/decode)"
+        )
