@@ -9,7 +9,7 @@ SOURCES := $(sort $(wildcard pagefleet/*.py engine/*.py engine/*/*.py router/*.p
              operator/*.py operator/*/*.py proto/*.py))
 SOURCE_LIST := build/.sources
 
-.PHONY: up demo test lint bench clean helm FORCE
+.PHONY: up demo test lint bench clean helm mutate FORCE
 
 $(SOURCE_LIST): FORCE
 	@mkdir -p build
@@ -44,6 +44,17 @@ test: $(STAMP) helm
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+## Mutation testing of the cores with mutmut, one module at a time on its fast tests
+## (scripts/mutate.py; scores in docs/testing.md). Not part of `make test`: it takes a while.
+## MODULES=engine/sampler.py limits it to some modules.
+MUTATE_STAMP := $(VENV)/.mutate-installed
+$(MUTATE_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,mutate]' --config-settings editable_mode=strict
+	touch $(MUTATE_STAMP)
+
+mutate: $(MUTATE_STAMP)
+	$(BIN)/python scripts/mutate.py $(MODULES)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/scheduler_step.py

@@ -93,6 +93,27 @@ def pids_of(children: dict) -> dict[str, int]:
     return out
 
 
+def events_endpoints(children: dict) -> dict[str, str]:
+    """Each engine's KV-event endpoint, from its command line."""
+    out = {}
+    for name, child in children.items():
+        argv = child["argv"]
+        if "--kv-events-config" in argv:
+            config = json.loads(argv[argv.index("--kv-events-config") + 1])
+            out[name] = config["endpoint"]
+    return out
+
+
+def fleet_curve(children: dict):
+    """The CurveZMQ keys of the fleet's KV-event channel, from the secret `pagefleet up` gave
+    its children (engines publish only to holders of the secret, as the router is)."""
+    from pagefleet.fleet_auth import curve_keys, load_fleet_secret
+
+    argv = children["router"]["argv"]
+    secret = load_fleet_secret(argv[argv.index("--fleet-secret-file") + 1])
+    return curve_keys(secret)
+
+
 def metrics(base: str) -> dict[tuple[str, tuple], float]:
     text = httpx.get(f"{base}/metrics", timeout=5).text
     return {

@@ -5,27 +5,44 @@ the router dying under it. Nothing may be lost or leaked."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
 import signal
-import time
 
 import httpx
 import openai
 import pytest
 
-from fleet_utils import fleet_up, idle, metric, pids_of, tiny_model, wait_until
+from fleet_utils import (
+    events_endpoints,
+    fleet_curve,
+    fleet_up,
+    idle,
+    metric,
+    pids_of,
+    tiny_model,
+    wait_until,
+)
 
 SHORT = ["What is a KV cache?", "Name a prime.", "block table", "Why page attention?"]
 __all__ = ["tiny_model"]  # a fixture, imported for pytest
 LONG = " ".join(f"history{i % 29} of the chat so far" for i in range(45))  # ~650 tokens
+OTHER_LONG = " ".join(f"story{i % 31} about the pages of a cache" for i in range(60))  # ~580
 
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model, tmp_path_factory):
     with fleet_up(tmp_path_factory.mktemp("fleet"), "--model", tiny_model) as children:
         yield children
+
+
+@pytest.fixture(scope="module")
+def fleet_events(fleet):
+    """The fleet's engines' KV events, in a prefix index of the test's own."""
+    with _events_of(fleet) as index:
+        yield index
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +153,7 @@ async def _stream_until_done(router: str, prompt: str) -> str:
     return "error"
 
 
-def test_engines_and_router_dying_under_load(fleet, offline):
+def test_engines_and_router_dying_under_load(fleet, offline, fleet_events):
     router = fleet["router"]["url"]
     prefill = fleet["prefill"]["url"]
 
@@ -166,31 +183,43 @@ def test_engines_and_router_dying_under_load(fleet, offline):
         r = httpx.post(f"{router}/v1/completions", timeout=120, json=_body(prompt))
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline(prompt, 8)
 
-    # ... and once the supervisor has restarted it, the router uses it again.
+    # ... and once the supervisor has restarted it, the router admits it again and sends it
+    # what it is the better pick for: prompts it alone holds (prefix affinity). Short prompts
+    # could go to either engine by load and tie-break: they proved nothing (and flaked).
     restarted = fleet[victim]["url"]
     wait_until(lambda: _healthy(restarted), 120, f"{victim} to be restarted")
-    served = 0.0
-    deadline = time.monotonic() + 90
-    while served == 0 and time.monotonic() < deadline:
-        for i in range(4):
-            httpx.post(f"{router}/v1/completions", timeout=120, json=_body(f"again {i}"))
-        served = metric(restarted, "vllm:request_success_total")
-    assert served > 0
+    probes = iter(range(10_000))
+    wait_until(
+        lambda: _routed_to_holder(
+            router, fleet[victim], f"probe {next(probes)} {LONG}", "", offline, fleet_events
+        ),
+        120,
+        f"the router to send the restarted {victim} a prompt it holds",
+    )
 
     # 2. Kill the prefill engine: long prompts fall back to prefilling on the decode side.
+    #    First a prefix the router knows only the decode engine holds (a long prompt after it
+    #    goes there, through the prefill engine); then, the instant the prefill engine is
+    #    dead (before its supervisor restarts it), another long prompt after that prefix.
+    decode = fleet["decode"]["url"]
+    warm = iter(range(10_000))
+    held = ""
+
+    def decode_holds_a_prefix() -> bool:
+        nonlocal held
+        held = f"w{next(warm)} {SHORT[3]} " * 8
+        return _routed_to_holder(router, fleet["decode"], held, LONG, offline, fleet_events)
+
+    wait_until(decode_holds_a_prefix, 120, "the router to send the decode engine its prefix")
+    skipped = _skipped_prefills(router)
     os.kill(pids_of({"prefill": fleet["prefill"]})["prefill"], signal.SIGKILL)
-    skipped = 0.0
-    for k in range(8):  # until one lands on the decode engine (the colocated one may win)
-        prompt = f"w{k} {LONG}"
-        r = httpx.post(f"{router}/v1/completions", timeout=120, json=_body(prompt))
-        assert r.json()["choices"][0]["text"] == offline(prompt, 8)
-        skipped = sum(
-            metric(router, "pagefleet_router:pd_decisions_total", outcome=o)
-            for o in ("prefill_failed", "no_prefill_pod")
-        )
-        if skipped:
-            break
-    assert skipped >= 1
+    before = metric(router, "pagefleet_router:requests_total", pod=decode.removeprefix("http://"))
+    prompt = held + OTHER_LONG
+    r = httpx.post(f"{router}/v1/completions", timeout=120, json=_body(prompt))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline(prompt, 8)
+    pod = decode.removeprefix("http://")
+    assert metric(router, "pagefleet_router:requests_total", pod=pod) == before + 1
+    assert _skipped_prefills(router) == skipped + 1  # prefill_failed or no_prefill_pod
     wait_until(lambda: _healthy(prefill), 120, "prefill to be restarted")
 
     # 3. Kill the router: clients retry until the restarted router answers; engines leak nothing.
@@ -201,6 +230,34 @@ def test_engines_and_router_dying_under_load(fleet, offline):
     for name, child in fleet.items():
         if name != "router":
             wait_until(lambda c=child: idle(c["url"]), 15, f"{name} to be idle")
+
+
+def _routed_to_holder(router: str, child: dict, held: str, rest: str, offline, events) -> bool:
+    """Send `held` to the engine directly and wait until its KV events for it are out (the
+    router reads the same stream: on a busy machine it could route before they arrived, every
+    time), then `held + rest` through the router: True if the router sent it to that engine
+    (the right answer either way). False while the router has not yet applied the events
+    (then the caller tries a new prompt: one routed elsewhere is cached there too, and would
+    tie)."""
+    engine = child["url"]
+    assert httpx.post(f"{engine}/v1/completions", timeout=120, json=_body(held)).status_code == 200
+    r = httpx.post(f"{engine}/tokenize", timeout=60, json={"model": "demo", "prompt": held})
+    tokens = r.json()["tokens"]
+    wait_until(
+        lambda: _published(events, [tokens], child["name"]), 30, f"{child['name']}'s KV events"
+    )
+    pod = engine.removeprefix("http://")
+    before = metric(router, "pagefleet_router:requests_total", pod=pod)
+    r = httpx.post(f"{router}/v1/completions", timeout=120, json=_body(held + rest))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline(held + rest, 8)
+    return metric(router, "pagefleet_router:requests_total", pod=pod) == before + 1
+
+
+def _skipped_prefills(router: str) -> float:
+    return sum(
+        metric(router, "pagefleet_router:pd_decisions_total", outcome=o)
+        for o in ("prefill_failed", "no_prefill_pod")
+    )
 
 
 def _body(prompt: str) -> dict:
@@ -214,20 +271,65 @@ def _healthy(base: str) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _events_of(children: dict):
+    """A prefix index fed by every engine's KV events, from their replay buffers on (so a
+    late subscriber misses nothing), as the router's is (with the fleet's CurveZMQ keys)."""
+    from pagefleet.router.kv_subscriber import KVEventSubscriber
+    from pagefleet.router.prefix_index import PrefixIndex
+
+    index = PrefixIndex("precise")
+    curve = fleet_curve(children)
+    subscribers = [
+        KVEventSubscriber(
+            name, endpoint, index.apply, index.remove_pod, _replay(endpoint), curve
+        ).start(catch_up_ms=200)
+        for name, endpoint in events_endpoints(children).items()
+    ]
+    try:
+        yield index
+    finally:
+        for sub in subscribers:
+            sub.stop()
+
+
+def _published(index, prefixes: list[list[int]], engine: str | None = None) -> bool:
+    """Every prefix's blocks are in the published events of one engine (`engine`, or any)."""
+    from pagefleet.block_hash import hash_blocks
+
+    def held(prefix: list[int]) -> int:
+        holders = index.match(hash_blocks(prefix, 16), now=0)
+        return holders.get(engine, 0) if engine else max(holders.values(), default=0)
+
+    return all(held(p) == len(p) // 16 for p in prefixes)
+
+
+def _replay(endpoint: str) -> str:
+    host, _, port = endpoint.rpartition(":")
+    return f"{host}:{int(port) + 1}"
+
+
 def test_simulated_fleet_of_8_routes_shared_prefixes_to_one_engine(tmp_path, tiny_model):
-    with fleet_up(tmp_path, "--simulate", "--engines", "8", "--model", tiny_model) as children:
+    with (
+        fleet_up(tmp_path, "--simulate", "--engines", "8", "--model", tiny_model) as children,
+        _events_of(children) as published,
+    ):
         router = children["router"]["url"]
         engines = [c["url"] for n, c in children.items() if n != "router"]
         assert len(engines) == 8
         rng = random.Random(1)
         groups = [[rng.randrange(10, 500) for _ in range(480)] for _ in range(4)]
         for turn in range(5):
-            for g, prefix in enumerate(groups):
+            for prefix in groups:
                 prompt = prefix + [rng.randrange(10, 500) for _ in range(24)]
                 body = {"model": "demo", "prompt": prompt, "max_tokens": 2}
                 assert httpx.post(f"{router}/v1/completions", json=body, timeout=60).is_success
-                if turn == 0 and g == len(groups) - 1:
-                    time.sleep(0.5)  # the first turn's KV events reach the router
+            if turn == 0:  # the first turn's blocks are published (the router reads the same
+                wait_until(  # stream; until then its speculative entries route the next turns)
+                    lambda: _published(published, [g[:480] for g in groups]),
+                    30,
+                    "the engines' KV events for the first turn",
+                )
         hits = sum(metric(e, "vllm:prefix_cache_hits_total") for e in engines)
         queries = sum(metric(e, "vllm:prefix_cache_queries_total") for e in engines)
         # After each group's first request, its 480-token prefix (30 blocks) must be found:

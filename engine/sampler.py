@@ -50,7 +50,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         if not all(greedy):
             rows = [i for i, g in enumerate(greedy) if not g]
-            random_rows = torch.tensor(rows, device=logits.device)
+            random_rows = _on(rows, logits)
             drawn = self._draw(logits[random_rows], [requests[i] for i in rows])
             tokens[random_rows] = drawn
         token_list = tokens.tolist()
@@ -65,21 +65,20 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
-        device = logits.device
-        temperature = torch.tensor([p.temperature for p in params], device=device)
+        temperature = _on([p.temperature for p in params], logits)
         logits = logits / temperature.unsqueeze(1)
         if any(p.top_k > 0 for p in params):
             logits = _top_k(logits, [p.top_k for p in params])
         if any(p.top_p < 1.0 for p in params):
-            logits = _top_p(logits, torch.tensor([p.top_p for p in params], device=device))
+            logits = _top_p(logits, _on([p.top_p for p in params], logits))
         probs = torch.softmax(logits, dim=-1)
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+            min_p = _on([p.min_p for p in params], logits).unsqueeze(1)
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         noise = torch.empty_like(probs)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
-            idx = torch.tensor(unseeded, device=device)
+            idx = _on(unseeded, logits)
             noise[idx] = torch.empty_like(probs[idx]).exponential_(generator=self.generator)
         for i, req in enumerate(requests):
             if params[i].seed is not None:
@@ -100,13 +99,13 @@ def apply_penalties(row: torch.Tensor, req: Request) -> None:
     multiply negative ones); presence and frequency over output tokens only."""
     p = req.sampling_params
     vocab = row.shape[0]
-    output = torch.tensor(req.output_token_ids, dtype=torch.int64, device=row.device)
+    output = _on(req.output_token_ids, row, torch.int64)
     output = output[output < vocab]
     counts = torch.zeros(vocab, device=row.device).scatter_add_(
         0, output, torch.ones_like(output, dtype=torch.float32)
     )
     if p.repetition_penalty != 1.0:
-        prompt = torch.tensor(req.prompt_token_ids, dtype=torch.int64, device=row.device)
+        prompt = _on(req.prompt_token_ids, row, torch.int64)
         seen = counts > 0
         seen[prompt[prompt < vocab]] = True
         penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
@@ -117,9 +116,14 @@ def apply_penalties(row: torch.Tensor, req: Request) -> None:
         row.sub_(p.presence_penalty * (counts > 0).float())
 
 
+def _on(values: list, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Per-row parameters or token ids as a tensor on the logits' device."""
+    return torch.tensor(values, dtype=dtype, device=like.device)
+
+
 def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
     vocab = logits.shape[1]
-    k = torch.tensor([k if 0 < k < vocab else vocab for k in ks], device=logits.device)
+    k = _on([k if 0 < k < vocab else vocab for k in ks], logits)
     sorted_logits = logits.sort(dim=-1, descending=True).values
     kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
     return logits.masked_fill(logits < kth, float("-inf"))

@@ -27,6 +27,14 @@ def fleet_secret():
     return FleetSecret(FLEET_SECRET.encode())
 
 
+def wait_until(predicate, timeout: float = 10.0, what: str = "the condition") -> None:
+    """Poll `predicate` until it holds; fail after `timeout` seconds (never a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 def wait_healthy(proc: subprocess.Popen, base: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:

@@ -100,3 +100,64 @@ def test_reset_prefix_cache_drops_every_hash_and_emits_cleared():
     assert events[-1] == AllBlocksCleared()
     assert not pool.cached and pool.num_cached_free == 0
     assert held[0].ref_cnt == 1 and held[0].block_hash is None
+
+
+def test_a_pool_needs_one_block_and_starts_with_every_block_free_and_unreferenced():
+    """Fails for: a one-block pool refused, blocks born referenced, the refusal unexplained."""
+    pool = BlockPool(1)
+    assert pool.num_free_blocks == 1 and pool.blocks[0].ref_cnt == 0
+    assert pool.allocate(1)[0].block_id == 0
+    with pytest.raises(ValueError, match="num_blocks must be >= 1, got 0"):
+        BlockPool(0)
+    with pytest.raises(ValueError, match="asked for 1 blocks, 0 free"):
+        pool.allocate(1)
+    assert all(b.ref_cnt == 0 for b in BlockPool(3).blocks)
+
+
+def test_an_empty_free_queue_says_so():
+    """Fails for: sentinels not linked (an AttributeError instead of IndexError)."""
+    with pytest.raises(IndexError, match=r"^no free block$"):
+        FreeBlockQueue([]).popleft()
+
+
+def test_eviction_forgets_the_hash_so_a_reused_block_is_not_counted_as_cached():
+    """An evicted block's hash is cleared: freed again it is plain free space. Fails for: the
+    hash set to anything but None (the block counts as cached-free forever)."""
+    pool = BlockPool(1)
+    (block,) = pool.allocate(1)
+    pool.cache_blocks([block], [b"h"], None, [1], 1)
+    pool.free([block])
+    assert pool.num_cached_free == 1
+    (again,) = pool.allocate(1)  # evicts h
+    assert again.block_hash is None and pool.num_cached_free == 0
+    pool.free([again])
+    assert pool.num_cached_free == 0 and pool.usage() == 0.0
+
+
+def test_touching_several_cached_free_blocks_counts_each():
+    """Fails for: the cached-free count set instead of decremented."""
+    pool = BlockPool(3)
+    blocks = pool.allocate(3)
+    pool.cache_blocks(blocks, [b"a", b"b", b"c"], None, [1, 2, 3], 1)
+    pool.free(blocks)
+    pool.touch(blocks[:1])
+    assert pool.num_cached_free == 2
+    pool.touch(blocks[:2])
+    assert pool.num_cached_free == 1
+    pool.touch(blocks[:2])  # already referenced: only the count of references moves
+    assert pool.num_cached_free == 1 and [b.ref_cnt for b in blocks] == [3, 2, 0]
+
+
+def test_cache_blocks_refuses_a_hash_list_of_another_length():
+    """One hash per block: a mismatch is a caller bug, not something to truncate silently."""
+    pool = BlockPool(2)
+    with pytest.raises(ValueError):
+        pool.cache_blocks(pool.allocate(2), [b"only-one"], None, [1, 2], 1)
+
+
+def test_block_repr_shows_id_references_and_whether_cached():
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    pool.cache_blocks([a], [b"h"], None, [1], 1)
+    assert repr(a) == "Block(id=0, ref=1, cached=True)"
+    assert repr(b) == "Block(id=1, ref=1, cached=False)"

@@ -3,14 +3,12 @@ server emulation, driven through the official kubernetes client)."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
 from kube_emulator import kubernetes_emulator
 from pagefleet.router.discovery import KubernetesDiscovery, parse_selector
-from server_utils import running_router, running_server
+from server_utils import running_router, running_server, wait_until
 
 
 def pods_emulator():
@@ -63,13 +61,6 @@ def pod(name: str, ready: bool = True, ip: str = "127.0.0.1", pool: str = "coloc
     }
 
 
-def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_selector_parsing():
     assert parse_selector("pagefleet.io/model=m, pagefleet.io/role") == {
         "pagefleet.io/model": "m",
@@ -88,16 +79,16 @@ def test_ready_matching_pods_are_discovered_and_removed():
             api, "serving", "pagefleet.io/model=m", 8000, seen.append
         ).start()
         try:
-            wait_for(lambda: seen and [p.name for p in seen[-1]] == ["engine-a"])
+            wait_until(lambda: seen and [p.name for p in seen[-1]] == ["engine-a"])
             assert seen[-1][0].url == "http://127.0.0.1:8000" and seen[-1][0].role == "decode"
             api.create_namespaced_pod("serving", pod("engine-b", ip="10.1.2.3"))
             api.create_namespaced_pod("serving", pod("starting", ready=False))
             other = pod("other-model")
             other["metadata"]["labels"]["pagefleet.io/model"] = "x"
             api.create_namespaced_pod("serving", other)
-            wait_for(lambda: [p.name for p in seen[-1]] == ["engine-a", "engine-b"])
+            wait_until(lambda: [p.name for p in seen[-1]] == ["engine-a", "engine-b"])
             api.delete_namespaced_pod("engine-a", "serving")
-            wait_for(lambda: [p.name for p in seen[-1]] == ["engine-b"])
+            wait_until(lambda: [p.name for p in seen[-1]] == ["engine-b"])
         finally:
             discovery.stop()
 
@@ -135,7 +126,7 @@ def test_pods_not_made_by_our_deployments_are_ignored():
             api, "serving", "pagefleet.io/model=m", 8000, seen.append, deployment="md"
         ).start()
         try:
-            wait_for(lambda: seen and "engine-ok" in [p.name for p in seen[-1]])
+            wait_until(lambda: seen and "engine-ok" in [p.name for p in seen[-1]])
             assert [(p.name, p.role) for p in seen[-1]] == [("engine-ok", "prefill")]
         finally:
             discovery.stop()
@@ -156,7 +147,7 @@ def test_router_finds_its_engine_through_kubernetes(tiny_checkpoints):
             port,
         )
         with running_router(*flags) as (router, _):
-            wait_for(
+            wait_until(
                 lambda: (
                     httpx.post(
                         f"{router}/v1/completions",

@@ -111,3 +111,115 @@ def test_prefix_caching_off_never_hits():
     sched.add_request(b)
     assert sched.schedule().scheduled == [(b, 8)]
     assert sched.kv_cache.num_cached_free_blocks == 0
+
+
+def test_defaults_are_vllms():
+    kv = KVCacheManager(num_blocks=4)
+    assert (kv.block_size, kv.enable_prefix_caching) == (16, True)
+
+
+def test_decode_fills_the_last_block_before_taking_another():
+    """A request whose tokens exactly fill its blocks needs none more; one token more needs
+    one. Fails for: `<=` turned into `<` (a block too many), slots counted in blocks."""
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    r = _req("r", list(range(6)))
+    assert kv.allocate_slots(r, 6, [])
+    assert len(r.block_table) == 2
+    r.num_computed_tokens = 6
+    assert kv.allocate_slots(r, 2) and len(r.block_table) == 2 and kv.num_free_blocks == 2
+    r.num_computed_tokens = 8
+    assert kv.allocate_slots(r, 1) and len(r.block_table) == 3 and kv.num_free_blocks == 1
+
+
+def test_the_last_free_blocks_can_be_taken_exactly():
+    """Fails for: a request for exactly the free blocks refused (`>` turned into `>=`)."""
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    r = _req("r", list(range(12)))
+    assert kv.allocate_slots(r, 12, []) and kv.num_free_blocks == 0
+
+
+def _cached(kv: KVCacheManager, prompt: list[int]) -> None:
+    """Compute `prompt` in a request, cache its full blocks, free it."""
+    r = _req("warm", prompt)
+    assert kv.allocate_slots(r, len(prompt), [])
+    r.num_computed_tokens = len(prompt)
+    kv.cache_computed_blocks(r)
+    kv.free(r)
+
+
+def test_a_prefix_hit_counts_its_revived_blocks_against_free_space():
+    """Hits that sit in the free list are taken out of it: they cannot also be handed out as
+    new blocks. Fails for: revived blocks counted wrongly (the allocation then fails inside the
+    pool, or is refused when it fits), or a refused request given True."""
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    prefix = list(range(8))  # two blocks, cached and free
+    _cached(kv, prefix)
+    fits = _req("fits", [*prefix, *range(50, 58)])  # two hits + two new blocks: exactly all
+    hits = kv.find_cached_prefix(fits)
+    assert len(hits) == 2 and kv.allocate_slots(fits, 8, hits)
+    assert len(fits.block_table) == 4 and kv.num_free_blocks == 0
+    kv.free(fits)
+    too_big = _req("big", [*prefix, *range(50, 62)])  # two hits + three new blocks: no
+    hits = kv.find_cached_prefix(too_big)
+    assert not kv.allocate_slots(too_big, 12, hits)
+    assert too_big.block_table == [] and kv.num_free_blocks == 4
+
+
+def test_hits_accumulate_and_only_count_with_prefix_caching_on():
+    """Fails for: hits assigned rather than added; queries counted with caching off."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    _cached(kv, list(range(8)))
+    for rid in ("x", "y"):
+        r = _req(rid, [*range(8), 99])
+        assert kv.allocate_slots(r, 1, kv.find_cached_prefix(r))
+        kv.free(r)
+    assert kv.prefix_cache_hits == 16
+    off = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    assert off.allocate_slots(_req("z", list(range(8))), 8, [])
+    assert (off.prefix_cache_queries, off.prefix_cache_hits) == (0, 0)
+
+
+def test_requests_with_prompt_logprobs_never_take_prefix_hits():
+    """Every prompt position must be computed to have its logprobs. Fails for: `or` turned
+    into `and` (a cached prefix skips the positions whose logprobs were asked for)."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    _cached(kv, list(range(8)))
+    asks = Request("p", [*range(8), 9], SamplingParams(prompt_logprobs=1), block_size=4)
+    assert kv.find_cached_prefix(asks) == []
+    assert len(kv.find_cached_prefix(_req("q", [*range(8), 9]))) == 2
+
+
+def test_nothing_newly_full_emits_no_event():
+    """Fails for: an empty BlockStored event sent when no new block is full."""
+    events = []
+    kv = KVCacheManager(num_blocks=4, block_size=4, listener=events.append)
+    r = _req("r", list(range(6)))
+    assert kv.allocate_slots(r, 6, [])
+    r.num_computed_tokens = 6
+    kv.cache_computed_blocks(r)
+    assert len(events) == 1
+    kv.cache_computed_blocks(r)  # still one full block
+    assert len(events) == 1
+
+
+def test_freeing_resets_what_the_request_had_cached():
+    """A preempted request starts over: no blocks, nothing cached. Fails for: stale counts
+    (the runner would skip writing positions it believes cached)."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    _cached(kv, list(range(8)))
+    r = _req("r", [*range(8), 99])
+    assert kv.allocate_slots(r, 1, kv.find_cached_prefix(r))
+    assert (r.num_cached_blocks, r.num_cached_tokens) == (2, 8)
+    kv.free(r)
+    assert (r.num_cached_blocks, r.num_cached_tokens) == (0, 0)
+    assert r.block_table == [] and r.block_ids == []
+
+
+def test_a_hit_admission_allocates_blocks_for_all_new_tokens():
+    """Fails for: the new-block count on the hit path off by a block."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    _cached(kv, list(range(8)))
+    r = _req("r", [*range(8), *range(60, 69)])  # 17 tokens: 2 hit blocks + 3 new
+    hits = kv.find_cached_prefix(r)
+    assert kv.allocate_slots(r, 9, hits)
+    assert len(r.block_table) == 5 and r.num_computed_tokens == 8

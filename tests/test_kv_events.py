@@ -20,6 +20,7 @@ from pagefleet.kv_events import (
 )
 from pagefleet.router.kv_subscriber import KVEventSubscriber
 from pagefleet.router.prefix_index import PrefixIndex
+from server_utils import wait_until
 
 
 def test_batches_round_trip_and_vllm_payloads_decode():
@@ -57,11 +58,19 @@ def test_kv_events_config_is_validated():
             KVEventsConfig.from_json(bad)
 
 
-def _wait(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
+def _wait_joined(publisher, index: PrefixIndex, pod: str = "pod-a") -> None:
+    """Until the subscriber receives what the publisher sends (a PUB socket drops messages sent
+    before a SUB joins): publish a probe block until it is indexed, then remove it again."""
+    probe = b"probe-block"
+    deadline = time.monotonic() + 10
+    while not index.match([probe], now=0):
+        assert time.monotonic() < deadline, "the subscriber never joined"
+        publisher.add(BlockStored([probe], None, [0], 1))
+        publisher.flush()
         time.sleep(0.02)
+    publisher.add(BlockRemoved([probe]))
+    publisher.flush()
+    wait_until(lambda: not index.match([probe], now=0))
 
 
 def _subscribe(
@@ -92,7 +101,7 @@ def publisher():
 def test_router_index_mirrors_a_real_engine_cache(tiny_checkpoints, publisher):
     index = PrefixIndex("precise")
     live = _subscribe(publisher, index)
-    time.sleep(0.3)  # let SUB connect (PUB drops what is sent before)
+    _wait_joined(publisher, index)
     llm = LLM(
         tiny_checkpoints["llama"],
         num_gpu_blocks_override=12,
@@ -105,7 +114,7 @@ def test_router_index_mirrors_a_real_engine_cache(tiny_checkpoints, publisher):
     publisher.flush()
     cached = set(llm.engine.scheduler.kv_cache.pool.cached)
     assert cached
-    _wait(lambda: live.last_seq >= publisher.last_seq > 0)
+    wait_until(lambda: live.last_seq >= publisher.last_seq > 0)
     assert {h for h in cached if index.match([h], now=0)} == cached
     assert index.num_blocks("pod-a") == len(cached)
     # A router that joins late catches up from the replay buffer.
@@ -124,11 +133,11 @@ def test_router_index_mirrors_a_real_engine_cache(tiny_checkpoints, publisher):
 def test_a_restarted_publisher_purges_the_pod(publisher):
     index = PrefixIndex("precise")
     sub = _subscribe(publisher, index)
-    time.sleep(0.3)
+    _wait_joined(publisher, index)
     for i in range(3):
         publisher.add(BlockStored([bytes([i])], None, [i], 1))
         publisher.flush()
-    _wait(lambda: index.num_blocks("pod-a") == 3)
+    wait_until(lambda: index.num_blocks("pod-a") == 3)
     port = publisher.endpoint.rsplit(":", 1)[1]
     publisher.shutdown()
     again = ZmqEventPublisher(
@@ -164,13 +173,13 @@ def test_discovered_pods_get_a_subscriber_each_and_lose_it_when_they_go():
     subs = SubscriberSet(port, index.apply, index.remove_pod)
     try:
         subs.sync([Pod("engine-0", "http://127.0.0.1:8000")])
-        _wait(lambda: subs.pods == {"engine-0"})
-        time.sleep(0.3)  # the SUB socket joins
+        wait_until(lambda: subs.pods == {"engine-0"})
+        _wait_joined(pub, index, "engine-0")
         pub.add(BlockStored([b"h1", b"h2"], None, [1, 2], 1))
         pub.flush()
-        _wait(lambda: index.num_blocks("engine-0") == 2)
+        wait_until(lambda: index.num_blocks("engine-0") == 2)
         subs.sync([])
-        _wait(lambda: not subs.pods)
+        wait_until(lambda: not subs.pods)
     finally:
         subs.stop()
         pub.shutdown()

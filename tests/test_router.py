@@ -11,7 +11,13 @@ import httpx
 import pytest
 
 from pagefleet.router.main import static_pods
-from server_utils import free_port_pair, metric_value, running_router, running_server
+from server_utils import (
+    free_port_pair,
+    metric_value,
+    running_router,
+    running_server,
+    wait_until,
+)
 
 LONG = " ".join(f"word{i % 37} cache block" for i in range(90))  # ~250 tokens
 
@@ -107,15 +113,34 @@ def test_precise_index_follows_engine_events(tiny_checkpoints):
             # Warm the LAST engine directly, behind the router's back: only its KV events
             # can tell the router where this prefix lives.
             target, _ = engines[-1]
+            pod = target.removeprefix("http://")
             body = {"model": "tiny", "prompt": LONG, "max_tokens": 2, "temperature": 0}
             assert httpx.post(f"{target}/v1/completions", json=body, timeout=60).status_code == 200
-            time.sleep(0.5)
+            # Then probes, each warmed on the target and routed once: the first routed to the
+            # target as a prefix hit proves the router applied its events, and so (same stream,
+            # in order) the first prompt's. A probe routed elsewhere pollutes only itself.
+            probes = iter(range(1000))
+
+            def probe_hits_the_target() -> bool:
+                probe = {**body, "prompt": f"probe {next(probes)} {LONG}"}
+                assert httpx.post(f"{target}/v1/completions", json=probe, timeout=60)
+                hits = metric_value(router, "pagefleet_router:predicted_hit_blocks_total")
+                sent = routed_pod(router).get(pod, 0)
+                assert httpx.post(f"{router}/v1/completions", json=probe, timeout=60)
+                return (
+                    routed_pod(router).get(pod, 0) == sent + 1
+                    and metric_value(router, "pagefleet_router:predicted_hit_blocks_total") > hits
+                )
+
+            wait_until(probe_hits_the_target, 30, "the target's KV events to reach the router")
+            before = routed_pod(router)
             for _ in range(3):
                 assert (
                     httpx.post(f"{router}/v1/completions", json=body, timeout=60).status_code == 200
                 )
-            counts = routed_pod(router)
-            assert counts == {target.removeprefix("http://"): 3}
+            after = routed_pod(router)
+            moved = {name: after[name] - before.get(name, 0) for name in after}
+            assert {name: n for name, n in moved.items() if n} == {pod: 3}
 
 
 def test_requests_keep_succeeding_when_an_engine_dies(tiny_checkpoints):
@@ -193,4 +218,39 @@ def test_a_client_leaving_a_non_streaming_request_aborts_it_on_the_engine(tiny_c
         while metric_value(engine, "vllm:num_requests_running") > 0:
             assert time.monotonic() < deadline, "the engine kept generating for nobody"
             time.sleep(0.1)
+        assert metric_value(router, "pagefleet_router:inflight", {"pod": engine[7:]}) == 0
+
+
+def test_a_client_leaving_a_stream_through_the_router_aborts_it_on_the_engine(tiny_checkpoints):
+    """A streaming client reads a few tokens through the router and leaves: the router closes
+    its upstream stream, the engine aborts the request (running drops to 0, one abort counted)
+    long before its 900 tokens. Fails for: a relay that keeps reading the upstream stream after
+    the client left (e.g. a pump task nobody cancels): the engine generates for nobody. (Not
+    for dropping `response.aclose()` alone: httpcore closes a connection whose read was
+    cancelled, so that mutant behaves the same.)"""
+    path = tiny_checkpoints["llama"]
+    profile = '{"decode_s_per_seq": 0.05}'
+    with (
+        running_server(
+            path, "--simulate", "--simulate-profile", profile, "--max-model-len", "1024"
+        ) as (engine, _),
+        running_router("--endpoints", engine, "--tokenizer", path) as (router, _),
+    ):
+        body = {"prompt": "slow one", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{router}/v1/completions", json=body, timeout=60) as r:
+            # The line iterator stays open until the check: breaking out of a `for` over it
+            # closes it, and with it the connection (the client would have left already).
+            lines = r.iter_lines()
+            chunks = 0
+            while chunks < 3:
+                chunks += next(lines).startswith("data: {")
+            assert metric_value(engine, "vllm:num_requests_running") == 1  # still generating
+        # Leaving the block closes the connection: the client is gone.
+        deadline = time.monotonic() + 10
+        while metric_value(engine, "vllm:num_requests_running") > 0:
+            assert time.monotonic() < deadline, "the engine kept generating for nobody"
+            time.sleep(0.1)
+        aborted = {"finished_reason": "abort"}
+        assert metric_value(engine, "vllm:request_success_total", aborted) == 1
+        assert metric_value(engine, "vllm:generation_tokens_total") < 900
         assert metric_value(router, "pagefleet_router:inflight", {"pod": engine[7:]}) == 0

@@ -186,3 +186,66 @@ def test_disaggregate_only_when_enough_of_the_prompt_is_uncached_on_the_decode_p
     assert (p["max_tokens"], p["max_completion_tokens"]) == (1, 1)
     assert "stream" not in p and p["kv_transfer_params"] == {"do_remote_decode": True}
     assert decode_body(body, {"a": 1})["kv_transfer_params"] == {"a": 1} and body["stream"]
+
+
+def test_scores_have_their_documented_values():
+    """Exact values, so a changed constant or default shows: load 1 / (1 + v / (mean + 1)),
+    kv-usage clamped to [0, 1], prefix = matched / prompt blocks (0 when absent or empty),
+    kv-cost (cheapest + 1) / (cost + 1)."""
+    from pagefleet.router.scoring import (
+        inflight_scorer,
+        kv_cost_scorer,
+        kv_usage_scorer,
+        prefix_scorer,
+        queue_scorer,
+    )
+
+    a, b = Pod("a", "u", waiting=3.0, inflight=1), Pod("b", "u", waiting=1.0, inflight=3)
+    assert queue_scorer(RoutingRequest("m", H), [a, b]) == {
+        "a": pytest.approx(1 / (1 + 3 / 3)),
+        "b": pytest.approx(1 / (1 + 1 / 3)),
+    }
+    assert inflight_scorer(RoutingRequest("m", H), [a, b])["b"] == pytest.approx(1 / (1 + 1))
+    odd = [Pod("low", "u", kv_usage=-0.5), Pod("high", "u", kv_usage=1.5)]
+    assert kv_usage_scorer(RoutingRequest("m", H), odd) == {"low": 1.0, "high": 0.0}
+    req = RoutingRequest("m", H, prefix_matches={"a": 2})
+    assert prefix_scorer(req, [a, b]) == {"a": 2 / 8, "b": 0.0}
+    assert prefix_scorer(RoutingRequest("m", []), [a]) == {"a": 0.0}
+    b.active_blocks = 4
+    # a: 8 - 2 = 6 blocks to prefill; b: 8 + 0.25 x 4 = 9.
+    assert kv_cost_scorer(req, [a, b]) == {"a": 1.0, "b": pytest.approx(7 / 10)}
+    assert kv_cost_scorer(req, []) == {}
+
+
+def test_weights_zero_disables_a_scorer_and_any_weight_below_zero_is_refused():
+    pipe = Pipeline(["healthy"], {"queue": 0, "prefix": 0.5})
+    assert pipe.weights == {"prefix": 0.5}
+    with pytest.raises(ValueError, match=r"^scorer weights must be >= 0$"):
+        Pipeline(["healthy"], {"queue": -0.1})
+    with pytest.raises(ValueError, match=r"unknown plugins \['nope', 'magic'\]"):
+        Pipeline(["nope"], {"magic": 1})
+
+
+def test_router_config_keys_are_checked_and_used():
+    """Fails for: pd_threshold_tokens (read by the router) refused here, filters from the
+    config ignored, a wrong type accepted because the other key is right."""
+    assert Pipeline.from_config({"pd_threshold_tokens": 64}).weights == DEFAULT_WEIGHTS
+    only_healthy = Pipeline.from_config({"filters": ["healthy"], "scorers": {"queue": 1}})
+    assert len(only_healthy.filters) == 1
+    other_model = [Pod("d", "http://d", models=frozenset({"other"}))]
+    assert only_healthy.candidates(RoutingRequest("m", H), other_model) == other_model
+    with pytest.raises(ValueError, match=r"unknown keys \['extra'\]; known: filters, scorers"):
+        Pipeline.from_config({"extra": 1})
+    for bad in ({"filters": "healthy"}, {"scorers": ["queue"]}):
+        with pytest.raises(ValueError, match=r"^router config: filters must be a list, scorers"):
+            Pipeline.from_config(bad)
+
+
+def test_a_decision_reports_its_score_and_pods_count_what_they_are_sent():
+    pipe = Pipeline(["healthy"], {"queue": 2.0})
+    pod = Pod("a", "u", waiting=1.0)
+    decision = pipe.pick(RoutingRequest("m", H), [pod], random.Random(0))
+    assert decision.score == pytest.approx(2.0 / (1 + 1 / 2))
+    pod.begin(blocks=3)
+    pod.begin(blocks=4)
+    assert (pod.inflight, pod.active_blocks) == (2, 7)

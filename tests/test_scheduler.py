@@ -104,10 +104,15 @@ def test_preemption_picks_the_most_recently_admitted_and_keeps_its_tokens():
 
 
 def test_resumed_request_is_not_the_victim_in_the_next_step():
+    """Anti-thrash: a request resumed in the previous step, or still recomputing what it lost,
+    is skipped as a victim while others are left. Fails for: the step window off by one either
+    way, or the recomputing test off by one (a plain decode counted as recomputing, or the
+    last recompute chunk not)."""
     sched = make_scheduler(num_blocks=32)
     a, b, c = (make_request(x, [1, 2], max_tokens=5) for x in "abc")
     for r in (a, b, c):
         sched.add_request(r)
+    run_step(sched, sched.schedule())  # all three computed their prompt: plain decodes now
     sched.schedule()
     # c was resumed in the previous step: b is preempted for a instead, though c is newer.
     c.resumed_step = sched.step_id - 1
@@ -116,8 +121,13 @@ def test_resumed_request_is_not_the_victim_in_the_next_step():
     assert sched._pick_victim(2) is c
     b.resumed_step = sched.step_id - 1
     assert sched._pick_victim(1) is c
-    # A request resumed two steps ago is fair game again.
+    # A request resumed two steps ago is fair game again...
     c.resumed_step = sched.step_id - 2
+    assert sched._pick_victim(0) is c
+    # ... unless it is still recomputing its lost tokens (two or more left to compute).
+    c.num_computed_tokens = len(c.all_token_ids) - 2
+    assert sched._pick_victim(0) is a
+    c.num_computed_tokens = len(c.all_token_ids) - 1
     assert sched._pick_victim(0) is c
 
 
@@ -242,3 +252,132 @@ def test_bad_config_names_the_flag():
         make_scheduler(enable_chunked_prefill=False, long_prefill_token_threshold=8)
     with pytest.raises(ValueError, match="must be >= max_num_seqs"):
         make_scheduler(max_num_seqs=16, max_num_batched_tokens=8)
+
+
+def test_one_block_is_enough_for_a_scheduler_and_none_is_refused_by_name():
+    from pagefleet.engine.config import CacheConfig, SchedulerConfig
+    from pagefleet.engine.scheduler import Scheduler
+
+    assert Scheduler.create(SchedulerConfig(max_model_len=8), CacheConfig(4, num_gpu_blocks=1))
+    with pytest.raises(ValueError, match=r"^num_gpu_blocks must be set \(>= 1\) to build"):
+        Scheduler.create(SchedulerConfig(), CacheConfig(4, num_gpu_blocks=0))
+
+
+def test_rejections_say_why():
+    sched = make_scheduler(block_size=4)
+    with pytest.raises(ValueError, match=r"^the prompt is empty: at least one token is required$"):
+        sched.add_request(make_request("e", []))
+    with pytest.raises(
+        ValueError, match=r"^request hashed with block_size=8, engine uses 4 \(--block-size\)$"
+    ):
+        sched.add_request(make_request("b", [1, 2], block_size=8))
+
+
+def test_a_step_applies_results_to_every_request_after_an_aborted_or_chunked_one():
+    """Fails for: `continue` turned into `break` (requests after an aborted one, or after a
+    prompt chunk, lose their token), or a result list of another length accepted."""
+    sched = make_scheduler(max_num_batched_tokens=8, block_size=4)
+    first, second = make_request("x", [1, 2], max_tokens=4), make_request("y", [3], max_tokens=4)
+    sched.add_request(first)
+    sched.add_request(second)
+    out = sched.schedule()
+    sched.abort("x")
+    sched.update_from_output(out, [7, 8])
+    assert second.output_token_ids == [8]
+    with pytest.raises(ValueError):
+        sched.update_from_output(sched.schedule(), [])
+    capped = make_scheduler(max_num_batched_tokens=8, block_size=4, long_prefill_token_threshold=4)
+    chunked, short = make_request("z", list(range(20)), max_tokens=2), make_request("s", [3])
+    capped.add_request(chunked)
+    capped.add_request(short)
+    out = capped.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("z", 4), ("s", 1)]
+    capped.update_from_output(out, [None, 9])
+    assert short.output_token_ids == [9] and chunked.num_output_tokens == 0
+
+
+def test_the_last_budget_token_admits_a_one_token_prompt_and_decodes_stay_in_budget():
+    """Fails for: admission stopping with one token of budget left, or decodes scheduled past
+    the budget."""
+    sched = make_scheduler(max_num_batched_tokens=5, block_size=4)
+    sched.add_request(make_request("four", [1, 2, 3, 4], max_tokens=3))
+    sched.add_request(make_request("one", [5], max_tokens=3))
+    assert _chunks(sched.schedule()) == {"four": 4, "one": 1}
+    tight = make_scheduler(max_num_batched_tokens=2, block_size=4)
+    for i in range(3):
+        tight.add_request(make_request(f"d{i}", [i + 1], max_tokens=5))
+    out = tight.schedule()
+    assert len(out.scheduled) == 2 and out.num_tokens == 2
+    run_step(tight, out)
+    out = tight.schedule()
+    assert out.num_tokens <= 2
+
+
+def test_preemptions_are_counted_each_time():
+    """Fails for: the counters set to 1 instead of incremented."""
+    sched = make_scheduler(num_blocks=32)
+    a, b = make_request("a", [1, 2], max_tokens=5), make_request("b", [3, 4], max_tokens=5)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched, sched.schedule())
+    for _ in range(2):
+        sched._preempt(b)
+        run_step(sched, sched.schedule())
+    assert (b.num_preemptions, sched.num_preemptions) == (2, 2)
+
+
+def test_a_resumed_request_is_protected_for_exactly_the_next_step():
+    """The anti-thrash window, through the real flow (not by setting resumed_step): a request
+    re-admitted after preemption is protected in the step after, not the one after that.
+    Fails for: the step counter moving by anything but one."""
+    sched = make_scheduler(num_blocks=32)
+    a, b = make_request("a", [1, 2], max_tokens=8), make_request("b", [3, 4], max_tokens=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched, sched.schedule())
+    sched._preempt(b)
+    run_step(sched, sched.schedule())  # b resumes: it recomputes its prompt and token
+    assert b.status is RequestStatus.RUNNING and b.resumed_step == sched.step_id
+    sched.schedule()  # the next step
+    assert sched._protected(b)
+    sched.schedule()  # and the one after
+    assert not sched._protected(b)
+
+
+def test_running_partial_prefills_count_against_the_partial_cap():
+    """Prompts still being prefilled count toward max_num_partial_prefills in later steps too.
+    Fails for: the count of running partial prefills set, decremented or doubled."""
+    flags = dict(max_num_batched_tokens=64, long_prefill_token_threshold=4)
+    sched = make_scheduler(max_num_partial_prefills=2, **flags)
+    for name in "abc":
+        sched.add_request(make_request(name, list(range(30)), max_tokens=1))
+    out = sched.schedule()
+    assert _chunks(out) == {"a": 4, "b": 4}  # admitted as partials up to the cap: c waits
+    run_step(sched, out)
+    assert _chunks(sched.schedule()) == {"a": 4, "b": 4}  # two partials running: c waits
+    one = make_scheduler(max_num_partial_prefills=2, **flags)
+    one.add_request(make_request("a", list(range(30)), max_tokens=1))
+    run_step(one, one.schedule())
+    one.add_request(make_request("b", list(range(100, 130)), max_tokens=1))
+    assert _chunks(one.schedule()) == {"a": 4, "b": 4}  # one running partial: room for b
+
+
+def test_a_remote_load_that_does_not_fit_waits_without_breaking_the_step():
+    """Fails for: admission returning nothing when a remote load cannot get its blocks."""
+    sched = make_scheduler(num_blocks=8, block_size=4)
+    sched.add_request(make_request("local", list(range(20)), max_tokens=4))
+    run_step(sched, sched.schedule())  # holds 6 of 8 blocks
+    remote = make_request("remote", list(range(100, 116)), max_tokens=1)  # needs 4 blocks
+    remote.remote_source = "prefill-pod"
+    sched.add_request(remote)
+    out = sched.schedule()
+    assert out.kv_loads == [] and out.num_tokens == 1 and sched.waiting[0] is remote
+
+
+def test_a_request_one_slot_larger_than_the_pool_is_refused():
+    """2 blocks of 4 hold 8 tokens' keys and values, and the last token's are never written:
+    a request of 9 tokens fits, 10 do not. Fails for: the capacity check off by one."""
+    sched = make_scheduler(num_blocks=2, block_size=4)
+    sched.add_request(make_request("fits", [1, 2], max_tokens=7))
+    with pytest.raises(ValueError, match="needs up to 3 KV blocks"):
+        sched.add_request(make_request("big", [1, 2], max_tokens=8))

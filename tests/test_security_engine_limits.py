@@ -127,6 +127,10 @@ def test_a_5000_prompt_list_is_refused_and_every_sub_request_counts(engine):
     [
         ("/v1/completions", {"prompt": "a\ud800b", "max_tokens": 2}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi", "name": "a\udfff"}]},
+        ),
         ("/tokenize", {"prompt": "x\ud83d"}),
     ],
 )
@@ -148,6 +152,8 @@ def test_over_long_prompts_are_refused_before_tokenizing_and_tokenize_is_capped(
     for path, body in (
         ("/v1/completions", {"prompt": text, "max_tokens": 1}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+        # A message's name goes to the chat template too.
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": text}]}),
         ("/tokenize", {"prompt": text}),
     ):
         r = httpx.post(f"{base}{path}", json={"model": "tiny", **body}, timeout=60)

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 
+from pagefleet.block_hash import hash_blocks
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.scheduler import SchedulerOutput
 from pagefleet.engine.simulated import FIRST_FILLER_TOKEN, SimulatedRunner, SimulationProfile
 from pagefleet.kv_events import BlockStored
-from server_utils import metric_value, running_server
+from server_utils import metric_value, running_server, wait_until
 
 FAST = SimulationProfile(speedup=1000.0)
 
@@ -72,16 +72,22 @@ def test_simulated_server_serves_metrics_and_kv_events(tiny_checkpoints):
             index.remove_pod,
         ).start()
         try:
-            time.sleep(0.3)
             body = {"prompt": list(range(10, 74)), "max_tokens": 8}
             for _ in range(2):
                 r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
                 assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
             assert metric_value(base, "vllm:prefix_cache_hits_total") >= 64
-            deadline = time.monotonic() + 5
-            while index.num_blocks("sim") < 4 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert index.num_blocks("sim") >= 4
+            # The SUB socket may join after those events went out (PUB drops them): new
+            # prompts until one's four blocks reach the index, rather than a sleep and hope.
+            sent: list[list[int]] = []
+
+            def indexed() -> bool:
+                prompt = [100 + len(sent), *range(10, 73)]  # a new first token, a new chain
+                assert httpx.post(f"{base}/v1/completions", json={**body, "prompt": prompt})
+                sent.append(prompt)
+                return any(index.match(hash_blocks(p, 16), now=0).get("sim", 0) == 4 for p in sent)
+
+            wait_until(indexed, 10, "the engine's KV events to reach the index")
             assert any(isinstance(e, BlockStored) for e in seen)
         finally:
             sub.stop()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagefleet.engine.kv_transfer.errors import TransferError, TransferTimeout
+from pagefleet.engine.kv_transfer.errors import TransferError, TransferTimeout, UnknownRequest
 from pagefleet.engine.kv_transfer.layout import CompatRecord, geometry_of
 from pagefleet.engine.kv_transfer.service import (
     KVTransferClient,
@@ -126,6 +126,7 @@ class LoadResult:
     seconds: float = 0.0
     error: str | None = None
     quarantined: bool = False  # its blocks may still be written: never reuse them
+    path: str | None = None  # the data path that moved the bytes: "nixl" or "tcp"
 
 
 @dataclass
@@ -280,7 +281,7 @@ class KVConnector:
         result = LoadResult(request_id, False)
         try:
             if pairs:
-                result.num_bytes = self._pull(source, pairs)
+                result.num_bytes, result.path = self._pull(source, pairs)
             result.ok = True
         except ReadNotReleased as e:
             result.error, result.quarantined = str(e), True
@@ -304,11 +305,12 @@ class KVConnector:
         self._result_ready.set()
         self.wake()
 
-    def _pull(self, source: RemoteSource, pairs: list[tuple[int, int]]) -> int:
+    def _pull(self, source: RemoteSource, pairs: list[tuple[int, int]]) -> tuple[int, str]:
         client, peer, nixl_peer = self._peer(source)
         timeout = self.config.transfer_timeout
         if self.nixl is None or nixl_peer is None:
-            return client.read_blocks_tcp(source.request_id, pairs, self.pool, timeout=timeout)
+            tcp = client.read_blocks_tcp(source.request_id, pairs, self.pool, timeout=timeout)
+            return tcp, "tcp"
         handle = self.nixl.start_read(nixl_peer, pairs)
         deadline = time.monotonic() + timeout
         try:
@@ -319,10 +321,16 @@ class KVConnector:
             if state == "failed":
                 raise TransferError(f"NIXL READ from {peer.engine_id} failed")
             # Held blocks are never reused, and a hold never comes back once released: if the
-            # peer still holds the request now, what we read was its KV all along. (Re-reading
-            # one block over the control channel checks that; it raises if not held.)
-            client.read_blocks_tcp(source.request_id, pairs[:1], self.pool, timeout=timeout)
-            return handle.num_bytes
+            # peer still held the request when the READ was over, what we read was its KV all
+            # along. Releasing it now both frees it and tells us whether it was still held.
+            # (Asking by re-reading a block over TCP overwrote that block with the TCP copy,
+            # which hid any NIXL error on it.)
+            if not client.release(source.request_id):
+                # Not naming the grant: the message goes to the log.
+                raise UnknownRequest(
+                    f"{peer.engine_id} no longer held the grant after the NIXL READ"
+                )
+            return handle.num_bytes, "nixl"
         finally:
             self._release_read(handle)
 

@@ -33,6 +33,14 @@ from pagefleet.engine.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagefleet.engine.server.responses import (
+    choice_part,
+    completion_logprobs,
+    continuous_usage,
+    echoed_prompt,
+    next_text_offset,
+    prompt_logprobs_json,
+)
 from pagefleet.fleet_auth import FieldSigner
 from pagefleet.http_errors import (
     APIError,
@@ -155,16 +163,16 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
             )
         return requested
 
-    async def encode(prompt: str | list[int]) -> list[int]:
+    async def encode(prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            return await tokens.encode(prompt)
+            return await tokens.encode(prompt, add_special_tokens)
         vocab = core.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return list(prompt)
 
     async def chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         return await tokens.chat(messages, getattr(req, "add_generation_prompt", True))
 
     def request_id(request: Request, prefix: str) -> str:
@@ -277,7 +285,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         check_model(req.model)
         check_fleet(req, request)
         sequences = limits.check_sequences(len(req.prompts()), req.n)
-        prompts = [await encode(p) for p in req.prompts()]
+        prompts = [await encode(p, req.add_special_tokens) for p in req.prompts()]
         if any(not p for p in prompts):
             raise APIError(400, "prompt must not be empty", param="prompt")
         max_tokens = [fit_max_tokens(len(p), req.max_tokens) for p in prompts]
@@ -297,17 +305,20 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
             )
         finals = await collect(gens, request)
         choices = []
-        for i, out in enumerate(finals):
+        for i, (prompt, out) in enumerate(zip(req.prompts(), finals, strict=True)):
+            echo = echoed_prompt(req, prompt, out, tokenizer)
             for c in out.outputs:
+                part = choice_part(c, echo=echo)
                 choices.append(
                     {
                         "index": i * req.n + c.index,
-                        "text": c.text,
-                        "logprobs": _completion_logprobs(c.logprobs, c.token_ids, tokenizer)
+                        "text": part.text,
+                        "logprobs": completion_logprobs(part.logprobs, part.token_ids, tokenizer)
                         if req.logprobs is not None
                         else None,
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
+                        **_prompt_logprobs(req, out, tokenizer),
                     }
                 )
         return {
@@ -357,10 +368,18 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
             "model": config.served_model_name,
             "choices": choices,
             "usage": _usage([prompt], [final]),
+            **_prompt_logprobs(req, final, tokenizer),
             **_kv_transfer_params([final]),
         }
 
     return app
+
+
+def _prompt_logprobs(req, out: RequestOutput, tokenizer) -> dict:
+    """vLLM's `prompt_logprobs` field, when the client asked for it by name."""
+    if req.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs, tokenizer)}
 
 
 def _kv_transfer_params(finals) -> dict:
@@ -436,6 +455,7 @@ async def _merge(gens) -> AsyncIterator[tuple[int, RequestOutput]]:
 
 async def _completion_chunks(gens, rid, created, model, req: CompletionRequest, prompts, tokenizer):
     sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, sample) -> (chars, tokens)
+    offsets: dict[tuple[int, int], int] = {}  # text_offset of the next token
     finals: dict[int, RequestOutput] = {}
     async for i, out in _merge(gens):
         for c in out.outputs:
@@ -443,17 +463,24 @@ async def _completion_chunks(gens, rid, created, model, req: CompletionRequest, 
             chars, toks = sent.get(key, (0, 0))
             if len(c.text) == chars and not c.finished and len(c.token_ids) == toks:
                 continue
+            if key in sent and sent[key] == (-1, -1):
+                continue  # its final chunk went out already
+            # The echo goes with each choice's first chunk.
+            echo = None if key in sent else echoed_prompt(req, req.prompts()[i], out, tokenizer)
+            part = choice_part(c, chars, toks, echo)
+            logprobs = None
+            if req.logprobs is not None and part.logprobs is not None:
+                logprobs = completion_logprobs(
+                    part.logprobs, part.token_ids, tokenizer, offsets.get(key, 0)
+                )
+                offsets[key] = next_text_offset(logprobs, offsets.get(key, 0))
             choice = {
                 "index": i * req.n + c.index,
-                "text": c.text[chars:],
-                "logprobs": _completion_logprobs(c.logprobs[toks:], c.token_ids[toks:], tokenizer)
-                if req.logprobs is not None and c.logprobs is not None
-                else None,
+                "text": part.text,
+                "logprobs": logprobs,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
-            if key in sent and sent[key] == (-1, -1):
-                continue  # its final chunk went out already
             sent[key] = (-1, -1) if c.finished else (len(c.text), len(c.token_ids))
             yield {
                 "id": rid,
@@ -461,6 +488,7 @@ async def _completion_chunks(gens, rid, created, model, req: CompletionRequest, 
                 "created": created,
                 "model": model,
                 "choices": [choice],
+                **continuous_usage(req, len(prompts[i]), len(c.token_ids)),
             }
         if out.finished:
             finals[i] = out
@@ -485,17 +513,20 @@ async def _chat_chunks(gen, rid, created, model, req: ChatCompletionRequest, pro
             "choices": choices,
         }
 
-    yield chunk(
-        [
-            {
-                "index": i,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            for i in range(req.n)
-        ]
-    )
+    yield {
+        **chunk(
+            [
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for i in range(req.n)
+            ]
+        ),
+        **continuous_usage(req, len(prompt), 0),
+    }
     sent: dict[int, tuple[int, int]] = {}
     final = None
     async for _, out in _merge([gen]):
@@ -512,17 +543,20 @@ async def _chat_chunks(gen, rid, created, model, req: ChatCompletionRequest, pro
                 )
             delta = {"content": c.text[chars:]} if len(c.text) > chars else {}
             sent[c.index] = (-1, -1) if c.finished else (len(c.text), len(c.token_ids))
-            yield chunk(
-                [
-                    {
-                        "index": c.index,
-                        "delta": delta,
-                        "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                ]
-            )
+            yield {
+                **chunk(
+                    [
+                        {
+                            "index": c.index,
+                            "delta": delta,
+                            "logprobs": logprobs,
+                            "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason,
+                        }
+                    ]
+                ),
+                **continuous_usage(req, len(prompt), len(c.token_ids)),
+            }
         if out.finished:
             final = out
     if req.stream_options and req.stream_options.include_usage and final is not None:
@@ -541,24 +575,6 @@ def _usage(prompts: list[list[int]], finals: list[RequestOutput]) -> dict:
 
 def _token_text(tokenizer, token: int) -> str:
     return tokenizer.decode([token])
-
-
-def _completion_logprobs(entries: list[TokenLogprobs] | None, tokens: list[int], tokenizer):
-    if entries is None:
-        return None
-    texts = [_token_text(tokenizer, t) for t in tokens]
-    offsets, pos = [], 0
-    for text in texts:
-        offsets.append(pos)
-        pos += len(text)
-    return {
-        "tokens": texts,
-        "token_logprobs": [e[t].logprob for e, t in zip(entries, tokens, strict=True)],
-        "top_logprobs": [
-            {_token_text(tokenizer, tok): lp.logprob for tok, lp in e.items()} for e in entries
-        ],
-        "text_offset": offsets,
-    }
 
 
 def _chat_logprobs(entries: list[TokenLogprobs] | None, tokens: list[int], tokenizer, top_k: int):

@@ -94,9 +94,11 @@ class Tokenization:
         return await self._run(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     async def chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        for message in messages:
-            self.limits.check_text(message["content"], "messages")
-        self.limits.check_text("".join(m["content"] for m in messages), "messages")
+        # Every text the template may render: the contents and the names.
+        texts = [m[key] for m in messages for key in ("content", "name") if key in m]
+        for text in texts:
+            self.limits.check_text(text, "messages")
+        self.limits.check_text("".join(texts), "messages")
         try:
             out = await self._run(
                 self.tokenizer.apply_chat_template,

@@ -212,9 +212,15 @@ class EngineMetrics:
             "Time to pull one request's KV blocks (handshake, transfer, release).",
             _ITL_BUCKETS,
         )
-        engine.transfer_observers.append(
-            lambda result: self.transfer_seconds.observe(result.seconds)
+        self.transfer_pulls = Counter(
+            "pagefleet:kv_transfer_pulls",
+            "KV pulls that succeeded, by the data path that moved the blocks (nixl, tcp).",
+            ["model_name", "path"],
+            registry=reg,
         )
+        for path in ("nixl", "tcp"):
+            self.transfer_pulls.labels(model_name, path)
+        engine.transfer_observers.append(self.observe_transfer)
         reg.register(_EngineCollector(engine, model_name))
         engine.step_observers.append(self.observe_step)
         # For the periodic log line.
@@ -222,6 +228,12 @@ class EngineMetrics:
         self._logged_prompt = self._logged_generation = 0.0
         self._prompt_total = self._generation_total = 0.0
         self.engine = engine
+
+    def observe_transfer(self, result) -> None:
+        """One finished KV pull (a connector's LoadResult)."""
+        self.transfer_seconds.observe(result.seconds)
+        if result.ok and result.path is not None:
+            self.transfer_pulls.labels(self.model_name, result.path).inc()
 
     def observe_step(self, stats: StepStats) -> None:
         self.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)

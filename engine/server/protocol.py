@@ -1,6 +1,10 @@
 """Request and response bodies of the OpenAI-compatible API (the fields we support).
 
-Unknown fields are ignored, as OpenAI's API does; wrong types and out-of-range values are 400s.
+Every declared field is honoured. OpenAI and vLLM fields that this server does not implement
+are refused with a 400 naming them when a request sets them to anything but their default
+(`UNSUPPORTED_FIELDS`), so a client never gets silently different behaviour; other unknown
+fields are ignored, as vLLM does. Wrong types and out-of-range values are 400s.
+docs/testing.md lists every field and what happens to it.
 """
 
 from __future__ import annotations
@@ -13,8 +17,73 @@ from pagefleet.engine.sampling_params import SamplingParams
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False  # usage on every chunk (vLLM); needs include_usage
+
+    @model_validator(mode="after")
+    def _continuous_needs_usage(self):
+        if self.continuous_usage_stats and not self.include_usage:
+            # vLLM drops it silently in this case; we say so instead.
+            raise ValueError("stream_options.continuous_usage_stats needs include_usage: true")
+        return self
+
+
+# Fields of OpenAI's or vLLM's API that we do not implement, with the values that mean "not
+# used" (what clients send by default). Anything else is a 400 naming the field.
+_OFF = (None, False, [], {}, "")
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "logit_bias": _OFF,
+    "suffix": _OFF,
+    "best_of": (*_OFF, 1),
+    "use_beam_search": _OFF,
+    "length_penalty": (None, 1, 1.0),
+    "allowed_token_ids": _OFF,
+    "bad_words": _OFF,
+    "logprob_token_ids": _OFF,
+    "response_format": (*_OFF, {"type": "text"}),
+    "structured_outputs": _OFF,
+    "guided_json": _OFF,
+    "guided_regex": _OFF,
+    "guided_choice": _OFF,
+    "guided_grammar": _OFF,
+    "truncate_prompt_tokens": _OFF,
+    "return_tokens_as_token_ids": _OFF,
+    "return_token_ids": _OFF,
+    "prompt_embeds": _OFF,
+    "cache_salt": _OFF,
+    "priority": (None, 0),
+    "spaces_between_special_tokens": (None, True),
+    "tools": _OFF,
+    "tool_choice": (*_OFF, "none"),
+    "functions": _OFF,
+    "function_call": (*_OFF, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "audio": _OFF,
+    "modalities": (*_OFF, ["text"]),
+    "prediction": _OFF,
+    "chat_template": _OFF,
+    "chat_template_kwargs": _OFF,
+    "continue_final_message": _OFF,
+    "documents": _OFF,
+    "mm_processor_kwargs": _OFF,
+    "vllm_xargs": _OFF,
+}
+
+
+def refuse_unsupported(data: Any, extra: dict[str, tuple] | None = None) -> Any:
+    """A 400 (via ValueError) naming the first unsupported field set to a non-default value."""
+    if isinstance(data, dict):
+        for name, off in (UNSUPPORTED_FIELDS | (extra or {})).items():
+            if name in data and not any(_same(data[name], v) for v in off):
+                raise ValueError(f"{name} is not supported by this server")
+    return data
+
+
+def _same(value: Any, off: Any) -> bool:
+    # `False == 0` in Python: compare types too, so `priority: false` is not "0".
+    return value is off or (type(value) is type(off) and value == off)
 
 
 class _SamplingFields(BaseModel):
@@ -39,7 +108,8 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     kv_transfer_params: dict[str, Any] | None = None  # disaggregated prefill/decode (vLLM)
-    user: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: per prompt token, top-k
+    user: str | None = None  # OpenAI's end-user id for abuse monitoring: no effect on output
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -48,10 +118,25 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop strings must not be empty")
         if len(stops) > 16:
             raise ValueError("at most 16 stop strings")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true")
         return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens  # declared by each request type
+
+    def engine_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        # min_tokens above the server's own max_tokens (what the context leaves) is cut to it;
+        # above the client's max_tokens it is an error, as in vLLM.
+        min_tokens = self.min_tokens
+        if self.requested_max_tokens() is None:
+            min_tokens = min(min_tokens, max_tokens)
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -62,13 +147,15 @@ class _SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
-            max_tokens=max_tokens,
-            min_tokens=min(self.min_tokens, max_tokens),
+            # The engine samples at least one token; an echo with max_tokens 0 drops it.
+            max_tokens=max(max_tokens, 1),
+            min_tokens=min_tokens,
             stop=stops,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.engine_prompt_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
             kv_transfer_params=self.kv_transfer_params,
         )
@@ -76,15 +163,30 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 only with echo: the prompt's logprobs and no completion (vLLM's scoring request).
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False  # the prompt (and, with logprobs, its logprobs) before the completion
+    add_special_tokens: bool = True  # vLLM: BOS etc. when tokenizing a text prompt
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data)
 
     @model_validator(mode="after")
     def _check_prompt(self):
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo)")
         return self
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """Asked for, or echoed with the completion's logprobs (as vLLM does)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -102,11 +204,33 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data, {"tool_calls": _OFF, "tool_call_id": _OFF, "audio": _OFF})
+
+    @model_validator(mode="after")
+    def _text_parts_only(self):
+        if isinstance(self.content, list):
+            kinds = {p.get("type") for p in self.content} - {"text"}
+            if kinds:
+                raise ValueError(
+                    f"content parts of type {sorted(map(str, kinds))} are not supported (text only)"
+                )
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
             return "".join(parts)
         return self.content or ""
+
+    def for_template(self) -> dict[str, str]:
+        """The message as chat templates read it (the name too, when given)."""
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -116,6 +240,17 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data, {"echo": _OFF})
+
+    @model_validator(mode="after")
+    def _check_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -127,12 +262,15 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool = True  # for a prompt; a chat template adds its own
+    add_generation_prompt: bool = True  # for messages
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.messages is not None and "add_special_tokens" in self.model_fields_set:
+            raise ValueError("add_special_tokens applies to a prompt, not to messages")
         return self
 
 

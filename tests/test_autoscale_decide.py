@@ -1,0 +1,155 @@
+"""operator/autoscale.py's `recommend` and `decide` case by case: exact replicas, the
+recommendation they report, and the reasons the operator writes into the ModelDeployment's
+status (what a user reads to learn why a pool did or did not scale). Written against the
+mutants `make mutate` found alive; each test names what it catches. `decide` takes the newest
+observation and the window of earlier recommendations (the previous decision's `window`)."""
+
+from __future__ import annotations
+
+from pagefleet.operator.autoscale import (
+    Decision,
+    Observation,
+    PoolReplicas,
+    Recommendation,
+    decide,
+    recommend,
+)
+from pagefleet.operator.spec import Autoscaling
+
+SPEC = Autoscaling(
+    mode="builtin",
+    min_replicas=1,
+    max_replicas=10,
+    target_waiting_per_replica=4,
+    scale_up_stabilization_s=0,
+    scale_down_stabilization_s=300,
+    max_scale_up_step=4,
+)
+FROM_ZERO = Autoscaling(**{**SPEC.__dict__, "min_replicas": 0})
+
+
+def obs(waiting: float, pods: int, replicas: int, running: float = 0.0) -> Observation:
+    return Observation(waiting=waiting, running=running, pods=pods, replicas=replicas)
+
+
+def earlier(t: float, observation: Observation, spec: Autoscaling = SPEC) -> Recommendation:
+    """What an evaluation at `t` of `observation` left in the window."""
+    return Recommendation(t, recommend(observation, spec)[0])
+
+
+def summary(decision: Decision) -> tuple[int, str, int]:
+    return decision.replicas, decision.reason, decision.recommendation
+
+
+def test_without_pod_metrics_the_current_replicas_hold_within_bounds():
+    """No pod answered and nothing came before: hold, within [min, max]. Fails for: the
+    clamp, the reason or the reported recommendation dropped or changed."""
+    holding = "no pod metrics: holding"
+    assert summary(decide(obs(0, 0, 0), (), PoolReplicas(0, 0), SPEC, 0.0)) == (
+        1,
+        f"{holding} -> 1",
+        1,
+    )
+    assert summary(decide(obs(0, 0, 12), (), PoolReplicas(12, 12), SPEC, 0.0)) == (
+        10,
+        f"{holding} -> 10",
+        10,
+    )
+    assert summary(decide(obs(0, 0, 3), (), PoolReplicas(3, 3), SPEC, 0.0)) == (
+        3,
+        f"{holding} -> 3",
+        3,
+    )
+
+
+def test_recommendations_without_pod_metrics():
+    """No pod answered: hold, unless the pool is at zero with requests waiting (the router
+    holds them), then start enough pods. Fails for: `and` turned into `or` (scaling on a
+    blind reading), a single waiting request not waking a pool at zero, reasons changed."""
+    assert recommend(obs(40, pods=0, replicas=3), SPEC) == (3, "no pod metrics: holding")
+    assert recommend(obs(0, pods=0, replicas=0), FROM_ZERO) == (0, "no pod metrics: holding")
+    assert recommend(obs(1, pods=0, replicas=0), FROM_ZERO) == (1, "1 waiting with no pods")
+    assert recommend(obs(9, pods=0, replicas=0), FROM_ZERO) == (3, "9 waiting with no pods")
+
+
+def test_recommendation_reasons_show_the_formula():
+    """Fails for: the formula or the tolerance reason missing from the status."""
+    replicas, why = recommend(obs(30, pods=3, replicas=3, running=4), SPEC)
+    assert replicas == 8
+    assert why == "30 waiting / 3 pods (target 4/pod, 4 running): ceil(3 x 10/4)=8"
+    replicas, why = recommend(obs(13, pods=3, replicas=3), SPEC)
+    assert (replicas, why.endswith(": within tolerance")) == (3, True)
+
+
+def test_the_last_running_pod_is_kept_for_a_single_running_request():
+    """Fails for: the guard needing more than one running request."""
+    assert recommend(obs(0, pods=1, replicas=1, running=1), FROM_ZERO)[0] == 1
+    assert recommend(obs(0, pods=1, replicas=1, running=0), FROM_ZERO)[0] == 0
+
+
+def test_a_plain_scale_up_reports_only_its_formula():
+    """Fails for: notes added when nothing held, limited or clamped the decision (`and`
+    turned into `or`, `>` into `>=`, the clamp test inverted), or the reported recommendation
+    lost."""
+    latest = obs(24, pods=2, replicas=2)  # 12/pod: ceil(2 x 3) = 6 = 2 + 4, the limit
+    decision = decide(latest, (), PoolReplicas(2, 2), SPEC, 0.0)
+    assert summary(decision) == (
+        6,
+        "24 waiting / 2 pods (target 4/pod, 0 running): ceil(2 x 12/4)=6 -> 6",
+        6,
+    )
+
+
+def test_scale_up_notes_step_limit_and_unready_pods_in_order():
+    """Fails for: the step limit off by one, the unready count wrong, notes joined wrongly."""
+    latest = obs(80, pods=2, replicas=2)  # wants 10; +4 allowed
+    decision = decide(latest, (), PoolReplicas(2, 2), SPEC, 0.0)
+    assert decision.replicas == 6 and decision.recommendation == 10
+    assert decision.reason.endswith("ceil(2 x 40/4)=20; step limited to +4 -> 6")
+    waiting = decide(latest, (), PoolReplicas(3, 1), SPEC, 0.0)  # 2 of the last 3 not ready
+    assert waiting.replicas == 3
+    assert waiting.reason.endswith(
+        "; step limited to +4; waiting for 2 pod(s) of the last step to be ready -> 3"
+    )
+
+
+def test_a_pool_at_its_floor_waiting_for_pods_is_not_noted_as_waiting():
+    """desired equal to the floor is no scale-up: no note. Fails for: `>` turned into `>=`."""
+    latest = obs(16, pods=4, replicas=4)  # 4/pod: exactly the target
+    decision = decide(latest, (), PoolReplicas(4, 2), SPEC, 0.0)
+    assert decision.replicas == 4 and "waiting for" not in decision.reason
+
+
+def test_held_scale_down_and_held_scale_up_say_which_window():
+    """Fails for: the held notes' conditions loosened (`<=`, `>=`, `or`) or their text lost."""
+    window = (earlier(0, obs(40, pods=4, replicas=4)),)
+    held = decide(obs(0, pods=4, replicas=4), window, PoolReplicas(4, 4), SPEC, 100.0)
+    assert held.replicas == 4 and held.recommendation == 1
+    assert "; scale-down held to 4 by the 300s window" in held.reason
+    up_spec = Autoscaling(**{**SPEC.__dict__, "scale_up_stabilization_s": 60})
+    window = (earlier(0, obs(0, pods=2, replicas=2), up_spec),)
+    held_up = decide(obs(40, pods=2, replicas=2), window, PoolReplicas(2, 2), up_spec, 30.0)
+    assert held_up.replicas == 2 and held_up.recommendation == 10
+    assert "; scale-up held to 2 by the 60s window" in held_up.reason
+    steady = decide(obs(8, pods=2, replicas=2), (), PoolReplicas(2, 2), SPEC, 0.0)
+    assert "held" not in steady.reason and steady.replicas == 2
+
+
+def test_recommendations_older_than_zero_length_windows_do_not_count():
+    """Zero-length windows and earlier recommendations older than them: the latest
+    recommendation decides. Fails for: the window's age test dropped or loosened (a 10 s old
+    recommendation holding the pool)."""
+    instant = Autoscaling(**{**SPEC.__dict__, "scale_down_stabilization_s": 0})
+    stale = (earlier(0, obs(0, pods=2, replicas=2), instant),)  # 10 seconds old
+    decision = decide(obs(40, pods=2, replicas=2), stale, PoolReplicas(2, 2), instant, 10.0)
+    assert (decision.replicas, decision.recommendation) == (6, 10)
+    stale = (earlier(0, obs(40, pods=4, replicas=4), instant),)
+    down = decide(obs(0, pods=4, replicas=4), stale, PoolReplicas(4, 4), instant, 10.0)
+    assert (down.replicas, down.recommendation) == (1, 1)
+
+
+def test_a_scale_down_that_goes_through_is_not_noted_as_held():
+    """Fails for: the held-down note added when the decision reached the recommendation."""
+    instant = Autoscaling(**{**SPEC.__dict__, "scale_down_stabilization_s": 0})
+    decision = decide(obs(4, pods=4, replicas=4), (), PoolReplicas(4, 4), instant, 0.0)
+    assert decision.replicas == 1 and "held" not in decision.reason
