@@ -139,6 +139,16 @@ def mount_volumes(mounts: list[dict]) -> None:
         os.close(fd)
 
 
+def uncover(image_paths: dict[str, int], targets: list[str]) -> None:
+    """The image's own files stay visible under a volume: a checkout under /tmp (the image's
+    /opt/pagefleet in the lab) is not hidden by the pod's emptyDir at /tmp. Closes the fds."""
+    for path, fd in image_paths.items():
+        if any(under(path, t) for t in targets):
+            os.makedirs(path, exist_ok=True)
+            mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
+
+
 def become(spec: dict) -> None:
     """Everything but the exec: namespaces, mounts, hostname, user."""
     os.setsid()  # the container's processes are one group: the kubelet kills them together
@@ -163,12 +173,14 @@ def become(spec: dict) -> None:
             log.writelines(f"{path}\n" for path in created)
 
     uid = spec.get("uid") or 0
+    image_paths = {p: os.open(p, os.O_PATH) for p in spec.get("expose") or []}
     expose(spec.get("expose") or [], uid)
     if spec.get("read_only_root"):
         set_read_only("/", True)
         set_read_only("/proc", False)
     mount("shm", "/dev/shm", "tmpfs", 0, RUNTIME_SHM)
     mount_volumes(mounts)
+    uncover(image_paths, targets)
 
     os.chdir(spec.get("workdir") or "/")
     gid = spec.get("gid")
