@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -30,7 +28,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from pagefleet.engine.model.tiny import write_tiny_checkpoint
-from server_utils import metric_value, rss_bytes, running_router, running_server
+from server_utils import metric_value, rss_bytes, running_router, running_server, unread_stream
 
 MiB = 1 << 20
 RSS_CAP = 2048 * MiB  # the attack is stopped here: the machine is shared
@@ -93,26 +91,7 @@ def never_reading_client(model: str, stall_timeout: float | None) -> str:
             f"{base}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}
         )
         baseline = rss_bytes(proc.pid)
-        body = {
-            "model": "tiny",
-            "messages": [{"role": "user", "content": "tell me a story"}],
-            "n": 128,
-            "logprobs": True,
-            "top_logprobs": 20,
-            "max_tokens": 900,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        payload = json.dumps(body).encode()
-        host, port = base.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port))) as client:
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            client.sendall(
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                b"Content-Type: application/json\r\n"
-                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-                + payload
-            )
+        with contextlib.closing(unread_stream(base)):
             peak, started = 0, time.monotonic()
             while time.monotonic() - started < 30 and peak < RSS_CAP:
                 peak = max(peak, rss_bytes(proc.pid) - baseline)

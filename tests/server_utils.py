@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -117,3 +119,30 @@ def metric_value(base: str, name: str, labels: dict | None = None) -> float:
             ):
                 return sample.value
     raise KeyError(name)
+
+
+def unread_stream(base: str) -> socket.socket:
+    """The stall attack: a heavy streaming chat request (n=128, 20 top logprobs per token, 900
+    tokens) sent over a raw socket with a 4 KiB receive buffer that is then never read. The
+    caller closes the socket."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "tell me a story"}],
+        "n": 128,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "max_tokens": 900,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    payload = json.dumps(body).encode()
+    host, port = base.removeprefix("http://").split(":")
+    client = socket.create_connection((host, int(port)))
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    return client

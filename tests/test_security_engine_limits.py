@@ -6,13 +6,12 @@ refused or cut short with its resources freed, while ordinary requests keep work
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import httpx
 import pytest
 
-from server_utils import metric_value, rss_bytes, running_server
+from server_utils import metric_value, rss_bytes, running_server, unread_stream
 
 MiB = 1 << 20
 STALL_TIMEOUT = 2.0
@@ -62,27 +61,8 @@ def test_a_client_that_never_reads_is_aborted_and_its_memory_bounded(tiny_checkp
         ok_completion(base)
         baseline = rss_bytes(proc.pid)
         completed = finished(base, "length")
-        body = {
-            "model": "tiny",
-            "messages": [{"role": "user", "content": "tell me a story"}],
-            "n": 128,
-            "logprobs": True,
-            "top_logprobs": 20,
-            "max_tokens": 900,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        payload = json.dumps(body).encode()
-        host, port = base.removeprefix("http://").split(":")
-        client = socket.create_connection((host, int(port)))
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client = unread_stream(base)
         try:
-            client.sendall(
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                b"Content-Type: application/json\r\n"
-                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-                + payload
-            )
             grown = 0
             deadline = time.monotonic() + 240
             while metric_value(base, "pagefleet:client_stall_aborts_total") < 1:
