@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.client import EngineLimits, EngineObserver, EngineStats
 from pagefleet.engine.validation import RequestRules
-from server_utils import metric_value, running_server
+from server_utils import metric_value, running_server, wait_until
 
 MESSAGES = [{"role": "user", "content": "Tell me about the river and the mountain."}]
 
@@ -274,10 +274,15 @@ def test_disconnecting_streams_free_everything(server):
         await asyncio.gather(*(drop(i) for i in range(16)))
 
     asyncio.run(main())
-    for _ in range(100):
-        if metric_value(server, "vllm:num_requests_running") == 0:
-            break
-        asyncio.run(asyncio.sleep(0.05))
+    aborted = {"finished_reason": "abort"}
+    wait_until(
+        lambda: (
+            metric_value(server, "vllm:num_requests_running") == 0
+            and metric_value(server, "vllm:request_success_total", aborted) >= 16
+        ),
+        timeout=30,
+        what="every left stream to be aborted",
+    )
     assert metric_value(server, "vllm:num_requests_running") == 0
     assert metric_value(server, "vllm:num_requests_waiting") == 0
     assert metric_value(server, "vllm:kv_cache_usage_perc") == 0
