@@ -33,6 +33,7 @@ OPERATOR_FLAGS = (
     "--host",
     "--port",
     "--served-model-name",
+    "--device",
     "--fleet-secret-file",
     "--kv-events-config",
 )

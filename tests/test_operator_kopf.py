@@ -82,14 +82,15 @@ def test_create_edit_drift_and_idempotence():
             next_pass(state)
             assert client.writes == writes, "an unchanged ModelDeployment caused writes"
 
-            # Drift: someone scales the Deployment by hand; the operator puts it back.
+            # Drift: someone edits the engines' image; the operator puts it back.
+            drift_and_wait_for_correction(probe, "llama-colocated")
+
+            # Scaling the Deployment by hand (kubectl scale, an HPA) is not drift for a pool
+            # without autoscaling: it stays, and status reports it.
             probe.merge_patch(deployment, {"spec": {"replicas": 7}})
-            wait_for(
-                lambda: (
-                    get(probe, "apps/v1", "Deployment", "llama-colocated")["spec"]["replicas"] == 2
-                ),
-                what="drift corrected",
-            )
+            wait_for(lambda: md_status(probe)["pools"]["colocated"]["desiredReplicas"] == 7)
+            next_pass(state)
+            assert get(probe, "apps/v1", "Deployment", "llama-colocated")["spec"]["replicas"] == 7
 
             # Editing the spec patches the owned objects.
             md = get(probe, MD_API, "ModelDeployment", "llama")
@@ -348,15 +349,18 @@ def test_pagefleet_operator_command_runs_reports_events_and_stops_on_sigterm():
 
 
 def drift_and_wait_for_correction(client: KubeClient, deployment: str) -> None:
-    """Scale one of the operator's Deployments by hand; return once a pass put it back."""
+    """Change the image of one of the operator's Deployments by hand; return once a pass
+    put it back."""
+
+    def image() -> str:
+        found = get(client, "apps/v1", "Deployment", deployment)
+        return found["spec"]["template"]["spec"]["containers"][0]["image"]
+
+    wanted = image()
     current = get(client, "apps/v1", "Deployment", deployment)
-    wanted = current["spec"]["replicas"]
-    client.merge_patch(current, {"spec": {"replicas": wanted + 5}})
-    wait_for(
-        lambda: get(client, "apps/v1", "Deployment", deployment)["spec"]["replicas"] == wanted,
-        30,
-        f"{deployment} drift corrected",
-    )
+    template = {"spec": {"containers": [{"name": "engine", "image": "evil/image:1"}]}}
+    client.merge_patch(current, {"spec": {"template": template}})
+    wait_for(lambda: image() == wanted, 30, f"{deployment} drift corrected")
 
 
 def test_a_restarted_operator_keeps_the_autoscaled_replicas():

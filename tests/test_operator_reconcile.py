@@ -16,7 +16,7 @@ import yaml
 from pagefleet.common.cli import main
 from pagefleet.common.serve_command import engine_flags
 from pagefleet.operator.crd import crd, render_crd
-from pagefleet.operator.reconcile import RenderOptions, desired_objects
+from pagefleet.operator.reconcile import EngineImages, RenderOptions, desired_objects
 from pagefleet.operator.spec import SpecError, parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +41,10 @@ def load_example(name: str) -> dict:
 
 def render(name: str) -> list[dict]:
     options = RenderOptions(
-        default_image="ghcr.io/pagefleet/pagefleet:test", prometheus_url=PROMETHEUS
+        images=EngineImages(
+            "ghcr.io/pagefleet/pagefleet:test", "ghcr.io/pagefleet/pagefleet:test-cuda"
+        ),
+        prometheus_url=PROMETHEUS,
     )
     return desired_objects(load_example(name), options)
 
@@ -141,7 +144,11 @@ def test_autoscaler_replicas_and_keda_ownership():
     objects = desired_objects(md, RenderOptions(replicas={"decode": 6, "prefill": 9}))
     by_name = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
     assert by_name["llama-pd-decode"]["spec"]["replicas"] == 6
-    assert by_name["llama-pd-prefill"]["spec"]["replicas"] == 1  # autoscaling none: spec wins
+    # autoscaling none: the handler's choice (the Deployment's own between spec changes)...
+    assert by_name["llama-pd-prefill"]["spec"]["replicas"] == 9
+    unchosen = desired_objects(md, RenderOptions(replicas={"decode": 6}))
+    prefill = next(o for o in unchosen if o["metadata"]["name"] == "llama-pd-prefill")
+    assert prefill["spec"]["replicas"] == 1  # ...else spec.pools.prefill.replicas
     too_many = desired_objects(md, RenderOptions(replicas={"decode": 50}))
     assert (
         next(o for o in too_many if o["metadata"]["name"] == "llama-pd-decode")["spec"]["replicas"]

@@ -12,6 +12,8 @@ from pagefleet.common.names import GROUP, KIND, PLURAL, VERSION
 POOL_NAMES = ("colocated", "prefill", "decode")
 AUTOSCALING_MODES = ("builtin", "keda", "none")
 MODEL_SOURCES = ("pvc", "image", "hostPath")
+# model.uri schemes: hf://org/name[@revision] (downloaded by an init container), pvc://claim[/path].
+MODEL_URI_PATTERN = "^(hf://[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+(@[-._/A-Za-z0-9]+)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?)$"
 DEPLOYMENT_MODES = ("colocated", "disaggregated")
 KV_CONNECTORS = ("nixl", "tcp")
 SCORERS = ("prefix", "queue", "kv-usage", "inflight")
@@ -21,6 +23,15 @@ DNS_SUBDOMAIN_PATTERN = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a
 SECRET_KEY_PATTERN = "^[-._a-zA-Z0-9]+$"
 # The served name is also a label value, so it must be one (the router selects pods by it).
 MODEL_NAME_PATTERN = "^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"
+# A ModelDeployment's name prefixes its objects' names: Services are DNS-1035 labels (63
+# characters, no dots), and "-colocated" is the longest suffix.
+OBJECT_NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+OBJECT_NAME_MAX = 63 - len("-colocated")
+# Reserved to the operator: what it sets on every pod (overrides may not replace them).
+RESERVED_LABEL_PREFIXES = ("pagefleet.io/", "app.kubernetes.io/")
+RESOURCE_KINDS = ("TriggerAuthentication", "ClusterTriggerAuthentication")
+# UCX transports for NIXL over RDMA: verbs (rc), then GPU copies; tcp as a last resort.
+RDMA_UCX_TLS = "rc,sm,self,cuda_copy,cuda_ipc,tcp"
 
 # One place for the defaults: the schema carries them (the API server applies them) and
 # operator/spec.py reads them from here for specs that never went through an API server.
@@ -38,6 +49,12 @@ ROUTER_DEFAULTS: dict[str, Any] = {
     "replicas": 1,
     "pdThresholdTokens": 512,
     "prefixIndex": "precise",
+}
+# The router's requests and limits unless spec.router.resources says otherwise (a router
+# without any would be BestEffort: the first pod evicted under node pressure).
+ROUTER_RESOURCES: dict[str, dict[str, str]] = {
+    "requests": {"cpu": "250m", "memory": "256Mi"},
+    "limits": {"memory": "1Gi"},
 }
 
 
@@ -68,6 +85,46 @@ def _quantities() -> dict:
     }
 
 
+def _string_map() -> dict:
+    return {"type": "object", "additionalProperties": {"type": "string"}}
+
+
+def _int_or_string() -> dict:
+    return {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
+
+
+def _objects(required: list[str] | None = None, description: str = "") -> dict:
+    """A list of Kubernetes objects (EnvVar, Volume...) kept as given: the API server checks
+    them when the operator creates the Deployment; operator/pod_overrides.py checks names."""
+    item: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    if required:
+        item["required"] = required
+        item["properties"] = {key: {"type": "string", "minLength": 1} for key in required}
+    schema: dict[str, Any] = {"type": "array", "items": item}
+    if description:
+        schema["description"] = description
+    return schema
+
+
+def pod_overrides_schema() -> dict[str, dict]:
+    """Typed pod fields a pool (and the router) may set; the operator keeps what it must own
+    (command, probes, security context, the fleet secret, its labels)."""
+    return {
+        "env": _objects(["name"], "extra EnvVars of the main container"),
+        "envFrom": _objects(description="EnvFromSources of the main container"),
+        "volumes": _objects(["name"], "extra Volumes of the pod"),
+        "volumeMounts": _objects(["name", "mountPath"], "mounts of those volumes"),
+        "affinity": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+        "topologySpreadConstraints": _objects(["topologyKey"]),
+        "podAnnotations": _string_map(),
+        "podLabels": _string_map(),
+        "imagePullSecrets": _objects(["name"]),
+        "priorityClassName": {"type": "string"},
+        "runtimeClassName": {"type": "string"},
+        "terminationGracePeriodSeconds": _int(0),
+    }
+
+
 def _engine_args() -> dict:
     # Values are string | int | number | bool; a structural schema cannot say "one of four
     # scalar types", so the values are preserved as given and operator/spec.py checks them.
@@ -95,6 +152,7 @@ def autoscaling_schema() -> dict:
             "scaleUpStabilizationSeconds": _int(0, d["scaleUpStabilizationSeconds"]),
             "scaleDownStabilizationSeconds": _int(0, d["scaleDownStabilizationSeconds"]),
             "maxScaleUpStep": _int(1, d["maxScaleUpStep"], "most replicas added per decision"),
+            "keda": keda_schema(),
         },
         default={},
         **{
@@ -108,18 +166,91 @@ def autoscaling_schema() -> dict:
     )
 
 
+def keda_schema() -> dict:
+    """KEDA ScaledObject settings (autoscaling.mode keda only)."""
+    return _obj(
+        {
+            "pollingInterval": _int(1, description="seconds between KEDA's queries (30)"),
+            "cooldownPeriod": _int(
+                0,
+                description="seconds after the last active trigger before scaling to "
+                "minReplicas 0 (default: scaleDownStabilizationSeconds)",
+            ),
+            "activationThreshold": {
+                "type": "number",
+                "minimum": 0,
+                "description": "waiting requests above which a pool at 0 replicas activates",
+            },
+            "fallback": _obj(
+                {"failureThreshold": _int(1), "replicas": _int(0)},
+                ["failureThreshold", "replicas"],
+                description="replicas to hold while Prometheus cannot be read",
+            ),
+            "authenticationRef": _obj(
+                {
+                    "name": {"type": "string", "minLength": 1},
+                    "kind": {"type": "string", "enum": list(RESOURCE_KINDS)},
+                },
+                ["name"],
+                description="a KEDA TriggerAuthentication for a secured Prometheus",
+            ),
+            "authModes": {
+                "type": "string",
+                "enum": ["basic", "bearer", "tls", "custom"],
+                "description": "the Prometheus trigger's authModes",
+            },
+        }
+    )
+
+
+def _resources() -> dict:
+    return _obj({"requests": _quantities(), "limits": _quantities()})
+
+
 def pool_schema() -> dict:
     return _obj(
         {
-            "replicas": _int(0, 1, "replicas when autoscaling is none (start value otherwise)"),
-            "resources": _obj({"requests": _quantities(), "limits": _quantities()}),
-            "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
+            "replicas": _int(
+                0,
+                1,
+                "replicas when autoscaling is none (applied when it changes: between "
+                "changes, kubectl scale deployment <name>-<pool> and an HPA may scale the pool)",
+            ),
+            "image": {
+                "type": "string",
+                "description": "this pool's engine image (default: spec.image, else the "
+                "operator's CUDA image when the pool requests nvidia.com/gpu, its CPU image "
+                "otherwise; pinned in status at creation)",
+            },
+            "resources": _resources(),
+            "nodeSelector": _string_map(),
             "tolerations": {
                 "type": "array",
                 "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
             },
             "engineArgs": _engine_args(),
             "autoscaling": autoscaling_schema(),
+            **pod_overrides_schema(),
+            "serviceAccountName": {"type": "string", "pattern": DNS_SUBDOMAIN_PATTERN},
+            "shmSize": {
+                "type": "string",
+                "pattern": "^[0-9]+(Ki|Mi|Gi|Ti)?$",
+                "description": "size of /dev/shm (2Gi)",
+            },
+            "strategy": _obj(
+                {
+                    "type": {"type": "string", "enum": ["RollingUpdate", "Recreate"]},
+                    "rollingUpdate": _obj(
+                        {"maxSurge": _int_or_string(), "maxUnavailable": _int_or_string()}
+                    ),
+                },
+                description="the Deployment's rollout (GPU pools default to maxSurge 0, "
+                "maxUnavailable 1: no spare GPU is needed to roll)",
+            ),
+            "disruptionBudget": _obj(
+                {"maxUnavailable": _int_or_string()},
+                description="the pool's PodDisruptionBudget (maxUnavailable 1)",
+            ),
         }
     )
 
@@ -133,7 +264,29 @@ def model_schema() -> dict:
                 "maxLength": 63,
                 "description": "served model name; also the pods' pagefleet.io/model label",
             },
-            "source": {"type": "string", "enum": list(MODEL_SOURCES), "default": "pvc"},
+            "uri": {
+                "type": "string",
+                "pattern": MODEL_URI_PATTERN,
+                "description": "hf://org/name[@revision] (an init container downloads it into "
+                "cache, or the pod's own volume) or pvc://claim[/path]; instead of source",
+            },
+            "hf": _obj(
+                {
+                    "tokenSecret": secret_key_ref_schema("Secret key holding an HF token"),
+                    "endpoint": {
+                        "type": "string",
+                        "pattern": "^https?://[^\\s]+$",
+                        "description": "HF_ENDPOINT (a mirror); default huggingface.co",
+                    },
+                }
+            ),
+            "cache": _obj(
+                {"claimName": {"type": "string", "minLength": 1}},
+                ["claimName"],
+                description="hf:// only: a ReadWriteMany claim the download is kept in, shared "
+                "by replicas (one downloads, the others wait); default: each pod's own emptyDir",
+            ),
+            "source": {"type": "string", "enum": list(MODEL_SOURCES)},
             "pvc": _obj(
                 {"claimName": {"type": "string", "minLength": 1}, "path": {"type": "string"}},
                 ["claimName"],
@@ -145,16 +298,27 @@ def model_schema() -> dict:
         **{
             "x-kubernetes-validations": [
                 {
-                    "rule": "self.source != 'pvc' || has(self.pvc)",
+                    "rule": "!has(self.uri) || !(has(self.source) || has(self.pvc) || "
+                    "has(self.image) || has(self.path))",
+                    "message": "uri replaces source, pvc, image and path: give one or the other",
+                },
+                {
+                    "rule": "has(self.uri) || (has(self.source) && self.source != 'pvc') "
+                    "|| has(self.pvc)",
                     "message": "pvc is required when source is pvc",
                 },
                 {
-                    "rule": "self.source != 'image' || has(self.image)",
+                    "rule": "!has(self.source) || self.source != 'image' || has(self.image)",
                     "message": "image is required when source is image",
                 },
                 {
-                    "rule": "self.source != 'hostPath' || has(self.path)",
+                    "rule": "!has(self.source) || self.source != 'hostPath' || has(self.path)",
                     "message": "path is required when source is hostPath",
+                },
+                {
+                    "rule": "(!has(self.hf) && !has(self.cache)) || "
+                    "(has(self.uri) && self.uri.startsWith('hf://'))",
+                    "message": "hf and cache go with an hf:// uri",
                 },
             ]
         },
@@ -166,6 +330,8 @@ def router_schema() -> dict:
     return _obj(
         {
             "replicas": _int(0, ROUTER_DEFAULTS["replicas"]),
+            "resources": _resources(),
+            **pod_overrides_schema(),
             "scorerWeights": _obj(weights),
             "pdThresholdTokens": _int(0, ROUTER_DEFAULTS["pdThresholdTokens"]),
             "prefixIndex": {
@@ -177,6 +343,31 @@ def router_schema() -> dict:
             },
         },
         default={},
+    )
+
+
+def rdma_schema() -> dict:
+    return _obj(
+        {
+            "enabled": {"type": "boolean", "default": False},
+            "resources": {
+                **_quantities(),
+                "description": 'RDMA device resources per prefill/decode pod, e.g. {"rdma/ib": 1}',
+            },
+            "ucxTls": {
+                "type": "string",
+                "default": RDMA_UCX_TLS,
+                "description": "UCX_TLS for NIXL (UCX) on prefill and decode pods",
+            },
+            "networks": {
+                "type": "string",
+                "description": "k8s.v1.cni.cncf.io/networks annotation (Multus): the RDMA "
+                "network(s) to attach",
+            },
+            "hostNetwork": {"type": "boolean", "default": False},
+        },
+        description="RDMA for NIXL between prefill and decode pods: IPC_LOCK, RDMA devices, "
+        "UCX transports, the RDMA network",
     )
 
 
@@ -206,7 +397,24 @@ def spec_schema() -> dict:
             "pools": pools,
             "router": router_schema(),
             "kvTransfer": _obj(
-                {"connector": {"type": "string", "enum": list(KV_CONNECTORS), "default": "nixl"}},
+                {
+                    "connector": {
+                        "type": "string",
+                        "enum": list(KV_CONNECTORS),
+                        "default": "nixl",
+                    },
+                    "rdma": rdma_schema(),
+                    "placement": _obj(
+                        {
+                            "topologyKey": {"type": "string", "minLength": 1},
+                            "required": {"type": "boolean", "default": False},
+                        },
+                        ["topologyKey"],
+                        description="keep every engine of this ModelDeployment in one "
+                        "topology domain (e.g. topology.kubernetes.io/zone or a rack label), "
+                        "preferred or required",
+                    ),
+                },
                 default={},
             ),
             "apiKeySecret": secret_key_ref_schema(
@@ -237,7 +445,11 @@ def status_schema() -> dict:
             "readyReplicas": {"type": "integer"},
             "desiredReplicas": {"type": "integer"},
             "reason": {"type": "string"},
-            "lastScaleTime": {"type": "string"},
+            "specReplicas": {
+                "type": "integer",
+                "description": "spec replicas last applied (a change applies again)",
+            },
+            "lastScaleTime": {"type": "string", "format": "date-time"},
             "recommendations": {
                 "type": "array",
                 "description": "builtin autoscaler: the recommendations its windows still need",
@@ -251,15 +463,17 @@ def status_schema() -> dict:
             },
         }
     )
+    # metav1.Condition's shape.
     condition = _obj(
         {
-            "type": {"type": "string"},
+            "type": {"type": "string", "maxLength": 316},
             "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
-            "reason": {"type": "string"},
-            "message": {"type": "string"},
-            "lastTransitionTime": {"type": "string"},
+            "observedGeneration": {"type": "integer", "minimum": 0},
+            "reason": {"type": "string", "maxLength": 1024},
+            "message": {"type": "string", "maxLength": 32768},
+            "lastTransitionTime": {"type": "string", "format": "date-time"},
         },
-        ["type", "status"],
+        ["type", "status", "lastTransitionTime", "reason", "message"],
     )
     return _obj(
         {
@@ -268,11 +482,32 @@ def status_schema() -> dict:
             "selector": {"type": "string", "description": "serving pool's pods (scale)"},
             "pools": {"type": "object", "additionalProperties": pool_status},
             "ready": {"type": "string", "description": "ready/desired per pool, for kubectl"},
-            "conditions": {"type": "array", "items": condition},
+            "conditions": {
+                "type": "array",
+                "items": condition,
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
+            },
+            "images": _obj(
+                {"cpu": {"type": "string"}, "cuda": {"type": "string"}},
+                description="the operator's engine images when this ModelDeployment was "
+                "created: kept across operator upgrades (set null to take the current ones)",
+            ),
         },
         # kopf keeps its own bookkeeping under status; keep it rather than prune it.
         **{"x-kubernetes-preserve-unknown-fields": True},
     )
+
+
+def name_rule() -> dict:
+    """Names that cannot make the objects the operator derives fail at admission, not later."""
+    return {
+        "rule": f"size(self.metadata.name) <= {OBJECT_NAME_MAX} && "
+        f"self.metadata.name.matches('{OBJECT_NAME_PATTERN}')",
+        "message": f"metadata.name must be a DNS-1035 label of at most {OBJECT_NAME_MAX} "
+        "characters (lower-case letters, digits, '-'; starting with a letter): it prefixes "
+        "the Services and Deployments the operator creates",
+    }
 
 
 def printer_columns() -> list[dict]:
@@ -322,6 +557,7 @@ def crd() -> dict:
                                 "status": status_schema(),
                             },
                             ["spec"],
+                            **{"x-kubernetes-validations": [name_rule()]},
                         )
                     },
                     "subresources": {

@@ -36,6 +36,7 @@ from pagefleet.operator.network_policy import PolicyPeers
 from pagefleet.operator.reconcile import (
     ENGINE_API_KEY,
     FLEET_SECRET_KEY,
+    EngineImages,
     RenderOptions,
     desired_objects,
     pool_object_name,
@@ -57,7 +58,9 @@ log = logging.getLogger("pagefleet.operator")
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    default_image: str | None = None
+    # Engine images for ModelDeployments that name none, by device; each ModelDeployment
+    # keeps (in status.images) those of the operator that created it.
+    images: EngineImages = field(default_factory=EngineImages)
     router_image: str = DEFAULT_ROUTER_IMAGE
     prometheus_url: str | None = None
     metrics_port: int = 8000
@@ -406,7 +409,7 @@ def _pool_reason(pool: Pool, memory: PoolMemory | None) -> str:
         return memory.reason
     if pool.autoscaling.mode == "keda":
         return "scaled by KEDA ScaledObject on vllm:num_requests_waiting"
-    return f"spec.pools.{pool.name}.replicas"
+    return f"spec.pools.{pool.name}.replicas when it changes, else the Deployment's own"
 
 
 def reconcile(state: OperatorState, namespace: str, name: str, autoscale: bool) -> None:
@@ -438,23 +441,16 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
     client, config = state.client, state.config
     meta = md["metadata"]
     namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
+    previous = md.get("status") or {}
+    images = pinned_images(previous, config.images)
     error: tuple[str, str] | None = None
     pools: list[PoolObserved] = []
     router = (0, 0)
     try:
-        spec = parse_spec(md.get("spec"), config.default_image)
-        memories: dict[str, PoolMemory] = {}
-        now = time.time()  # wall clock: the autoscaler's window is kept in status
-        for pool in spec.pools:
-            if pool.autoscaling.mode != "builtin":
-                continue
-            if autoscale:
-                memories[pool.name] = autoscale_pool(state, md, spec, pool, now)
-            else:
-                memories[pool.name] = remembered(state, md, pool, now)
-        replicas = {p: m.replicas for p, m in memories.items() if m.replicas is not None}
+        spec = parse_spec(md.get("spec"))
+        replicas, memories = _decide_replicas(state, md, spec, autoscale)
         options = RenderOptions(
-            config.default_image,
+            images,
             config.prometheus_url,
             replicas,
             config.network_policy,
@@ -464,35 +460,99 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
         foreign, incomplete = apply_all(client, md, options)
         for pool in spec.pools:
             current, ready = _deployment(client, namespace, pool_object_name(name, pool.name), uid)
-            desired = replicas.get(
-                pool.name, current if pool.autoscaling.mode == "keda" else pool.replicas
-            )
+            desired = replicas.get(pool.name, current)
             memory = memories.get(pool.name)
             reason = _pool_reason(pool, memory)
             window = memory.window if memory is not None else None
-            pools.append(PoolObserved(pool.name, current, ready, desired, reason, window))
+            pools.append(
+                PoolObserved(pool.name, current, ready, desired, reason, window, pool.replicas)
+            )
         router = _deployment(client, namespace, f"{name}-router", uid)
         missing = None
         if spec.api_key_secret is not None:
             missing = missing_secret_key(client, namespace, spec.api_key_secret)
+        if spec.model.token_secret is not None:
+            missing = missing or missing_secret_key(client, namespace, spec.model.token_secret)
         if foreign:
             error = ("ForeignObject", foreign_message(foreign))
         elif incomplete:
             error = ("FleetSecretIncomplete", incomplete_message(incomplete))
         elif missing:
-            error = ("SecretMissing", f"spec.apiKeySecret: {missing}; the router waits for it")
+            error = ("SecretMissing", f"{missing}: the pods that read it wait for it")
     except SpecError as e:
         error = (e.reason, str(e))
     except ApiError as e:
         error = ("ApplyFailed", str(e))
-    previous = md.get("status") or {}
     if error and _degraded_message(previous) != error[1]:
         announce(client, md, *error)  # one event per new problem, not one per pass
-    observed = Observed(tuple(pools), router[0], router[1], error)
+    observed = Observed(tuple(pools), router[0], router[1], error, images_status(images))
     status = build_status(name, meta.get("generation"), observed, previous, _now_iso())
     patch = merge_diff(previous, status)
     if patch:
         client.merge_patch(md, {"status": patch}, "/status")
+
+
+def pinned_images(status: dict, current: EngineImages) -> EngineImages:
+    """The engine images recorded when the ModelDeployment was first reconciled, so that an
+    operator upgrade re-images no engine; a status without them takes the current ones."""
+    recorded = status.get("images") or {}
+    return EngineImages(recorded.get("cpu") or current.cpu, recorded.get("cuda") or current.cuda)
+
+
+def images_status(images: EngineImages) -> dict[str, str]:
+    return {"cpu": images.cpu, "cuda": images.cuda}
+
+
+def _decide_replicas(
+    state: OperatorState, md: dict, spec: Spec, autoscale: bool
+) -> tuple[dict[str, int], dict[str, PoolMemory]]:
+    """Replicas per pool (KEDA pools: none, their HPA decides), and the builtin autoscaler's
+    memory. A pool without autoscaling takes spec.replicas when that changed since it was
+    last applied, and otherwise keeps its Deployment's (kubectl scale, an HPA)."""
+    meta = md["metadata"]
+    now = time.time()  # wall clock: the autoscaler's window is kept in status
+    recorded = (md.get("status") or {}).get("pools") or {}
+    replicas: dict[str, int] = {}
+    memories: dict[str, PoolMemory] = {}
+    for pool in spec.pools:
+        mode = pool.autoscaling.mode
+        if mode == "builtin":
+            before = remembered(state, md, pool, now).replicas
+            _notice_manual_scale(state, md, pool, before)
+            if autoscale:
+                memories[pool.name] = autoscale_pool(state, md, spec, pool, now)
+            else:
+                memories[pool.name] = remembered(state, md, pool, now)
+            if memories[pool.name].replicas is not None:
+                replicas[pool.name] = memories[pool.name].replicas
+        elif mode == "none":
+            applied = (recorded.get(pool.name) or {}).get("specReplicas")
+            name = pool_object_name(meta["name"], pool.name)
+            found = state.client.get("apps/v1", "Deployment", meta["namespace"], name)
+            if applied == pool.replicas and found and controlled_by(found, meta["uid"]):
+                replicas[pool.name] = (found.get("spec") or {}).get("replicas", pool.replicas)
+            else:
+                replicas[pool.name] = pool.replicas
+    return replicas, memories
+
+
+def _notice_manual_scale(state: OperatorState, md: dict, pool: Pool, last: int | None) -> None:
+    """A builtin-autoscaled pool scaled by hand is scaled back: say so, once per change."""
+    meta = md["metadata"]
+    name = pool_object_name(meta["name"], pool.name)
+    found = state.client.get("apps/v1", "Deployment", meta["namespace"], name)
+    if last is None or not found or not controlled_by(found, meta["uid"]):
+        return
+    current = (found.get("spec") or {}).get("replicas")
+    if current is not None and current != last:
+        announce(
+            state.client,
+            md,
+            "ManualScaleReverted",
+            f"{name} was scaled to {current} by hand; pool {pool.name} is scaled by the "
+            f"builtin autoscaler, back to {last}: change spec.pools.{pool.name}.autoscaling "
+            "minReplicas/maxReplicas, or set its mode to none to scale it yourself",
+        )
 
 
 def incomplete_message(secret: str) -> str:

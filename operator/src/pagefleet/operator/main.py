@@ -29,8 +29,14 @@ def add_operator_parser(sub) -> None:
     p.add_argument(
         "--image",
         default=None,
-        help="engine image for ModelDeployments that give none "
+        help="CPU engine image for ModelDeployments that give none "
         "(default: ghcr.io/pagefleet/pagefleet:<version>)",
+    )
+    p.add_argument(
+        "--gpu-image",
+        default=None,
+        help="CUDA engine image for pools that request nvidia.com/gpu and give no image "
+        "(default: ghcr.io/pagefleet/pagefleet:<version>-cuda)",
     )
     p.add_argument(
         "--router-image",
@@ -130,6 +136,7 @@ def run_operator(args: argparse.Namespace) -> int:
         build_registry,
         configure,
     )
+    from pagefleet.operator.reconcile import EngineImages
     from pagefleet.operator.spec import DEFAULT_ROUTER_IMAGE
 
     if args.verbose:
@@ -138,7 +145,7 @@ def run_operator(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.INFO)
 
     config = OperatorConfig(
-        default_image=args.image,
+        images=EngineImages(args.image or EngineImages.cpu, args.gpu_image or EngineImages.cuda),
         router_image=args.router_image or DEFAULT_ROUTER_IMAGE,
         prometheus_url=args.prometheus_url,
         metrics_port=args.metrics_port,

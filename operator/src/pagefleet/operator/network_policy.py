@@ -107,6 +107,9 @@ class PolicyInputs:
     events_ports: tuple[int, ...]  # empty: no KV events (approximate index)
     kv_transfer_port: int
     ucx_ports: tuple[int, int] | None  # NIXL's UCX TCP range between prefill and decode pods
+    # hf:// models: the init containers download from the endpoint (and its CDN redirects) on
+    # these ports, at addresses no policy can name in advance.
+    download_ports: tuple[int, ...] = ()
 
 
 def tcp(*ports: int) -> list[dict]:
@@ -158,8 +161,12 @@ def router_policy(inputs: PolicyInputs, peers: PolicyPeers) -> dict:
         "podSelector": {"matchLabels": dict(inputs.router_selector)},
         "policyTypes": ["Ingress", "Egress"],
         "ingress": [_rule("from", clients, tcp(inputs.router_port))],
-        "egress": egress + _infrastructure(peers, api_server=True),
+        "egress": egress + _infrastructure(peers, api_server=True) + _downloads(inputs),
     }
+
+
+def _downloads(inputs: PolicyInputs) -> list[dict]:
+    return [_rule("to", (), tcp(*inputs.download_ports))] if inputs.download_ports else []
 
 
 def pool_policy(inputs: PolicyInputs, pool: str, peers: PolicyPeers) -> dict:
@@ -179,7 +186,7 @@ def pool_policy(inputs: PolicyInputs, pool: str, peers: PolicyPeers) -> dict:
     ]
     if inputs.events_ports:
         ingress.append(_rule("from", [router], tcp(*inputs.events_ports)))
-    egress = _infrastructure(peers, api_server=False)
+    egress = _infrastructure(peers, api_server=False) + _downloads(inputs)
     selectors = inputs.pool_selectors
     if pool == "prefill":
         decode = pods(selectors["decode"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,14 +31,24 @@ from pagefleet.common.serve_command import (
     serve_argv,
 )
 from pagefleet.operator.crd import POOL_NAMES
+from pagefleet.operator.model_source import (
+    MODEL_MOUNT,
+    engine_model_volume,
+    model_path,
+    router_model_volume,
+)
 from pagefleet.operator.network_policy import PolicyInputs, PolicyPeers, pool_policy, router_policy
+from pagefleet.operator.pod_overrides import overlay
 from pagefleet.operator.spec import (
+    DEFAULT_GPU_IMAGE,
+    DEFAULT_IMAGE,
     DEFAULT_ROUTER_IMAGE,
     Pool,
     SecretKeyRef,
     Spec,
     SpecError,
     check_host_path,
+    check_name,
     json_object,
     parse_spec,
 )
@@ -47,7 +58,6 @@ KV_EVENTS_PORT = 5557
 KV_REPLAY_PORT = KV_EVENTS_PORT + 1  # the engine replays missed events here
 KV_TRANSFER_PORT = 14579
 ROUTER_PORT = 8080
-MODEL_MOUNT = "/models"
 ROUTER_CONFIG_FILE = "/etc/pagefleet/router.yaml"
 # The engine container's own pod IP (downward API); the kubelet expands $(POD_IP) in commands.
 POD_IP_ENV = "POD_IP"
@@ -65,11 +75,21 @@ UPSTREAM_API_KEY_ENV = "PAGEFLEET_UPSTREAM_API_KEY"
 UCX_PORTS = (14580, 14609)
 # KEDA (2.13+) stops scaling a ScaledObject with this annotation set to "true".
 KEDA_PAUSED = "autoscaling.keda.sh/paused"
+MULTUS_NETWORKS = "k8s.v1.cni.cncf.io/networks"
+
+
+@dataclass(frozen=True)
+class EngineImages:
+    """The operator's engine images by device (Dockerfile.cpu, Dockerfile.cuda)."""
+
+    cpu: str = DEFAULT_IMAGE
+    cuda: str = DEFAULT_GPU_IMAGE
 
 
 @dataclass(frozen=True)
 class RenderOptions:
-    default_image: str | None = None
+    # For pools whose spec names no image: the operator's (or those pinned in status).
+    images: EngineImages = field(default_factory=EngineImages)
     prometheus_url: str | None = None  # needed by KEDA triggers
     # Replicas the builtin autoscaler chose, per pool name; absent pools start at spec.replicas.
     replicas: dict[str, int] = field(default_factory=dict)
@@ -84,15 +104,19 @@ def desired_objects(md: dict[str, Any], options: RenderOptions | None = None) ->
     """Every object the ModelDeployment owns, in apply order. Raises SpecError on a bad spec.
     The fleet Secret comes without data: the operator fills it once, when it creates it."""
     options = options or RenderOptions()
-    spec = parse_spec(md.get("spec"), options.default_image)
+    meta = md["metadata"]
+    check_name(meta["name"])
+    spec = parse_spec(md.get("spec"))
     if options.allowed_host_paths is not None:
         check_host_path(spec.model, options.allowed_host_paths)
-    meta = md["metadata"]
-    ctx = _Context(meta["name"], meta["namespace"], _owner(md), spec, options.router_image)
+    ctx = _Context(
+        meta["name"], meta["namespace"], _owner(md), spec, options.router_image, options.images
+    )
     objects: list[dict] = [fleet_secret(ctx)]
     for pool in spec.pools:
         objects.append(engine_deployment(ctx, pool, _pool_replicas(pool, options)))
         objects.append(engine_service(ctx, pool))
+        objects.append(disruption_budget(ctx, pool))
         if pool.autoscaling.mode == "keda":
             objects.append(scaled_object(ctx, pool, options.prometheus_url))
     objects.extend(router_objects(ctx))
@@ -141,6 +165,12 @@ class _Context:
     owner: dict[str, Any]
     spec: Spec
     router_image: str = DEFAULT_ROUTER_IMAGE
+    images: EngineImages = field(default_factory=EngineImages)
+
+    def engine_image(self, pool: Pool) -> str:
+        """The pool's image, else the spec's, else the operator's for the pool's device."""
+        default = self.images.cuda if pool.gpus else self.images.cpu
+        return pool.image or self.spec.image or default
 
 
 def _owner(md: dict[str, Any]) -> dict[str, Any]:
@@ -159,10 +189,10 @@ def _pool_replicas(pool: Pool, options: RenderOptions) -> int | None:
     mode = pool.autoscaling.mode
     if mode == "keda":
         return None
+    chosen = options.replicas.get(pool.name, pool.replicas)
     if mode == "builtin":
-        chosen = options.replicas.get(pool.name, pool.replicas)
         return max(pool.autoscaling.min_replicas, min(pool.autoscaling.max_replicas, chosen))
-    return pool.replicas
+    return chosen  # mode none: spec.replicas, or the Deployment's own since that last applied
 
 
 def pool_object_name(md_name: str, pool: str) -> str:
@@ -227,13 +257,6 @@ def engine_api_key(ctx: _Context) -> SecretKeyRef:
     return SecretKeyRef(fleet_secret_name(ctx.name), ENGINE_API_KEY)
 
 
-def _model_path(spec: Spec) -> str:
-    model = spec.model
-    if model.source == "pvc" and model.path:
-        return f"{MODEL_MOUNT}/{model.path.strip('/')}"
-    return MODEL_MOUNT
-
-
 def json_engine_args(spec: Spec, pool: Pool) -> dict[str, dict[str, Any]]:
     """The JSON-valued flags: the operator's keys, then the deployment-wide engineArgs' keys,
     then the pool's, each merged over the last (a user's kv_connector keeps the pod's kv_ip).
@@ -267,7 +290,8 @@ def engine_command(spec: Spec, pool: Pool) -> list[str]:
     user = {**spec.engine_args, **pool.engine_args}
     command = ServeCommand(
         program="pagefleet",
-        model=_model_path(spec),
+        model=model_path(spec.model),
+        device="cuda" if pool.gpus else "cpu",
         host="0.0.0.0",
         port=HTTP_PORT,
         served_model_name=spec.model.name,
@@ -276,44 +300,6 @@ def engine_command(spec: Spec, pool: Pool) -> list[str]:
         user_flags=engine_flags({k: v for k, v in user.items() if k not in JSON_ENGINE_ARGS}),
     )
     return serve_argv(command)
-
-
-def _model_volume(spec: Spec) -> tuple[dict, list[dict]]:
-    """The volume holding the checkpoint and any init container that fills it."""
-    model = spec.model
-    if model.source == "pvc":
-        claim = {"claimName": model.claim_name, "readOnly": True}
-        return {"name": "model", "persistentVolumeClaim": claim}, []
-    if model.source == "hostPath":
-        return {"name": "model", "hostPath": {"path": model.path, "type": "Directory"}}, []
-    copy = {
-        "name": "copy-model",
-        "image": model.image,
-        # The weights image only has to hold files (and a shell): copy them into the pod.
-        # Not `cp -a`: a non-root user may not set times or owners on the volume's root.
-        "command": ["sh", "-c", 'cp -R "$SOURCE"/. /models/'],
-        "env": [{"name": "SOURCE", "value": model.path or "/model"}],
-        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}],
-        "securityContext": _container_security(),
-    }
-    return {"name": "model", "emptyDir": {}}, [copy]
-
-
-# The router reads only the tokenizer: from a weights image, copy its small files, not the weights.
-TOKENIZER_COPY = (
-    'cd "$SOURCE" && for f in *.json *.txt *.model *.tiktoken *.jinja; '
-    'do if [ -f "$f" ]; then cp "$f" /models/; fi; done'
-)
-
-
-def _tokenizer_volume(spec: Spec) -> tuple[dict, list[dict]]:
-    """The router's view of the checkpoint: the engines' volume (read-only), or for source
-    image an emptyDir its init container fills with the tokenizer's files."""
-    volume, init_containers = _model_volume(spec)
-    return volume, [
-        {**c, "name": "copy-tokenizer", "command": ["sh", "-c", TOKENIZER_COPY]}
-        for c in init_containers
-    ]
 
 
 def _container_security() -> dict[str, Any]:
@@ -353,30 +339,25 @@ def engine_deployment(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
         LABEL_MODEL: spec.model.name,
         LABEL_ROLE: pool.role,
     }
-    volume, init_containers = _model_volume(spec)
+    image = ctx.engine_image(pool)
+    rdma = spec.rdma.enabled and pool.role in KV_ROLES
+    security = _container_security()
+    volume, init_containers = engine_model_volume(spec.model, image, security)
     ports = [
         {"name": port, "containerPort": number, "protocol": "TCP"}
         for port, number in engine_ports(spec, pool).items()
     ]
-    env = [
-        {"name": "HF_HUB_OFFLINE", "value": "1"},
-        {"name": "HOME", "value": "/tmp"},
-        {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        _secret_env(API_KEY_ENV, engine_api_key(ctx)),
-    ]
-    if _uses_ucx(spec, pool):
-        env.append({"name": "UCX_TCP_PORT_RANGE", "value": f"{UCX_PORTS[0]}-{UCX_PORTS[1]}"})
     container: dict[str, Any] = {
         "name": "engine",
-        "image": spec.image,
+        "image": image,
         "command": engine_command(spec, pool),
         "ports": ports,
-        "env": env,
+        "env": _engine_env(ctx, pool),
         "readinessProbe": _http_probe("/health", "http", 5, 3),
         "livenessProbe": _http_probe("/health", "http", 10, 6),
         # Loading weights and warming up can take long: up to 30 minutes before liveness.
         "startupProbe": _http_probe("/health", "http", 10, 180),
-        "securityContext": _container_security(),
+        "securityContext": _rdma_security(security) if rdma else security,
         "volumeMounts": [
             {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": spec.model.source != "image"},
             {"name": "tmp", "mountPath": "/tmp"},
@@ -384,8 +365,9 @@ def engine_deployment(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
             _FLEET_SECRET_MOUNT,
         ],
     }
-    if pool.resources:
-        container["resources"] = pool.resources
+    resources = _with_rdma(pool.resources, spec.rdma.resources) if rdma else pool.resources
+    if resources:
+        container["resources"] = resources
     pod_spec: dict[str, Any] = {
         # Engines never call the Kubernetes API: no token for a compromised engine to use.
         "automountServiceAccountToken": False,
@@ -395,21 +377,39 @@ def engine_deployment(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
             volume,
             {"name": "tmp", "emptyDir": {}},
             # PyTorch and NIXL use shared memory; the runtime's 64 MiB default is too small.
-            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": pool.shm_size}},
             _fleet_secret_volume(ctx),
         ],
         "terminationGracePeriodSeconds": 60,
     }
     if init_containers:
         pod_spec["initContainers"] = init_containers
+    if pool.service_account:
+        pod_spec["serviceAccountName"] = pool.service_account
     if pool.node_selector:
         pod_spec["nodeSelector"] = pool.node_selector
     if pool.tolerations:
         pod_spec["tolerations"] = pool.tolerations
+    if rdma and spec.rdma.host_network:
+        # The RDMA device's own address; NetworkPolicies do not apply to host-network pods.
+        pod_spec["hostNetwork"] = True
+        pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+    if spec.placement is not None and pool.role in KV_ROLES:
+        pod_spec["affinity"] = _placement_affinity(ctx)
+    overlay(pod_spec, container, pool.pod)
+    template_meta: dict[str, Any] = {"labels": {**pool.pod.labels, **labels}}
+    annotations = dict(pool.pod.annotations)
+    if rdma and spec.rdma.networks:
+        annotations[MULTUS_NETWORKS] = spec.rdma.networks
+    if annotations:
+        template_meta["annotations"] = annotations
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector},
-        "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        "template": {"metadata": template_meta, "spec": pod_spec},
     }
+    strategy = pool.strategy or _default_strategy(pool)
+    if strategy:
+        deployment_spec["strategy"] = strategy
     if replicas is not None:
         deployment_spec = {"replicas": replicas, **deployment_spec}
     return {
@@ -417,6 +417,68 @@ def engine_deployment(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
         "kind": "Deployment",
         "metadata": _metadata(ctx, pool_object_name(ctx.name, pool.name), labels),
         "spec": deployment_spec,
+    }
+
+
+def _engine_env(ctx: _Context, pool: Pool) -> list[dict]:
+    env = [
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        _secret_env(API_KEY_ENV, engine_api_key(ctx)),
+    ]
+    if _uses_ucx(ctx.spec, pool):
+        env.append({"name": "UCX_TCP_PORT_RANGE", "value": f"{UCX_PORTS[0]}-{UCX_PORTS[1]}"})
+        if ctx.spec.rdma.enabled:
+            env.append({"name": "UCX_TLS", "value": ctx.spec.rdma.ucx_tls})
+    return env
+
+
+def _default_strategy(pool: Pool) -> dict[str, Any] | None:
+    """GPU pools roll one pod at a time without a surge pod: a surge would need a spare GPU
+    node, which a full cluster does not have, and the rollout would hang."""
+    if not pool.gpus:
+        return None
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+
+
+def _rdma_security(security: dict[str, Any]) -> dict[str, Any]:
+    """IPC_LOCK lets UCX pin (register) memory for RDMA beyond the default memlock limit."""
+    return {**security, "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
+
+
+def _with_rdma(resources: dict[str, dict], rdma: dict[str, Any]) -> dict[str, dict]:
+    """Extended resources (RDMA devices) go into requests and limits alike."""
+    merged = {kind: dict(resources.get(kind, {})) for kind in ("requests", "limits")}
+    for kind in merged:
+        merged[kind].update(rdma)
+    return merged
+
+
+def _placement_affinity(ctx: _Context) -> dict[str, Any]:
+    """Every prefill and decode pod of this ModelDeployment in one topology domain (a rack,
+    a zone), where KV moves fastest; the first pod matches itself, so it may go anywhere."""
+    placement = ctx.spec.placement
+    assert placement is not None
+    selector = {"matchLabels": {LABEL_INSTANCE: ctx.name, "app.kubernetes.io/component": "engine"}}
+    term = {"labelSelector": selector, "topologyKey": placement.topology_key}
+    if placement.required:
+        rules = {"requiredDuringSchedulingIgnoredDuringExecution": [term]}
+    else:
+        weighted = {"weight": 100, "podAffinityTerm": term}
+        rules = {"preferredDuringSchedulingIgnoredDuringExecution": [weighted]}
+    return {"podAffinity": rules}
+
+
+def disruption_budget(ctx: _Context, pool: Pool) -> dict:
+    """At most maxUnavailable of the pool's pods drained at once (node upgrades, autoscaler)."""
+    selector = pool_selector(ctx.name, pool.name)
+    labels = {**_common_labels(ctx, "engine"), **selector}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(ctx, pool_object_name(ctx.name, pool.name), labels),
+        "spec": {"maxUnavailable": pool.max_unavailable, "selector": {"matchLabels": selector}},
     }
 
 
@@ -475,6 +537,39 @@ def scaled_object(ctx: _Context, pool: Pool, prometheus_url: str | None) -> dict
         },
         "scaleDown": {"stabilizationWindowSeconds": a.scale_down_stabilization_s},
     }
+    trigger: dict[str, Any] = {
+        "type": "prometheus",
+        # AverageValue: KEDA's HPA computes ceil(sum / threshold) replicas.
+        "metricType": "AverageValue",
+        "metadata": {
+            "serverAddress": prometheus_url,
+            "query": waiting_query(ctx.namespace, ctx.name, pool.name, ctx.spec.model.name),
+            "threshold": f"{a.target_waiting_per_replica:g}",
+        },
+    }
+    keda = a.keda
+    if keda.activation_threshold is not None:
+        trigger["metadata"]["activationThreshold"] = f"{keda.activation_threshold:g}"
+    if keda.auth_modes:
+        trigger["metadata"]["authModes"] = keda.auth_modes
+    if keda.authentication:
+        kind, auth_name = keda.authentication
+        trigger["authenticationRef"] = {"name": auth_name, "kind": kind}
+    spec: dict[str, Any] = {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+        "minReplicaCount": a.min_replicas,
+        "maxReplicaCount": a.max_replicas,
+        "cooldownPeriod": (
+            keda.cooldown_s if keda.cooldown_s is not None else a.scale_down_stabilization_s
+        ),
+        "advanced": {"horizontalPodAutoscalerConfig": {"behavior": behavior}},
+        "triggers": [trigger],
+    }
+    if keda.polling_interval_s is not None:
+        spec["pollingInterval"] = keda.polling_interval_s
+    if keda.fallback:
+        # Held while Prometheus cannot be read (KEDA needs an AverageValue trigger for it).
+        spec["fallback"] = {"failureThreshold": keda.fallback[0], "replicas": keda.fallback[1]}
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
@@ -483,27 +578,7 @@ def scaled_object(ctx: _Context, pool: Pool, prometheus_url: str | None) -> dict
             # Explicit, so that a ScaledObject paused by retired_objects() resumes.
             "annotations": {KEDA_PAUSED: "false"},
         },
-        "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
-            "minReplicaCount": a.min_replicas,
-            "maxReplicaCount": a.max_replicas,
-            "cooldownPeriod": a.scale_down_stabilization_s,
-            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": behavior}},
-            "triggers": [
-                {
-                    "type": "prometheus",
-                    # AverageValue: KEDA's HPA computes ceil(sum / threshold) replicas.
-                    "metricType": "AverageValue",
-                    "metadata": {
-                        "serverAddress": prometheus_url,
-                        "query": waiting_query(
-                            ctx.namespace, ctx.name, pool.name, ctx.spec.model.name
-                        ),
-                        "threshold": f"{a.target_waiting_per_replica:g}",
-                    },
-                }
-            ],
-        },
+        "spec": spec,
     }
 
 
@@ -520,6 +595,7 @@ def network_policies(ctx: _Context, peers: PolicyPeers) -> list[dict]:
         events_ports=(KV_EVENTS_PORT, KV_REPLAY_PORT) if spec.router.precise else (),
         kv_transfer_port=KV_TRANSFER_PORT,
         ucx_ports=UCX_PORTS if any(_uses_ucx(spec, p) for p in spec.pools) else None,
+        download_ports=download_ports(spec),
     )
     labels = _common_labels(ctx, "network-policy")
     policies = [(f"{ctx.name}-router", router_policy(inputs, peers))]
@@ -536,6 +612,14 @@ def network_policies(ctx: _Context, peers: PolicyPeers) -> list[dict]:
         }
         for name, policy in policies
     ]
+
+
+def download_ports(spec: Spec) -> tuple[int, ...]:
+    """The port of an hf:// model's endpoint (443 for huggingface.co), else none."""
+    if spec.model.source != "hf":
+        return ()
+    url = urllib.parse.urlsplit(spec.model.endpoint or "https://huggingface.co")
+    return (url.port or (443 if url.scheme == "https" else 80),)
 
 
 def router_selector(md_name: str) -> dict[str, str]:
@@ -608,7 +692,7 @@ def router_objects(ctx: _Context) -> list[dict]:
         FLEET_SECRET_FILE,
         # Hash prompts with the engines' tokenizer.
         "--tokenizer",
-        _model_path(spec),
+        model_path(spec.model),
         "--prefix-index",
         spec.router.prefix_index,
     ]
@@ -625,8 +709,9 @@ def router_objects(ctx: _Context) -> list[dict]:
         env.append(_secret_env(API_KEY_ENV, spec.api_key_secret))
     # A config change must roll the router: the pods read the file once at start.
     config_hash = hashlib.sha256(config_text.encode()).hexdigest()[:16]
-    model_volume, init_containers = _tokenizer_volume(spec)
-    container = {
+    security = _container_security()
+    model_volume, init_containers = router_model_volume(spec.model, ctx.router_image, security)
+    container: dict[str, Any] = {
         "name": "router",
         "image": ctx.router_image,
         "command": command,
@@ -636,7 +721,8 @@ def router_objects(ctx: _Context) -> list[dict]:
         # restart the router while engines load, in an outage and at zero replicas).
         "readinessProbe": _http_probe("/health", "http", 5, 3),
         "livenessProbe": _http_probe("/livez", "http", 10, 6),
-        "securityContext": _container_security(),
+        "securityContext": security,
+        "resources": spec.router.resources,
         "volumeMounts": [
             {"name": "config", "mountPath": "/etc/pagefleet", "readOnly": True},
             {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True},
@@ -659,6 +745,8 @@ def router_objects(ctx: _Context) -> list[dict]:
     }
     if init_containers:
         pod_spec["initContainers"] = init_containers
+    overlay(pod_spec, container, spec.router.pod)
+    annotations = {**spec.router.pod.annotations, "pagefleet.io/config-hash": config_hash}
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -668,8 +756,8 @@ def router_objects(ctx: _Context) -> list[dict]:
             "selector": {"matchLabels": selector},
             "template": {
                 "metadata": {
-                    "labels": {**labels, **selector},
-                    "annotations": {"pagefleet.io/config-hash": config_hash},
+                    "labels": {**spec.router.pod.labels, **labels, **selector},
+                    "annotations": annotations,
                 },
                 "spec": pod_spec,
             },

@@ -11,6 +11,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from pagefleet.common import __version__
+from pagefleet.common.model_download import HfSource, parse_hf_uri
 from pagefleet.common.serve_command import JSON_ENGINE_ARGS, EngineArg
 from pagefleet.operator.crd import (
     AUTOSCALING_DEFAULTS,
@@ -20,14 +21,29 @@ from pagefleet.operator.crd import (
     KV_CONNECTORS,
     MODEL_NAME_PATTERN,
     MODEL_SOURCES,
+    OBJECT_NAME_MAX,
+    OBJECT_NAME_PATTERN,
     POOL_NAMES,
     PREFIX_INDEXES,
+    RDMA_UCX_TLS,
+    RESOURCE_KINDS,
     ROUTER_DEFAULTS,
+    ROUTER_RESOURCES,
     SCORER_DEFAULTS,
     SECRET_KEY_PATTERN,
 )
+from pagefleet.operator.pod_overrides import (
+    POD_FIELDS,
+    OverrideError,
+    PodOverrides,
+    parse_pod_overrides,
+)
 
+# One tag scheme: <version> is the CPU build (Dockerfile.cpu), <version>-cuda the CUDA build.
 DEFAULT_IMAGE = f"ghcr.io/pagefleet/pagefleet:{__version__}"
+DEFAULT_GPU_IMAGE = f"ghcr.io/pagefleet/pagefleet:{__version__}-cuda"
+GPU_RESOURCE = "nvidia.com/gpu"
+DEFAULT_SHM_SIZE = "2Gi"
 # The router runs from its own image (deploy/docker/Dockerfile.slim): no torch, a tenth the size.
 DEFAULT_ROUTER_IMAGE = f"ghcr.io/pagefleet/pagefleet-router:{__version__}"
 ROLE_OF_POOL = {"colocated": "both", "prefill": "prefill", "decode": "decode"}
@@ -46,6 +62,16 @@ class HostPathNotAllowed(SpecError):
 
 
 @dataclass(frozen=True)
+class KedaOptions:
+    polling_interval_s: int | None = None
+    cooldown_s: int | None = None  # None: scaleDownStabilizationSeconds
+    activation_threshold: float | None = None
+    fallback: tuple[int, int] | None = None  # (failureThreshold, replicas)
+    authentication: tuple[str, str] | None = None  # (kind, name) of a TriggerAuthentication
+    auth_modes: str | None = None
+
+
+@dataclass(frozen=True)
 class Autoscaling:
     mode: str = AUTOSCALING_DEFAULTS["mode"]
     min_replicas: int = AUTOSCALING_DEFAULTS["minReplicas"]
@@ -54,6 +80,7 @@ class Autoscaling:
     scale_up_stabilization_s: float = AUTOSCALING_DEFAULTS["scaleUpStabilizationSeconds"]
     scale_down_stabilization_s: float = AUTOSCALING_DEFAULTS["scaleDownStabilizationSeconds"]
     max_scale_up_step: int = AUTOSCALING_DEFAULTS["maxScaleUpStep"]
+    keda: KedaOptions = field(default_factory=KedaOptions)
 
 
 @dataclass(frozen=True)
@@ -65,19 +92,52 @@ class Pool:
     tolerations: list[dict[str, Any]] = field(default_factory=list)
     engine_args: dict[str, EngineArg] = field(default_factory=dict)
     autoscaling: Autoscaling = field(default_factory=Autoscaling)
+    image: str | None = None
+    pod: PodOverrides = field(default_factory=PodOverrides)
+    service_account: str | None = None
+    shm_size: str = DEFAULT_SHM_SIZE
+    strategy: dict[str, Any] | None = None  # None: the default for the pool's device
+    max_unavailable: int | str = 1  # its PodDisruptionBudget
 
     @property
     def role(self) -> str:
         return ROLE_OF_POOL[self.name]
 
+    @property
+    def gpus(self) -> int:
+        """GPUs per pod: the nvidia.com/gpu limit (or request)."""
+        for kind in ("limits", "requests"):
+            value = self.resources.get(kind, {}).get(GPU_RESOURCE)
+            if value is not None:
+                return int(str(value))
+        return 0
+
 
 @dataclass(frozen=True)
 class Model:
     name: str
-    source: str = "pvc"
-    claim_name: str | None = None
+    source: str = "pvc"  # pvc | image | hostPath | hf
+    claim_name: str | None = None  # the weights' claim (pvc), or the download cache's (hf)
     path: str | None = None  # inside the PVC, the image, or on the host
     image: str | None = None
+    hf: HfSource | None = None
+    token_secret: SecretKeyRef | None = None  # hf: the token's Secret key
+    endpoint: str | None = None  # hf: HF_ENDPOINT
+
+
+@dataclass(frozen=True)
+class Rdma:
+    enabled: bool = False
+    resources: dict[str, Any] = field(default_factory=dict)
+    ucx_tls: str = RDMA_UCX_TLS
+    networks: str | None = None
+    host_network: bool = False
+
+
+@dataclass(frozen=True)
+class Placement:
+    topology_key: str
+    required: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,6 +146,8 @@ class RouterSpec:
     scorer_weights: dict[str, float] = field(default_factory=lambda: dict(SCORER_DEFAULTS))
     pd_threshold_tokens: int = ROUTER_DEFAULTS["pdThresholdTokens"]
     prefix_index: str = ROUTER_DEFAULTS["prefixIndex"]  # precise: follow the engines' KV events
+    resources: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(ROUTER_RESOURCES))
+    pod: PodOverrides = field(default_factory=PodOverrides)
 
     @property
     def precise(self) -> bool:
@@ -103,13 +165,15 @@ class SecretKeyRef:
 @dataclass(frozen=True)
 class Spec:
     model: Model
-    image: str
+    image: str | None  # the user's engine image for every pool (None: by device)
     mode: str
     pools: tuple[Pool, ...]
     engine_args: dict[str, EngineArg]
     router: RouterSpec
     kv_connector: str
     api_key_secret: SecretKeyRef | None = None  # the key clients must send the router
+    rdma: Rdma = field(default_factory=Rdma)
+    placement: Placement | None = None
 
     def pool(self, name: str) -> Pool:
         return next(p for p in self.pools if p.name == name)
@@ -166,8 +230,68 @@ def json_object(value: EngineArg, where: str) -> dict[str, Any]:
     return parsed
 
 
+def _number(value: Any, where: str, minimum: float = 0) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
+        raise SpecError(f"{where} must be a number >= {minimum:g}, not {value!r}")
+    return float(value)
+
+
+def parse_keda(raw: Any, where: str) -> KedaOptions:
+    k = _mapping(raw, where)
+    known = {
+        "pollingInterval",
+        "cooldownPeriod",
+        "activationThreshold",
+        "fallback",
+        "authenticationRef",
+        "authModes",
+    }
+    _reject_unknown(k, known, where)
+    fallback = None
+    if "fallback" in k:
+        f = _mapping(k["fallback"], f"{where}.fallback")
+        _reject_unknown(f, {"failureThreshold", "replicas"}, f"{where}.fallback")
+        fallback = (
+            _int(f.get("failureThreshold"), f"{where}.fallback.failureThreshold", 1),
+            _int(f.get("replicas"), f"{where}.fallback.replicas", 0),
+        )
+    authentication = None
+    if "authenticationRef" in k:
+        ref = _mapping(k["authenticationRef"], f"{where}.authenticationRef")
+        _reject_unknown(ref, {"name", "kind"}, f"{where}.authenticationRef")
+        name = ref.get("name")
+        if not isinstance(name, str) or not re.match(DNS_SUBDOMAIN_PATTERN, name):
+            raise SpecError(f"{where}.authenticationRef.name must name a TriggerAuthentication")
+        kind = _choice(
+            ref.get("kind", RESOURCE_KINDS[0]), f"{where}.authenticationRef.kind", RESOURCE_KINDS
+        )
+        authentication = (kind, name)
+    modes = k.get("authModes")
+    return KedaOptions(
+        polling_interval_s=_optional_int(k, "pollingInterval", where, 1),
+        cooldown_s=_optional_int(k, "cooldownPeriod", where, 0),
+        activation_threshold=(
+            _number(k["activationThreshold"], f"{where}.activationThreshold")
+            if "activationThreshold" in k
+            else None
+        ),
+        fallback=fallback,
+        authentication=authentication,
+        auth_modes=(
+            _choice(modes, f"{where}.authModes", ("basic", "bearer", "tls", "custom"))
+            if modes is not None
+            else None
+        ),
+    )
+
+
+def _optional_int(raw: dict, key: str, where: str, minimum: int) -> int | None:
+    return _int(raw[key], f"{where}.{key}", minimum) if raw.get(key) is not None else None
+
+
 def parse_autoscaling(raw: Any, where: str) -> Autoscaling:
     a = {**AUTOSCALING_DEFAULTS, **_mapping(raw, where)}
+    keda = parse_keda(a.pop("keda", None), f"{where}.keda")
     _reject_unknown(a, set(AUTOSCALING_DEFAULTS), where)
     target = a["targetWaitingPerReplica"]
     if isinstance(target, bool) or not isinstance(target, int | float) or target <= 0:
@@ -184,39 +308,117 @@ def parse_autoscaling(raw: Any, where: str) -> Autoscaling:
             a["scaleDownStabilizationSeconds"], f"{where}.scaleDownStabilizationSeconds", 0
         ),
         max_scale_up_step=_int(a["maxScaleUpStep"], f"{where}.maxScaleUpStep", 1),
+        keda=keda,
     )
+    if keda != KedaOptions() and parsed.mode != "keda":
+        raise SpecError(f"{where}.keda needs mode keda")
     if parsed.min_replicas > parsed.max_replicas:
         raise SpecError(f"{where}: minReplicas must not exceed maxReplicas")
     return parsed
 
 
+def parse_overrides(raw: dict[str, Any], where: str) -> PodOverrides:
+    try:
+        return parse_pod_overrides(raw, where)
+    except OverrideError as e:
+        raise SpecError(str(e)) from None
+
+
+def parse_resources(raw: Any, where: str) -> dict[str, dict[str, Any]]:
+    resources = _mapping(raw, where)
+    _reject_unknown(resources, {"requests", "limits"}, where)
+    return {k: dict(_mapping(v, f"{where}.{k}")) for k, v in resources.items()}
+
+
+def parse_strategy(raw: Any, where: str) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    strategy = _mapping(raw, where)
+    _reject_unknown(strategy, {"type", "rollingUpdate"}, where)
+    kind = _choice(strategy.get("type", "RollingUpdate"), f"{where}.type", STRATEGY_TYPES)
+    rolling = _mapping(strategy.get("rollingUpdate"), f"{where}.rollingUpdate")
+    _reject_unknown(rolling, {"maxSurge", "maxUnavailable"}, f"{where}.rollingUpdate")
+    if kind == "Recreate" and rolling:
+        raise SpecError(f"{where}.rollingUpdate goes with type RollingUpdate only")
+    for key, value in rolling.items():
+        _int_or_percent(value, f"{where}.rollingUpdate.{key}")
+    return {"type": kind, **({"rollingUpdate": dict(rolling)} if rolling else {})}
+
+
+def _int_or_percent(value: Any, where: str) -> int | str:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and re.fullmatch(r"[0-9]+%", value):
+        return value
+    raise SpecError(f"{where} must be an integer >= 0 or a percentage, not {value!r}")
+
+
 def parse_pool(name: str, raw: Any) -> Pool:
     where = f"spec.pools.{name}"
     p = _mapping(raw, where)
-    known = {"replicas", "resources", "nodeSelector", "tolerations", "engineArgs", "autoscaling"}
+    known = {
+        "replicas",
+        "resources",
+        "nodeSelector",
+        "tolerations",
+        "engineArgs",
+        "autoscaling",
+        "image",
+        "serviceAccountName",
+        "shmSize",
+        "strategy",
+        "disruptionBudget",
+        *POD_FIELDS,
+    }
     _reject_unknown(p, known, where)
-    resources = _mapping(p.get("resources"), f"{where}.resources")
-    _reject_unknown(resources, {"requests", "limits"}, f"{where}.resources")
+    resources = parse_resources(p.get("resources"), f"{where}.resources")
     tolerations = p.get("tolerations") or []
     if not isinstance(tolerations, list) or not all(isinstance(t, dict) for t in tolerations):
         raise SpecError(f"{where}.tolerations must be a list of objects")
     node_selector = _mapping(p.get("nodeSelector"), f"{where}.nodeSelector")
     if not all(isinstance(v, str) for v in node_selector.values()):
         raise SpecError(f"{where}.nodeSelector values must be strings")
-    return Pool(
+    account = p.get("serviceAccountName")
+    if account is not None and not (
+        isinstance(account, str) and re.match(DNS_SUBDOMAIN_PATTERN, account)
+    ):
+        raise SpecError(f"{where}.serviceAccountName must name a ServiceAccount")
+    shm = p.get("shmSize", DEFAULT_SHM_SIZE)
+    if not isinstance(shm, str) or not re.fullmatch(r"[0-9]+(Ki|Mi|Gi|Ti)?", shm):
+        raise SpecError(f"{where}.shmSize must be a quantity such as 8Gi, not {shm!r}")
+    budget = _mapping(p.get("disruptionBudget"), f"{where}.disruptionBudget")
+    _reject_unknown(budget, {"maxUnavailable"}, f"{where}.disruptionBudget")
+    image = p.get("image")
+    if image is not None and (not isinstance(image, str) or not image):
+        raise SpecError(f"{where}.image must be an image reference")
+    pool = Pool(
         name=name,
         replicas=_int(p.get("replicas", 1), f"{where}.replicas", 0),
-        resources={k: dict(_mapping(v, f"{where}.resources.{k}")) for k, v in resources.items()},
+        resources=resources,
         node_selector=dict(node_selector),
         tolerations=[dict(t) for t in tolerations],
         engine_args=parse_engine_args(p.get("engineArgs"), f"{where}.engineArgs"),
         autoscaling=parse_autoscaling(p.get("autoscaling"), f"{where}.autoscaling"),
+        image=image,
+        pod=parse_overrides(p, where),
+        service_account=account,
+        shm_size=shm,
+        strategy=parse_strategy(p.get("strategy"), f"{where}.strategy"),
+        max_unavailable=_int_or_percent(
+            budget.get("maxUnavailable", 1), f"{where}.disruptionBudget.maxUnavailable"
+        ),
     )
+    try:
+        pool.gpus  # noqa: B018 - a quantity the engine cannot count fails here, not in a pod
+    except ValueError:
+        raise SpecError(f"{where}.resources: {GPU_RESOURCE} must be a whole number") from None
+    return pool
 
 
 def parse_model(raw: Any) -> Model:
     m = _mapping(raw, "spec.model")
-    _reject_unknown(m, {"name", "source", "pvc", "image", "path"}, "spec.model")
+    known = {"name", "uri", "hf", "cache", "source", "pvc", "image", "path"}
+    _reject_unknown(m, known, "spec.model")
     name = m.get("name")
     if not isinstance(name, str) or not name:
         raise SpecError("spec.model.name is required")
@@ -224,6 +426,10 @@ def parse_model(raw: Any) -> Model:
         raise SpecError(
             f"spec.model.name {name!r} must be a label value (63 characters of A-Z a-z 0-9 . _ -)"
         )
+    if "uri" in m:
+        return parse_model_uri(name, m)
+    if "hf" in m or "cache" in m:
+        raise SpecError("spec.model.hf and spec.model.cache go with an hf:// uri")
     source = _choice(m.get("source", "pvc"), "spec.model.source", MODEL_SOURCES)
     pvc = _mapping(m.get("pvc"), "spec.model.pvc")
     if source == "pvc" and not pvc:
@@ -238,11 +444,53 @@ def parse_model(raw: Any) -> Model:
     return Model(name, source, pvc.get("claimName"), path, m.get("image"))
 
 
+def parse_model_uri(name: str, m: dict[str, Any]) -> Model:
+    """`uri: hf://org/name[@revision]` or `pvc://claim[/path]`, which replace source."""
+    clash = sorted({"source", "pvc", "image", "path"} & set(m))
+    if clash:
+        raise SpecError(f"spec.model.uri replaces {', '.join(clash)}: give one or the other")
+    uri = m["uri"]
+    if not isinstance(uri, str):
+        raise SpecError("spec.model.uri must be a string")
+    if uri.startswith("pvc://"):
+        if "hf" in m or "cache" in m:
+            raise SpecError("spec.model.hf and spec.model.cache go with an hf:// uri")
+        claim, _, path = uri.removeprefix("pvc://").partition("/")
+        if not re.match(DNS_SUBDOMAIN_PATTERN, claim):
+            raise SpecError(f"spec.model.uri {uri!r}: {claim!r} is not a claim name")
+        return Model(name, "pvc", claim, path.strip("/") or None)
+    if not uri.startswith("hf://"):
+        raise SpecError(f"spec.model.uri {uri!r} must start with hf:// or pvc://")
+    try:
+        source = parse_hf_uri(uri)
+    except ValueError as e:
+        raise SpecError(f"spec.model.uri: {e}") from None
+    hf = _mapping(m.get("hf"), "spec.model.hf")
+    _reject_unknown(hf, {"tokenSecret", "endpoint"}, "spec.model.hf")
+    endpoint = hf.get("endpoint")
+    if endpoint is not None and not (
+        isinstance(endpoint, str) and re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", endpoint)
+    ):
+        raise SpecError(f"spec.model.hf.endpoint must be an http(s) URL, not {endpoint!r}")
+    cache = _mapping(m.get("cache"), "spec.model.cache")
+    _reject_unknown(cache, {"claimName"}, "spec.model.cache")
+    claim = cache.get("claimName")
+    if cache and not (isinstance(claim, str) and re.match(DNS_SUBDOMAIN_PATTERN, claim)):
+        raise SpecError("spec.model.cache.claimName must name a PersistentVolumeClaim")
+    return Model(
+        name,
+        "hf",
+        claim_name=claim,
+        hf=source,
+        token_secret=parse_secret_key_ref(hf.get("tokenSecret"), "spec.model.hf.tokenSecret"),
+        endpoint=endpoint,
+    )
+
+
 def parse_router(raw: Any) -> RouterSpec:
     r = {**ROUTER_DEFAULTS, **_mapping(raw, "spec.router")}
-    _reject_unknown(
-        r, {"replicas", "scorerWeights", "pdThresholdTokens", "prefixIndex"}, "spec.router"
-    )
+    known = {"replicas", "scorerWeights", "pdThresholdTokens", "prefixIndex", "resources"}
+    _reject_unknown(r, known | set(POD_FIELDS), "spec.router")
     weights = {**SCORER_DEFAULTS, **_mapping(r.get("scorerWeights"), "spec.router.scorerWeights")}
     _reject_unknown(weights, set(SCORER_DEFAULTS), "spec.router.scorerWeights")
     for key, value in weights.items():
@@ -253,6 +501,8 @@ def parse_router(raw: Any) -> RouterSpec:
         scorer_weights=weights,
         pd_threshold_tokens=_int(r["pdThresholdTokens"], "spec.router.pdThresholdTokens", 0),
         prefix_index=_choice(r["prefixIndex"], "spec.router.prefixIndex", PREFIX_INDEXES),
+        resources=parse_resources(r.get("resources", ROUTER_RESOURCES), "spec.router.resources"),
+        pod=parse_overrides(r, "spec.router"),
     )
 
 
@@ -286,7 +536,10 @@ def check_host_path(model: Model, allowed: tuple[str, ...]) -> None:
     )
 
 
-def parse_spec(raw: Any, default_image: str | None = None) -> Spec:
+STRATEGY_TYPES = ("RollingUpdate", "Recreate")
+
+
+def parse_spec(raw: Any) -> Spec:
     """Parse and validate `spec` (a dict as stored by the API server, defaults applied or not)."""
     s = _mapping(raw, "spec")
     known = {
@@ -314,10 +567,13 @@ def parse_spec(raw: Any, default_image: str | None = None) -> Spec:
         wanted = "the pool colocated" if mode == "colocated" else "the pools prefill and decode"
         raise SpecError(f"mode {mode} takes exactly {wanted}")
     kv = _mapping(s.get("kvTransfer"), "spec.kvTransfer")
-    _reject_unknown(kv, {"connector"}, "spec.kvTransfer")
-    return Spec(
+    _reject_unknown(kv, {"connector", "rdma", "placement"}, "spec.kvTransfer")
+    image = s.get("image")
+    if image is not None and not isinstance(image, str):
+        raise SpecError("spec.image must be an image reference")
+    spec = Spec(
         model=parse_model(s["model"]),
-        image=s.get("image") or default_image or DEFAULT_IMAGE,
+        image=image or None,
         mode=mode,
         pools=tuple(parse_pool(name, raw_pools[name]) for name in expected),
         engine_args=parse_engine_args(s.get("engineArgs"), "spec.engineArgs"),
@@ -326,4 +582,77 @@ def parse_spec(raw: Any, default_image: str | None = None) -> Spec:
             kv.get("connector", "nixl"), "spec.kvTransfer.connector", KV_CONNECTORS
         ),
         api_key_secret=parse_secret_key_ref(s.get("apiKeySecret"), "spec.apiKeySecret"),
+        rdma=parse_rdma(kv.get("rdma")),
+        placement=parse_placement(kv.get("placement")),
     )
+    for pool in spec.pools:
+        check_gpus(spec, pool)
+    if spec.rdma.enabled and (mode != "disaggregated" or spec.kv_connector != "nixl"):
+        raise SpecError("spec.kvTransfer.rdma needs mode disaggregated and the nixl connector")
+    return spec
+
+
+def parse_rdma(raw: Any) -> Rdma:
+    where = "spec.kvTransfer.rdma"
+    r = _mapping(raw, where)
+    _reject_unknown(r, {"enabled", "resources", "ucxTls", "networks", "hostNetwork"}, where)
+    for key in ("enabled", "hostNetwork"):
+        if not isinstance(r.get(key, False), bool):
+            raise SpecError(f"{where}.{key} must be true or false")
+    tls = r.get("ucxTls", RDMA_UCX_TLS)
+    if not isinstance(tls, str) or not re.fullmatch(r"[a-z_]+(,[a-z_]+)*", tls):
+        raise SpecError(f"{where}.ucxTls must be a comma-separated list of UCX transports")
+    networks = r.get("networks")
+    if networks is not None and not isinstance(networks, str):
+        raise SpecError(f"{where}.networks must be a string (the Multus annotation's value)")
+    return Rdma(
+        enabled=r.get("enabled", False),
+        resources=dict(_mapping(r.get("resources"), f"{where}.resources")),
+        ucx_tls=tls,
+        networks=networks or None,
+        host_network=r.get("hostNetwork", False),
+    )
+
+
+def parse_placement(raw: Any) -> Placement | None:
+    if raw is None:
+        return None
+    where = "spec.kvTransfer.placement"
+    p = _mapping(raw, where)
+    _reject_unknown(p, {"topologyKey", "required"}, where)
+    key = p.get("topologyKey")
+    if not isinstance(key, str) or not key:
+        raise SpecError(f"{where}.topologyKey is required (e.g. topology.kubernetes.io/zone)")
+    if not isinstance(p.get("required", False), bool):
+        raise SpecError(f"{where}.required must be true or false")
+    return Placement(key, p.get("required", False))
+
+
+def engine_parallelism(spec: Spec, pool: Pool) -> int:
+    """GPUs one engine of the pool uses: tensor-parallel x pipeline-parallel size."""
+    args = {**spec.engine_args, **pool.engine_args}
+    where = f"spec.pools.{pool.name}.engineArgs"
+    sizes = [
+        _int(args.get(key, 1), f"{where}.{key}", 1)
+        for key in ("tensor-parallel-size", "pipeline-parallel-size")
+    ]
+    return sizes[0] * sizes[1]
+
+
+def check_gpus(spec: Spec, pool: Pool) -> None:
+    """A pod's GPUs are all its engine uses: a GPU the engine cannot use is a GPU wasted."""
+    gpus, needs = pool.gpus, engine_parallelism(spec, pool)
+    if gpus and gpus != needs:
+        raise SpecError(
+            f"spec.pools.{pool.name}: {gpus} {GPU_RESOURCE} per pod, but one engine uses "
+            f"{needs} (tensor-parallel-size x pipeline-parallel-size): make them equal"
+        )
+
+
+def check_name(name: str) -> None:
+    """The CRD's admission rule (crd.name_rule), for objects that skipped an API server."""
+    if len(name) > OBJECT_NAME_MAX or not re.match(OBJECT_NAME_PATTERN, name):
+        raise SpecError(
+            f"metadata.name {name!r} must be a DNS-1035 label of at most {OBJECT_NAME_MAX} "
+            "characters: it prefixes the Services and Deployments the operator creates"
+        )

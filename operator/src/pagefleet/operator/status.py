@@ -20,6 +20,7 @@ class PoolObserved:
     # The builtin autoscaler's window (None for other pools): a restarted operator goes on
     # from it, so its scale-down window survives the restart.
     window: tuple[Recommendation, ...] | None = None
+    spec_replicas: int | None = None  # spec.pools.<name>.replicas as applied in this pass
 
 
 @dataclass(frozen=True)
@@ -28,31 +29,48 @@ class Observed:
     router_replicas: int
     router_ready: int
     error: tuple[str, str] | None = None  # (reason, message) when the spec or the API failed
+    images: dict[str, str] | None = None  # the engine images pinned to this ModelDeployment
 
 
 def condition(
-    kind: str, ok: bool, reason: str, message: str, previous: list[dict], now: str
+    kind: str,
+    ok: bool,
+    reason: str,
+    message: str,
+    previous: list[dict],
+    now: str,
+    generation: int | None = None,
 ) -> dict[str, Any]:
     """A condition whose lastTransitionTime only moves when its status changes."""
     status = "True" if ok else "False"
     before = next((c for c in previous if c.get("type") == kind), None)
     since = before.get("lastTransitionTime") if before and before.get("status") == status else now
-    return {
+    result: dict[str, Any] = {
         "type": kind,
         "status": status,
         "reason": reason,
         "message": message,
         "lastTransitionTime": since or now,
     }
+    if generation is not None:
+        result["observedGeneration"] = generation
+    return result
 
 
-def _pool_status(pool: PoolObserved) -> dict[str, Any]:
+def _pool_status(pool: PoolObserved, before: dict[str, Any], now: str) -> dict[str, Any]:
     status: dict[str, Any] = {
         "replicas": pool.replicas,
         "readyReplicas": pool.ready,
         "desiredReplicas": pool.desired,
         "reason": pool.reason,
     }
+    # When the pool's desired replicas last changed (the operator's scaling decisions).
+    moved = "desiredReplicas" in before and before["desiredReplicas"] != pool.desired
+    last = now if moved or "desiredReplicas" not in before else before.get("lastScaleTime")
+    if last:
+        status["lastScaleTime"] = last
+    if pool.spec_replicas is not None:
+        status["specReplicas"] = pool.spec_replicas
     if pool.window is not None:
         status["recommendations"] = window_to_status(pool.window)
     return status
@@ -67,9 +85,10 @@ def build_status(
     name: str, generation: int | None, observed: Observed, previous: dict[str, Any], now: str
 ) -> dict[str, Any]:
     conditions_before = previous.get("conditions") or []
-    pools = {p.name: _pool_status(p) for p in observed.pools} or previous.get(
-        "pools", {}
-    )  # a spec error observes nothing: keep the last figures
+    pools_before = previous.get("pools") or {}
+    pools = {
+        p.name: _pool_status(p, pools_before.get(p.name) or {}, now) for p in observed.pools
+    } or pools_before  # a spec error observes nothing: keep the last figures
     converging = [
         p.name for p in observed.pools if not (p.replicas == p.desired and p.ready >= p.desired)
     ]
@@ -86,7 +105,7 @@ def build_status(
         ready_ok, ready_reason, ready_msg = True, "Serving", "every pool and the router serve"
     progressing = bool(converging) or not router_ok
     conditions = [
-        condition("Ready", ready_ok, ready_reason, ready_msg, conditions_before, now),
+        condition("Ready", ready_ok, ready_reason, ready_msg, conditions_before, now, generation),
         condition(
             "Progressing",
             progressing,
@@ -94,6 +113,7 @@ def build_status(
             f"converging: {', '.join(converging) or 'router'}" if progressing else "converged",
             conditions_before,
             now,
+            generation,
         ),
         condition(
             "Degraded",
@@ -102,6 +122,7 @@ def build_status(
             observed.error[1] if observed.error else "spec applied",
             conditions_before,
             now,
+            generation,
         ),
     ]
     status: dict[str, Any] = {
@@ -112,6 +133,8 @@ def build_status(
     }
     if generation is not None:
         status["observedGeneration"] = generation
+    if observed.images is not None:
+        status["images"] = observed.images
     serving = _serving_pool(observed.pools)
     if serving is not None:
         status["replicas"] = serving.replicas

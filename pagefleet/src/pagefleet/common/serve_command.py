@@ -67,6 +67,7 @@ class ServeCommand:
     host: str
     port: int
     served_model_name: str
+    device: str | None = None  # None: the engine's own choice (auto)
     fleet_secret_file: str | None = None
     # The JSON-valued flags (JSON_ENGINE_ARGS), user keys already merged.
     json_args: Mapping[str, JsonConfig] = field(default_factory=dict)
@@ -79,6 +80,8 @@ class ServeCommand:
 def serve_argv(command: ServeCommand) -> list[str]:
     argv = [command.program, "serve", command.model, "--host", command.host]
     argv += ["--port", str(command.port), "--served-model-name", command.served_model_name]
+    if command.device:
+        argv += ["--device", command.device]
     if command.fleet_secret_file:
         argv += ["--fleet-secret-file", command.fleet_secret_file]
     for key, config in command.json_args.items():
