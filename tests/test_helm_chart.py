@@ -1256,3 +1256,153 @@ def test_dockerfiles_match_what_the_chart_and_operator_run(rendered, flavour):
     for folder in ("proto", "pagefleet", "engine"):
         assert f"COPY {folder} ./{folder}" in text and f"!{folder}/" in ignore, folder
     assert "router" not in ignore and "operator" not in ignore
+
+
+# ---------------------------------------------------------------------------------------------
+# the CRD upgrade path: a pre-upgrade hook Job runs `pagefleet operator crd --apply`
+
+HOOK = "crd-upgrade"
+# The hook's objects are checked like the rest; a Job only ever renders here.
+UPGRADE_VALIDATORS = {**VALIDATORS, ("batch/v1", "Job"): validate_builtin}
+
+
+def hook_objects(docs: list[dict]) -> list[dict]:
+    return [
+        d
+        for d in docs
+        if (d["metadata"].get("annotations") or {}).get("helm.sh/hook")
+        or d["metadata"]["labels"].get("app.kubernetes.io/component") == HOOK
+        or d["metadata"]["name"].endswith(f"-{HOOK}")
+    ]
+
+
+def crd_apply_http_verbs() -> set[str]:
+    """RBAC verbs of the requests operator/crd_apply.py makes (read from its source, so a new
+    request fails the RBAC test until the chart grants it)."""
+    source = (ROOT / "operator" / "src" / "pagefleet" / "operator" / "crd_apply.py").read_text()
+    methods = set(re.findall(r'request\(\s*"([A-Z]+)"', source))
+    assert methods, "no requests found: has the CRD apply moved?"
+    return {HTTP_VERBS[m] for m in methods}
+
+
+def test_the_crd_upgrade_hook_renders_only_for_upgrades(helm):
+    """Catches the hook running on install (crds/ already does that; a Job racing it would
+    apply to a CRD Helm is about to create) or not at all on upgrade (Helm never upgrades
+    crds/: the old schema would prune the new fields)."""
+    assert not hook_objects(template(helm))
+    for name, path in VALUES_FILES.items():
+        assert not hook_objects(template(helm, "-f", str(path))), name
+    assert not hook_objects(
+        template(helm, "--is-upgrade", "--set", "crds.upgradeJob.enabled=false")
+    )
+
+    docs = hook_objects(template(helm, "--is-upgrade"))
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Job",
+        "NetworkPolicy",
+        "ServiceAccount",
+    ]
+    weights = {}
+    for doc in docs:
+        annotations = doc["metadata"]["annotations"]
+        assert annotations["helm.sh/hook"] == "pre-upgrade", doc["kind"]
+        assert annotations["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+        weights[doc["kind"]] = int(annotations["helm.sh/hook-weight"])
+    # Helm creates hooks by ascending weight: the Job's account, RBAC and policy exist first.
+    assert max(w for k, w in weights.items() if k != "Job") < weights["Job"]
+    off = hook_objects(template(helm, "--is-upgrade", "--set", "networkPolicy.enabled=false"))
+    assert "NetworkPolicy" not in {d["kind"] for d in off}
+
+
+def test_every_object_of_an_upgrade_is_valid(helm):
+    for args in [[], *(["-f", str(p)] for p in VALUES_FILES.values())]:
+        docs = template(helm, "--is-upgrade", *args)
+        assert len(hook_objects(docs)) >= 4
+        for obj in docs:
+            UPGRADE_VALIDATORS[(obj["apiVersion"], obj["kind"])](obj)
+
+
+def test_the_crd_upgrade_job_runs_a_command_pagefleet_accepts(helm):
+    from pagefleet.common.cli import build_parser
+    from pagefleet.operator.main import print_crd
+
+    docs = template(
+        helm,
+        "--is-upgrade",
+        "--set",
+        "crds.upgradeJob.establishedTimeoutSeconds=90",
+        "--set",
+        "operatorImage.tag=9.9.9",
+    )
+    job = one(docs, "Job", HOOK)
+    assert job["spec"]["backoffLimit"] == 2
+    assert job["spec"]["activeDeadlineSeconds"] == 300
+    assert job["spec"]["ttlSecondsAfterFinished"] == 3600
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    (container,) = pod["containers"]
+    # The new operator image: the CRD it renders is the one its operator expects.
+    assert container["image"] == "ghcr.io/pagefleet/pagefleet-operator:9.9.9"
+    assert container["command"] == ["pagefleet"]
+    args = build_parser().parse_args(container["args"])
+    assert args.func is print_crd and args.apply is True
+    assert args.timeout == 90.0
+    assert args.kubernetes_api is None, "in-cluster login, not a URL"
+    assert container["resources"] == {
+        "requests": {"cpu": "50m", "memory": "128Mi"},
+        "limits": {"memory": "256Mi"},
+    }
+    # Like every pod the chart runs: non-root, read-only, no privileges, a writable /tmp.
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    ctx = container["securityContext"]
+    assert ctx["readOnlyRootFilesystem"] is True and ctx["allowPrivilegeEscalation"] is False
+    assert ctx["capabilities"]["drop"] == ["ALL"]
+    assert any(m["mountPath"] == "/tmp" for m in container["volumeMounts"])
+    # Its NetworkPolicy selects exactly its pod and lets it out to the API server and DNS only.
+    policy = next(d for d in hook_objects(docs) if d["kind"] == "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= (
+        job["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert policy["spec"]["ingress"] == []
+    assert policy_flows(policy, "egress") == DNS | {("TCP", p, None, ANY) for p in (443, 6443)}
+
+
+def test_the_crd_upgrade_rbac_is_exactly_what_the_apply_needs(helm):
+    """get (stored versions, Established) and patch (the apply) as the code sends them, plus
+    create (server-side apply of a missing CRD is authorized as a create of that name), on the
+    CRDs crds/ holds and no others, for the Job's own account only."""
+    from pagefleet.operator.crd_apply import shipped_crds
+
+    docs = hook_objects(template(helm, "--is-upgrade"))
+    role = one(docs, "ClusterRole")
+    verbs = crd_apply_http_verbs()
+    assert verbs == {"get", "patch"}
+    (rule,) = role["rules"]
+    assert _rules(role) == {
+        ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in verbs | {"create"}
+    }
+    shipped = [crd["metadata"]["name"] for crd in shipped_crds()]
+    assert (
+        rule["resourceNames"]
+        == shipped
+        == [yaml.safe_load(CRD_FILE.read_text())["metadata"]["name"]]
+    )
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
+    account = one(docs, "ServiceAccount")
+    job = one(docs, "Job")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
+    ]
+    assert job["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]
+    # Cluster-scoped names carry the namespace: the same release name in two namespaces
+    # must not share (and delete) one ClusterRole.
+    assert role["metadata"]["name"].endswith(f"-{NAMESPACE}")
