@@ -1406,3 +1406,153 @@ def test_the_crd_upgrade_rbac_is_exactly_what_the_apply_needs(helm):
     # Cluster-scoped names carry the namespace: the same release name in two namespaces
     # must not share (and delete) one ClusterRole.
     assert role["metadata"]["name"].endswith(f"-{NAMESPACE}")
+
+
+# `helm upgrade --dry-run=server` with the real helm against kmock's emulator. What helm needs
+# that the emulator lacks, and how the test supplies it:
+# - a server version within the chart's kubeVersion (kmock answers 1.26): a /version reaction;
+# - core discovery whose groupVersion is "v1" (kmock answers "/v1", which helm's REST mapper
+#   cannot match: "no matches for kind ServiceAccount in version v1"): an /api/v1 reaction;
+# - release Secrets: helm writes them as protobuf, which kmock cannot decode, so the previous
+#   release is given to helm's memory driver (HELM_DRIVER=memory, HELM_MEMORY_DRIVER_DATA);
+# - /openapi/v2 and v3 for schema validation: absent, so --disable-openapi-validation (the
+#   objects are validated with kubernetes-validate above).
+UPGRADE_RESOURCES = {
+    "pagefleet.io/v1alpha1/modeldeployments": ("ModelDeployment", True, {"status", "scale"}),
+    "apiextensions.k8s.io/v1/customresourcedefinitions": ("CustomResourceDefinition", False, ()),
+    **{
+        f"v1/{plural}": (kind, True, ())
+        for kind, plural in [
+            ("ServiceAccount", "serviceaccounts"),
+            ("ConfigMap", "configmaps"),
+            ("Secret", "secrets"),
+            ("Service", "services"),
+            ("PersistentVolumeClaim", "persistentvolumeclaims"),
+        ]
+    },
+    "apps/v1/deployments": ("Deployment", True, ()),
+    "batch/v1/jobs": ("Job", True, ()),
+    "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, ()),
+    "rbac.authorization.k8s.io/v1/roles": ("Role", True, ()),
+    "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, ()),
+    "rbac.authorization.k8s.io/v1/clusterroles": ("ClusterRole", False, ()),
+    "rbac.authorization.k8s.io/v1/clusterrolebindings": ("ClusterRoleBinding", False, ()),
+}
+
+
+def answer_as_helm_needs(emulator) -> None:
+    emulator["get /version"] << {"major": "1", "minor": "35", "gitVersion": "v1.35.0"}
+    core = [
+        {"name": key.split("/")[-1], "singularName": "", "kind": kind, "namespaced": namespaced}
+        | {"verbs": ["create", "delete", "get", "list", "patch", "update", "watch"]}
+        for key, (kind, namespaced, _) in UPGRADE_RESOURCES.items()
+        if key.startswith("v1/")
+    ]
+    emulator["get /api/v1"] << {
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": "v1",
+        "resources": core,
+    }
+
+
+def helm_on_cluster(helm: str, url: str, tmp_path: Path, releases: list[dict], *args: str):
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "emu", "cluster": {"server": url}}],
+                "users": [{"name": "test", "user": {"token": "unused"}}],
+                "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "test"}}],
+                "current-context": "emu",
+            }
+        )
+    )
+    history = tmp_path / "releases.yaml"
+    history.write_text(yaml.safe_dump(releases))
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "KUBECONFIG": str(kubeconfig),
+        "HELM_DRIVER": "memory",
+        "HELM_MEMORY_DRIVER_DATA": str(history),
+    }
+    command = [helm, *args, RELEASE, str(CHART), "--namespace", NAMESPACE]
+    command += ["--dry-run=server", "--disable-openapi-validation", "-o", "json"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_helm_upgrade_dry_run_on_a_cluster_runs_the_crd_upgrade_hook(helm, tmp_path):
+    """The real `helm upgrade --dry-run=server` against an API server: an upgrade carries the
+    pre-upgrade hook (an install does not), and the command of its Job, run against that API
+    server holding the previous release's CRD, upgrades the CRD to the one this chart ships."""
+    from kube_emulator import kubernetes_emulator
+    from pagefleet.operator.crd_apply import CRD_PATH, shipped_crds
+    from pagefleet.operator.handlers import KubeClient
+
+    (new,) = shipped_crds()
+    name = new["metadata"]["name"]
+    old = json.loads(json.dumps(new))
+    spec = old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    added = spec["properties"].popitem()[0]
+    old["status"] = {
+        "storedVersions": [new["spec"]["versions"][0]["name"]],
+        "conditions": [{"type": "Established", "status": "True"}],
+    }
+    deployed = {
+        "name": RELEASE,
+        "namespace": NAMESPACE,
+        "version": 1,
+        "info": {"status": "deployed", "first_deployed": "2026-01-01T00:00:00Z"},
+        "chart": {"metadata": {"apiVersion": "v2", "name": "pagefleet", "version": "0.0.9"}},
+        "config": {},
+        "manifest": "",
+    }
+    with kubernetes_emulator(UPGRADE_RESOURCES, answer_as_helm_needs) as url:
+        client = KubeClient(url)
+        client.request("POST", CRD_PATH, old)
+
+        install = helm_on_cluster(helm, url, tmp_path, [], "upgrade", "--install")
+        assert install["version"] == 1 and not install.get("hooks")
+
+        upgrade = helm_on_cluster(helm, url, tmp_path, [deployed], "upgrade")
+        assert upgrade["version"] == 2 and upgrade["info"]["description"] == "Dry run complete"
+        hooks = {h["kind"]: h for h in upgrade["hooks"]}
+        assert set(hooks) == {
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "NetworkPolicy",
+            "Job",
+        }
+        for hook in hooks.values():
+            assert hook["events"] == ["pre-upgrade"], hook["kind"]
+            assert hook["delete_policies"] == ["before-hook-creation", "hook-succeeded"]
+        # Helm leaves out a weight of 0.
+        weights = {kind: hook.get("weight", 0) for kind, hook in hooks.items()}
+        assert max(w for k, w in weights.items() if k != "Job") < weights["Job"]
+        stored = client.request("GET", f"{CRD_PATH}/{name}")
+        assert (
+            added
+            not in stored["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+                "properties"
+            ]
+        ), "a dry run changes nothing"
+
+        # What the Job's pod does, with the test's API server instead of the in-cluster one.
+        job = yaml.safe_load(hooks["Job"]["manifest"])
+        (container,) = job["spec"]["template"]["spec"]["containers"]
+        pagefleet = Path(sys.executable).parent / container["command"][0]
+        ran = subprocess.run(
+            [str(pagefleet), *container["args"], "--kubernetes-api", url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert ran.returncode == 0, ran.stderr
+        assert f"customresourcedefinition/{name} configured" in ran.stdout
+        assert client.request("GET", f"{CRD_PATH}/{name}")["spec"] == new["spec"]
