@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
 
 
 @contextmanager
-def kubernetes_emulator(resources: dict[str, tuple[str, bool, tuple | set]]) -> Iterator[str]:
+def kubernetes_emulator(
+    resources: dict[str, tuple[str, bool, tuple | set]],
+    configure: Callable[..., None] | None = None,
+) -> Iterator[str]:
     """Serve `resources` ({"group/version/plural": (kind, namespaced, subresources)}); yields
-    the emulator's base URL."""
+    the emulator's base URL. `configure(emulator)` may add kmock reactions (they take
+    precedence over the emulator's own answers)."""
     import kmock
 
     state: dict = {}
@@ -27,6 +31,8 @@ def kubernetes_emulator(resources: dict[str, tuple[str, bool, tuple | set]]) -> 
                     emu.resources[key] = kmock.ResourceInfo(
                         namespaced=namespaced, kind=kind, verbs=VERBS, subresources=subresources
                     )
+                if configure:
+                    configure(emu)
                 state["url"] = str(server.url).rstrip("/")
                 ready.set()
                 while not state.get("stop"):

@@ -1272,3 +1272,303 @@ def test_dockerfiles_match_what_the_chart_and_operator_run(rendered, flavour):
     for folder in ("proto", "pagefleet", "engine"):
         assert f"COPY {folder} ./{folder}" in text and f"!{folder}/" in ignore, folder
     assert "router" not in ignore and "operator" not in ignore
+
+
+# ---------------------------------------------------------------------------------------------
+# the CRD upgrade path: a pre-upgrade hook Job runs `pagefleet operator crd --apply`
+
+HOOK = "crd-upgrade"
+# The hook's objects are checked like the rest; a Job only ever renders here.
+UPGRADE_VALIDATORS = {**VALIDATORS, ("batch/v1", "Job"): validate_builtin}
+
+
+def hook_objects(docs: list[dict]) -> list[dict]:
+    return [
+        d
+        for d in docs
+        if (d["metadata"].get("annotations") or {}).get("helm.sh/hook")
+        or d["metadata"]["labels"].get("app.kubernetes.io/component") == HOOK
+        or d["metadata"]["name"].endswith(f"-{HOOK}")
+    ]
+
+
+def crd_apply_http_verbs() -> set[str]:
+    """RBAC verbs of the requests operator/crd_apply.py makes (read from its source, so a new
+    request fails the RBAC test until the chart grants it)."""
+    source = (ROOT / "operator" / "src" / "pagefleet" / "operator" / "crd_apply.py").read_text()
+    methods = set(re.findall(r'request\(\s*"([A-Z]+)"', source))
+    assert methods, "no requests found: has the CRD apply moved?"
+    return {HTTP_VERBS[m] for m in methods}
+
+
+def test_the_crd_upgrade_hook_renders_only_for_upgrades(helm):
+    """Catches the hook running on install (crds/ already does that; a Job racing it would
+    apply to a CRD Helm is about to create) or not at all on upgrade (Helm never upgrades
+    crds/: the old schema would prune the new fields)."""
+    assert not hook_objects(template(helm))
+    for name, path in VALUES_FILES.items():
+        assert not hook_objects(template(helm, "-f", str(path))), name
+    assert not hook_objects(
+        template(helm, "--is-upgrade", "--set", "crds.upgradeJob.enabled=false")
+    )
+
+    docs = hook_objects(template(helm, "--is-upgrade"))
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Job",
+        "NetworkPolicy",
+        "ServiceAccount",
+    ]
+    weights = {}
+    for doc in docs:
+        annotations = doc["metadata"]["annotations"]
+        assert annotations["helm.sh/hook"] == "pre-upgrade", doc["kind"]
+        assert annotations["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+        weights[doc["kind"]] = int(annotations["helm.sh/hook-weight"])
+    # Helm creates hooks by ascending weight: the Job's account, RBAC and policy exist first.
+    assert max(w for k, w in weights.items() if k != "Job") < weights["Job"]
+    off = hook_objects(template(helm, "--is-upgrade", "--set", "networkPolicy.enabled=false"))
+    assert "NetworkPolicy" not in {d["kind"] for d in off}
+
+
+def test_every_object_of_an_upgrade_is_valid(helm):
+    for args in [[], *(["-f", str(p)] for p in VALUES_FILES.values())]:
+        docs = template(helm, "--is-upgrade", *args)
+        assert len(hook_objects(docs)) >= 4
+        for obj in docs:
+            UPGRADE_VALIDATORS[(obj["apiVersion"], obj["kind"])](obj)
+
+
+def test_the_crd_upgrade_job_runs_a_command_pagefleet_accepts(helm):
+    from pagefleet.common.cli import build_parser
+    from pagefleet.operator.main import print_crd
+
+    docs = template(
+        helm,
+        "--is-upgrade",
+        "--set",
+        "crds.upgradeJob.establishedTimeoutSeconds=90",
+        "--set",
+        "operatorImage.tag=9.9.9",
+    )
+    job = one(docs, "Job", HOOK)
+    assert job["spec"]["backoffLimit"] == 2
+    assert job["spec"]["activeDeadlineSeconds"] == 300
+    assert job["spec"]["ttlSecondsAfterFinished"] == 3600
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    (container,) = pod["containers"]
+    # The new operator image: the CRD it renders is the one its operator expects.
+    assert container["image"] == "ghcr.io/pagefleet/pagefleet-operator:9.9.9"
+    assert container["command"] == ["pagefleet"]
+    args = build_parser().parse_args(container["args"])
+    assert args.func is print_crd and args.apply is True
+    assert args.timeout == 90.0
+    assert args.kubernetes_api is None, "in-cluster login, not a URL"
+    assert container["resources"] == {
+        "requests": {"cpu": "50m", "memory": "128Mi"},
+        "limits": {"memory": "256Mi"},
+    }
+    # Like every pod the chart runs: non-root, read-only, no privileges, a writable /tmp.
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    ctx = container["securityContext"]
+    assert ctx["readOnlyRootFilesystem"] is True and ctx["allowPrivilegeEscalation"] is False
+    assert ctx["capabilities"]["drop"] == ["ALL"]
+    assert any(m["mountPath"] == "/tmp" for m in container["volumeMounts"])
+    # Its NetworkPolicy selects exactly its pod and lets it out to the API server and DNS only.
+    policy = next(d for d in hook_objects(docs) if d["kind"] == "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= (
+        job["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert policy["spec"]["ingress"] == []
+    assert policy_flows(policy, "egress") == DNS | {("TCP", p, None, ANY) for p in (443, 6443)}
+
+
+def test_the_crd_upgrade_rbac_is_exactly_what_the_apply_needs(helm):
+    """get (stored versions, Established) and patch (the apply) as the code sends them, plus
+    create (server-side apply of a missing CRD is authorized as a create of that name), on the
+    CRDs crds/ holds and no others, for the Job's own account only."""
+    from pagefleet.operator.crd_apply import shipped_crds
+
+    docs = hook_objects(template(helm, "--is-upgrade"))
+    role = one(docs, "ClusterRole")
+    verbs = crd_apply_http_verbs()
+    assert verbs == {"get", "patch"}
+    (rule,) = role["rules"]
+    assert _rules(role) == {
+        ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in verbs | {"create"}
+    }
+    shipped = [crd["metadata"]["name"] for crd in shipped_crds()]
+    assert (
+        rule["resourceNames"]
+        == shipped
+        == [yaml.safe_load(CRD_FILE.read_text())["metadata"]["name"]]
+    )
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
+    account = one(docs, "ServiceAccount")
+    job = one(docs, "Job")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
+    ]
+    assert job["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]
+    # Cluster-scoped names carry the namespace: the same release name in two namespaces
+    # must not share (and delete) one ClusterRole.
+    assert role["metadata"]["name"].endswith(f"-{NAMESPACE}")
+
+
+# `helm upgrade --dry-run=server` with the real helm against kmock's emulator. What helm needs
+# that the emulator lacks, and how the test supplies it:
+# - a server version within the chart's kubeVersion (kmock answers 1.26): a /version reaction;
+# - core discovery whose groupVersion is "v1" (kmock answers "/v1", which helm's REST mapper
+#   cannot match: "no matches for kind ServiceAccount in version v1"): an /api/v1 reaction;
+# - release Secrets: helm writes them as protobuf, which kmock cannot decode, so the previous
+#   release is given to helm's memory driver (HELM_DRIVER=memory, HELM_MEMORY_DRIVER_DATA);
+# - /openapi/v2 and v3 for schema validation: absent, so --disable-openapi-validation (the
+#   objects are validated with kubernetes-validate above).
+UPGRADE_RESOURCES = {
+    "pagefleet.io/v1alpha1/modeldeployments": ("ModelDeployment", True, {"status", "scale"}),
+    "apiextensions.k8s.io/v1/customresourcedefinitions": ("CustomResourceDefinition", False, ()),
+    **{
+        f"v1/{plural}": (kind, True, ())
+        for kind, plural in [
+            ("ServiceAccount", "serviceaccounts"),
+            ("ConfigMap", "configmaps"),
+            ("Secret", "secrets"),
+            ("Service", "services"),
+            ("PersistentVolumeClaim", "persistentvolumeclaims"),
+        ]
+    },
+    "apps/v1/deployments": ("Deployment", True, ()),
+    "batch/v1/jobs": ("Job", True, ()),
+    "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, ()),
+    "rbac.authorization.k8s.io/v1/roles": ("Role", True, ()),
+    "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, ()),
+    "rbac.authorization.k8s.io/v1/clusterroles": ("ClusterRole", False, ()),
+    "rbac.authorization.k8s.io/v1/clusterrolebindings": ("ClusterRoleBinding", False, ()),
+}
+
+
+def answer_as_helm_needs(emulator) -> None:
+    emulator["get /version"] << {"major": "1", "minor": "35", "gitVersion": "v1.35.0"}
+    core = [
+        {"name": key.split("/")[-1], "singularName": "", "kind": kind, "namespaced": namespaced}
+        | {"verbs": ["create", "delete", "get", "list", "patch", "update", "watch"]}
+        for key, (kind, namespaced, _) in UPGRADE_RESOURCES.items()
+        if key.startswith("v1/")
+    ]
+    emulator["get /api/v1"] << {
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": "v1",
+        "resources": core,
+    }
+
+
+def helm_on_cluster(helm: str, url: str, tmp_path: Path, releases: list[dict], *args: str):
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "emu", "cluster": {"server": url}}],
+                "users": [{"name": "test", "user": {"token": "unused"}}],
+                "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "test"}}],
+                "current-context": "emu",
+            }
+        )
+    )
+    history = tmp_path / "releases.yaml"
+    history.write_text(yaml.safe_dump(releases))
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "KUBECONFIG": str(kubeconfig),
+        "HELM_DRIVER": "memory",
+        "HELM_MEMORY_DRIVER_DATA": str(history),
+    }
+    command = [helm, *args, RELEASE, str(CHART), "--namespace", NAMESPACE]
+    command += ["--dry-run=server", "--disable-openapi-validation", "-o", "json"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_helm_upgrade_dry_run_on_a_cluster_runs_the_crd_upgrade_hook(helm, tmp_path):
+    """The real `helm upgrade --dry-run=server` against an API server: an upgrade carries the
+    pre-upgrade hook (an install does not), and the command of its Job, run against that API
+    server holding the previous release's CRD, upgrades the CRD to the one this chart ships."""
+    from kube_emulator import kubernetes_emulator
+    from pagefleet.operator.crd_apply import CRD_PATH, shipped_crds
+    from pagefleet.operator.handlers import KubeClient
+
+    (new,) = shipped_crds()
+    name = new["metadata"]["name"]
+    old = json.loads(json.dumps(new))
+    spec = old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    added = spec["properties"].popitem()[0]
+    old["status"] = {
+        "storedVersions": [new["spec"]["versions"][0]["name"]],
+        "conditions": [{"type": "Established", "status": "True"}],
+    }
+    deployed = {
+        "name": RELEASE,
+        "namespace": NAMESPACE,
+        "version": 1,
+        "info": {"status": "deployed", "first_deployed": "2026-01-01T00:00:00Z"},
+        "chart": {"metadata": {"apiVersion": "v2", "name": "pagefleet", "version": "0.0.9"}},
+        "config": {},
+        "manifest": "",
+    }
+    with kubernetes_emulator(UPGRADE_RESOURCES, answer_as_helm_needs) as url:
+        client = KubeClient(url)
+        client.request("POST", CRD_PATH, old)
+
+        install = helm_on_cluster(helm, url, tmp_path, [], "upgrade", "--install")
+        assert install["version"] == 1 and not install.get("hooks")
+
+        upgrade = helm_on_cluster(helm, url, tmp_path, [deployed], "upgrade")
+        assert upgrade["version"] == 2 and upgrade["info"]["description"] == "Dry run complete"
+        hooks = {h["kind"]: h for h in upgrade["hooks"]}
+        assert set(hooks) == {
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "NetworkPolicy",
+            "Job",
+        }
+        for hook in hooks.values():
+            assert hook["events"] == ["pre-upgrade"], hook["kind"]
+            assert hook["delete_policies"] == ["before-hook-creation", "hook-succeeded"]
+        # Helm leaves out a weight of 0.
+        weights = {kind: hook.get("weight", 0) for kind, hook in hooks.items()}
+        assert max(w for k, w in weights.items() if k != "Job") < weights["Job"]
+        stored = client.request("GET", f"{CRD_PATH}/{name}")
+        assert (
+            added
+            not in stored["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+                "properties"
+            ]
+        ), "a dry run changes nothing"
+
+        # What the Job's pod does, with the test's API server instead of the in-cluster one.
+        job = yaml.safe_load(hooks["Job"]["manifest"])
+        (container,) = job["spec"]["template"]["spec"]["containers"]
+        pagefleet = Path(sys.executable).parent / container["command"][0]
+        ran = subprocess.run(
+            [str(pagefleet), *container["args"], "--kubernetes-api", url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert ran.returncode == 0, ran.stderr
+        assert f"customresourcedefinition/{name} configured" in ran.stdout
+        assert client.request("GET", f"{CRD_PATH}/{name}")["spec"] == new["spec"]

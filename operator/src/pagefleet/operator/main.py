@@ -94,6 +94,17 @@ def add_operator_parser(sub) -> None:
     p.add_argument("--verbose", action="store_true", help="kopf debug logging")
     commands = p.add_subparsers(dest="operator_command", metavar="SUBCOMMAND")
     crd = commands.add_parser("crd", help="print the ModelDeployment CRD (YAML) and exit")
+    crd.add_argument(
+        "--apply",
+        action="store_true",
+        help="server-side apply it to the cluster instead (field manager pagefleet-crd), then "
+        "wait until it is established; refused if it stops serving a version still stored",
+    )
+    # SUPPRESS: given before `crd`, the operator's own --kubernetes-api stays in effect.
+    crd.add_argument("--kubernetes-api", default=argparse.SUPPRESS, help="as for the operator")
+    crd.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds to wait for established (60)"
+    )
     crd.set_defaults(func=print_crd)
     p.set_defaults(func=run_operator)
 
@@ -101,6 +112,10 @@ def add_operator_parser(sub) -> None:
 def print_crd(args: argparse.Namespace) -> int:
     from pagefleet.operator.crd import render_crd
 
+    if args.apply:
+        from pagefleet.operator.crd_apply import apply_command
+
+        return apply_command(args.kubernetes_api, args.timeout)
     sys.stdout.write(render_crd())
     return 0
 
