@@ -792,6 +792,7 @@ def test_operator_rbac_is_least_privilege_and_covers_what_it_creates(rendered):
             for v in owned_verbs
         ),
         *(("networking.k8s.io", "networkpolicies", v) for v in owned_verbs),
+        *(("policy", "poddisruptionbudgets", v) for v in owned_verbs),
         *(("", "secrets", v) for v in secret_verbs),
         *(("", "pods", v) for v in ("get", "list", "watch")),
         ("", "events", "create"),

@@ -43,6 +43,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{- define "pagefleet.gpuImage" -}}
+{{- printf "%s:%s" .Values.image.repository (default (printf "%s-cuda" .Chart.AppVersion) .Values.image.cudaTag) -}}
+{{- end -}}
+
 {{- define "pagefleet.routerImage" -}}
 {{- printf "%s:%s" .Values.routerImage.repository (default .Chart.AppVersion .Values.routerImage.tag) -}}
 {{- end -}}
