@@ -277,6 +277,15 @@ SCALED_OBJECT_SCHEMA = {
                 "maxReplicaCount": {"type": "integer", "minimum": 1},
                 "cooldownPeriod": {"type": "integer", "minimum": 0},
                 "pollingInterval": {"type": "integer", "minimum": 1},
+                "fallback": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["failureThreshold", "replicas"],
+                    "properties": {
+                        "failureThreshold": {"type": "integer", "minimum": 1},
+                        "replicas": {"type": "integer", "minimum": 0},
+                    },
+                },
                 "advanced": {
                     "type": "object",
                     "additionalProperties": False,
@@ -298,6 +307,20 @@ SCALED_OBJECT_SCHEMA = {
                         "properties": {
                             "type": {"type": "string"},
                             "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                            "authenticationRef": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "required": ["name"],
+                                "properties": {
+                                    "name": {"type": "string", "minLength": 1},
+                                    "kind": {
+                                        "enum": [
+                                            "TriggerAuthentication",
+                                            "ClusterTriggerAuthentication",
+                                        ]
+                                    },
+                                },
+                            },
                             "metadata": {
                                 "type": "object",
                                 "additionalProperties": {"type": "string"},
@@ -375,13 +398,24 @@ def validate(obj: dict) -> None:
 # the operator's view: what it makes of the chart's ModelDeployment
 
 
-def owned_objects(md: dict, values: dict) -> list[dict]:
-    """The objects the operator's pure reconcile derives from a rendered ModelDeployment."""
-    from pagefleet.operator.reconcile import RenderOptions, desired_objects
+def owned_objects(md: dict, values: dict, docs: list[dict] | None = None) -> list[dict]:
+    """The objects the operator's pure reconcile derives from a rendered ModelDeployment (with
+    the engine images the chart's operator Deployment passes, when `docs` are given)."""
+    from pagefleet.operator.reconcile import EngineImages, RenderOptions, desired_objects
 
     stored = {**md, "metadata": {**md["metadata"], "uid": "0d7f1d7e-uid"}}
     prometheus = values.get("operator", {}).get("prometheusUrl") or None
-    return desired_objects(stored, RenderOptions(prometheus_url=prometheus))
+    images = operator_images(docs) if docs else EngineImages()
+    return desired_objects(stored, RenderOptions(images=images, prometheus_url=prometheus))
+
+
+def operator_images(docs: list[dict]):
+    """The engine images the chart's operator is started with (--image, --gpu-image)."""
+    from pagefleet.operator.reconcile import EngineImages
+
+    args = one(docs, "Deployment", "operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    flags = dict(a.split("=", 1) for a in args if a.startswith("--") and "=" in a)
+    return EngineImages(flags["--image"], flags["--gpu-image"])
 
 
 @cache
@@ -665,7 +699,7 @@ def test_disaggregated_pools_get_their_own_args_gpus_and_roles(rendered):
     assert set(pods) == {"prefill", "decode"}
     prefill = pods["prefill"]["spec"]["containers"][0]
     decode = pods["decode"]["spec"]["containers"][0]
-    assert prefill["resources"]["limits"][GPU] == 2 and decode["resources"]["limits"][GPU] == 1
+    assert prefill["resources"]["limits"][GPU] == 1 and decode["resources"]["limits"][GPU] == 1
     assert "--no-enable-chunked-prefill" in prefill["command"]
     assert "--max-num-seqs" in decode["command"]
     assert decode["command"][decode["command"].index("--max-num-seqs") + 1] == "512"
@@ -1573,3 +1607,131 @@ def test_helm_upgrade_dry_run_on_a_cluster_runs_the_crd_upgrade_hook(helm, tmp_p
         assert ran.returncode == 0, ran.stderr
         assert f"customresourcedefinition/{name} configured" in ran.stdout
         assert client.request("GET", f"{CRD_PATH}/{name}")["spec"] == new["spec"]
+
+
+def _engine(docs: list[dict], values: str, pool: str) -> tuple[dict, dict]:
+    """(pod spec, engine container) of one pool as the operator derives it from the chart."""
+    (md,) = objects_of(docs, "ModelDeployment")
+    name = md["metadata"]["name"]
+    deployments = objects_of(owned_objects(md, ci_values(values), docs), "Deployment")
+    (found,) = [d for d in deployments if d["metadata"]["name"] == f"{name}-{pool}"]
+    pod = found["spec"]["template"]["spec"]
+    return pod, pod["containers"][0]
+
+
+def test_gpu_values_give_the_cuda_image_device_resources_and_probes(rendered):
+    """The engine pod a GPU install runs: the chart's CUDA tag, --device cuda, the GPU in
+    requests and limits, probes, the hf:// download into the chart's model cache, and the
+    pool's overrides."""
+    docs = rendered["gpu-colocated"]
+    pod, engine = _engine(docs, "gpu-colocated", "colocated")
+    assert engine["image"] == "ghcr.io/pagefleet/pagefleet:0.1.0-cuda"
+    command = engine["command"]
+    assert command[command.index("--device") + 1] == "cuda"
+    assert (
+        command[2] == "/models/hf/Qwen/Qwen2.5-7B-Instruct/a09a35458c702b33eeacc393d103063234e8bc28"
+    )
+    assert engine["resources"]["limits"][GPU] == engine["resources"]["requests"][GPU] == 1
+    assert {p: engine[p]["httpGet"]["path"] for p in ("readinessProbe", "livenessProbe")} == {
+        "readinessProbe": "/health",
+        "livenessProbe": "/health",
+    }
+    assert (
+        engine["startupProbe"]["failureThreshold"] * engine["startupProbe"]["periodSeconds"] >= 1800
+    )
+    (download,) = pod["initContainers"]
+    assert download["image"] == engine["image"]
+    assert download["command"][:3] == [
+        "pagefleet",
+        "download",
+        "hf://Qwen/Qwen2.5-7B-Instruct@a09a35458c702b33eeacc393d103063234e8bc28",
+    ]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model"]["persistentVolumeClaim"]["claimName"] == "pf-pagefleet-models"
+    assert volumes["shm"]["emptyDir"]["sizeLimit"] == "8Gi"
+    assert {"name": "NCCL_DEBUG", "value": "WARN"} in engine["env"]
+    assert pod["priorityClassName"] == "inference-high"
+    assert pod["terminationGracePeriodSeconds"] == 120
+    assert pod["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
+    (md,) = objects_of(docs, "ModelDeployment")
+    (deployment,) = [
+        d
+        for d in objects_of(owned_objects(md, {}, docs), "Deployment")
+        if d["metadata"]["name"].endswith("-colocated")
+    ]
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+
+
+def test_a_cpu_pool_runs_the_cpu_build_on_cpu(helm):
+    docs = template(
+        helm,
+        "--set-json",
+        'modelDeployment.pools.colocated.resources={"requests":{"nvidia.com/gpu":null},'
+        '"limits":{"nvidia.com/gpu":null}}',
+    )
+    _, engine = _engine(docs, "defaults", "colocated")
+    assert engine["image"] == "ghcr.io/pagefleet/pagefleet:0.1.0"
+    assert engine["command"][engine["command"].index("--device") + 1] == "cpu"
+
+
+def test_rdma_values_reach_prefill_and_decode_pods(rendered):
+    docs = rendered["gpu-disaggregated-rdma"]
+    for pool in ("prefill", "decode"):
+        pod, engine = _engine(docs, "gpu-disaggregated-rdma", pool)
+        assert engine["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        for kind in ("requests", "limits"):
+            assert engine["resources"][kind]["rdma/rdma_shared_device_a"] == 1
+        assert {"name": "UCX_TLS", "value": "rc,sm,self,cuda_copy,cuda_ipc"} in engine["env"]
+        affinity = pod["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert affinity[0]["podAffinityTerm"]["topologyKey"] == "topology.kubernetes.io/rack"
+        assert engine["command"][2] == "/models/llama-3.1-8b-instruct"
+        assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "llama-weights"
+    (md,) = objects_of(docs, "ModelDeployment")
+    for d in objects_of(owned_objects(md, {}, docs), "Deployment"):
+        if d["metadata"]["labels"].get("app.kubernetes.io/component") == "engine":
+            annotations = d["spec"]["template"]["metadata"]["annotations"]
+            assert annotations["k8s.v1.cni.cncf.io/networks"] == "serving/ib-network"
+
+
+def test_hf_token_values_give_the_token_to_the_download_only(rendered):
+    docs = rendered["hf-token"]
+    pod, engine = _engine(docs, "hf-token", "colocated")
+    (download,) = pod["initContainers"]
+    env = {e["name"]: e for e in download["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    assert env["HF_ENDPOINT"]["value"] == "https://hf-mirror.example.com"
+    assert env["HF_HUB_OFFLINE"]["value"] == "0"
+    assert "HF_TOKEN" not in {e["name"] for e in engine["env"]}
+    assert engine["envFrom"] == [{"configMapRef": {"name": "engine-tuning"}}]
+    mounts = {m["name"]: m for m in engine["volumeMounts"]}
+    assert mounts["chat-templates"]["mountPath"] == "/etc/chat-templates"
+    assert engine["image"].endswith(":0.1.0")  # no GPU requested: the CPU build
+    (md,) = objects_of(docs, "ModelDeployment")
+    router = next(
+        d
+        for d in objects_of(owned_objects(md, {}, docs), "Deployment")
+        if d["metadata"]["name"].endswith("-router")
+    )
+    (tokenizer,) = router["spec"]["template"]["spec"]["initContainers"]
+    assert tokenizer["command"][-1] == "--tokenizer-only"
+    assert "HF_TOKEN" in {e["name"] for e in tokenizer["env"]}
+    assert "HF_TOKEN" not in {
+        e["name"] for e in router["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+
+
+def test_keda_auth_values_reach_the_scaled_object(rendered):
+    docs = rendered["keda-auth"]
+    (md,) = objects_of(docs, "ModelDeployment")
+    (scaled,) = objects_of(owned_objects(md, ci_values("keda-auth"), docs), "ScaledObject")
+    spec = scaled["spec"]
+    assert (spec["pollingInterval"], spec["cooldownPeriod"]) == (10, 900)
+    assert spec["fallback"] == {"failureThreshold": 3, "replicas": 2}
+    (trigger,) = spec["triggers"]
+    assert trigger["authenticationRef"] == {
+        "name": "prometheus-bearer",
+        "kind": "TriggerAuthentication",
+    }
+    assert trigger["metadata"]["authModes"] == "bearer"
+    assert trigger["metadata"]["activationThreshold"] == "1"
+    assert spec["minReplicaCount"] == 0
