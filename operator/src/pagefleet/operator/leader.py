@@ -12,16 +12,22 @@ import enum
 import logging
 import os
 import random
+import signal
 import socket
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
+
+import aiohttp.web
 
 from pagefleet.operator.handlers import ApiError, KubeClient
 
 log = logging.getLogger("pagefleet.operator.leader")
+T = TypeVar("T")
 
 LEASE_API = "coordination.k8s.io/v1"
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -168,6 +174,14 @@ class LeaseElector:
     identity: str
     timing: Timing
     observed: Observed | None = None
+    # Its own thread: queued behind the operator's reconciles (the default executor) a renewal
+    # could miss its deadline and cost the leadership.
+    thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="lease")
+    )
+
+    async def run(self, call: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.thread, call)
 
     def lease(self, record: Record, resource_version: str | None) -> dict:
         metadata = {"name": self.name, "namespace": self.namespace}
@@ -253,7 +267,7 @@ async def acquire(elector: LeaseElector, stop: asyncio.Event) -> bool:
     """Try every retry period until this process holds the Lease (True) or `stop` (False)."""
     log.info("%s waits for the lease %s/%s", elector.identity, elector.namespace, elector.name)
     while not stop.is_set():
-        if await asyncio.to_thread(elector.attempt):
+        if await elector.run(elector.attempt):
             return True
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), jittered(elector.timing.retry_period))
@@ -270,7 +284,7 @@ async def keep(elector: LeaseElector, lost: Callable[[str], None]) -> None:
         left = renewed + timing.renew_deadline - time.monotonic()
         if left > 0:
             try:
-                if await asyncio.wait_for(asyncio.to_thread(elector.attempt), left):
+                if await asyncio.wait_for(elector.run(elector.attempt), left):
                     renewed = time.monotonic()
                     continue
             except TimeoutError:
@@ -298,8 +312,6 @@ def endpoint_address(endpoint: str) -> tuple[str, int, str]:
 async def serve_waiting_liveness(endpoint: str, elector: LeaseElector):
     """The liveness endpoint of a follower (200 while it waits: waiting is healthy); returns
     the aiohttp runner to clean up before kopf serves the same endpoint."""
-    import aiohttp.web
-
     host, port, path = endpoint_address(endpoint)
 
     async def healthy(_: aiohttp.web.Request) -> aiohttp.web.Response:
@@ -326,8 +338,6 @@ async def lead(
     """Wait for the Lease (serving the liveness endpoint meanwhile), then run `operate(stop)`
     while renewing it, and release it when `operate` returns (SIGTERM). `lost` must stop the
     process at once: after it, this process no longer holds the Lease."""
-    import signal
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -350,4 +360,4 @@ async def lead(
         keeper.cancel()
         for signum in (signal.SIGTERM, signal.SIGINT):  # kopf installed its own
             loop.add_signal_handler(signum, stop.set)
-        await asyncio.to_thread(elector.release)
+        await elector.run(elector.release)

@@ -191,15 +191,19 @@ def run_operator(args: argparse.Namespace) -> int:
     registry = build_registry(OperatorState(config, KubeClient(config.api_url)))
 
     async def operate(stop: asyncio.Event | None = None, liveness: str | None = None) -> None:
-        await kopf.operator(
-            registry=registry,
-            settings=configure(kopf.OperatorSettings()),
-            clusterwide=not args.namespace,
-            namespaces=args.namespace or [],
-            standalone=True,
-            liveness_endpoint=liveness,
-            stop_flag=stop,
-        )
+        settings = configure(kopf.OperatorSettings())
+        try:
+            await kopf.operator(
+                registry=registry,
+                settings=settings,
+                clusterwide=not args.namespace,
+                namespaces=args.namespace or [],
+                standalone=True,
+                liveness_endpoint=liveness,
+                stop_flag=stop,
+            )
+        finally:
+            await drain(settings)
 
     if not args.leader_election:
         asyncio.run(operate(liveness=args.liveness_endpoint))
@@ -217,6 +221,15 @@ def run_operator(args: argparse.Namespace) -> int:
 
 
 LOST_LEASE_EXIT = 3
+
+
+async def drain(settings) -> None:
+    """Wait for the reconciles still running in threads (kopf's handlers, the periodic pass):
+    kopf has stopped, but a thread is not cancelled, and the Lease goes to a follower next."""
+    import asyncio
+
+    await asyncio.to_thread(settings.execution.executor.shutdown, wait=True)
+    await asyncio.get_running_loop().shutdown_default_executor()
 
 
 def leader_elector(args: argparse.Namespace, client):
