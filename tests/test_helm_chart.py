@@ -773,7 +773,14 @@ def test_keda_values_reach_the_spec_and_the_operator_emits_a_scaled_object(rende
 def test_minimal_values_run_only_the_operator(rendered):
     docs = rendered["minimal"]
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["Deployment", "NetworkPolicy", "Role", "RoleBinding", "ServiceAccount"]
+    assert kinds == [
+        "Deployment",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+        *("Role", "Role"),  # the operator's, and leader election's
+        *("RoleBinding", "RoleBinding"),
+        "ServiceAccount",
+    ]
 
 
 def _rules(obj: dict) -> set[tuple[str, str, str]]:
@@ -892,7 +899,10 @@ def test_uninstall_deletes_the_model_deployment_after_the_operator_is_gone(rende
 
 def test_cluster_scope_uses_a_cluster_role_and_watches_every_namespace(rendered):
     docs = rendered["disaggregated"]
-    assert not objects_of(docs, "Role")
+    roles = objects_of(docs, "Role")  # only leader election's, for its Lease
+    assert [r["metadata"]["labels"]["app.kubernetes.io/component"] for r in roles] == [
+        "leader-election"
+    ]
     cluster_role = one(docs, "ClusterRole")
     assert _rules(cluster_role) == _rules(one(rendered["defaults"], "Role", "operator"))
     binding = one(docs, "ClusterRoleBinding")
@@ -918,9 +928,15 @@ def test_operator_command_is_one_pagefleet_accepts(helm):
     assert args.namespace == ["team-a", "team-b"]
     assert args.prometheus_url == "http://prom:9090"
     assert args.image == "ghcr.io/pagefleet/pagefleet:0.1.0"
-    # One Role + RoleBinding per watched namespace, bound to the one service account.
-    roles = objects_of(docs, "Role")
+    # One Role + RoleBinding per watched namespace, bound to the one service account (and
+    # leader election's in the release namespace).
+    roles = [
+        r
+        for r in objects_of(docs, "Role")
+        if r["metadata"]["labels"].get("app.kubernetes.io/component") == "operator"
+    ]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert one(docs, "Role", "leader-election")["metadata"]["namespace"] == NAMESPACE
     for binding in objects_of(docs, "RoleBinding"):
         (subject,) = binding["subjects"]
         assert subject == {
@@ -928,8 +944,106 @@ def test_operator_command_is_one_pagefleet_accepts(helm):
             "name": deployment["spec"]["template"]["spec"]["serviceAccountName"],
             "namespace": NAMESPACE,
         }
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert args.leader_election is True
+    assert args.leader_election_namespace == NAMESPACE
+
+
+def test_operator_replicas_elect_a_leader_and_roll_without_a_gap(rendered, helm):
+    """Two operator pods, one acting (the Lease holder): a rolling update that starts a new pod
+    before stopping an old one, a liveness probe on the very endpoint the operator serves (on a
+    follower too), the pod's name and namespace for the Lease, and a PodDisruptionBudget."""
+    from pagefleet.common.cli import build_parser
+    from pagefleet.operator.leader import Timing, endpoint_address
+
+    docs = rendered["defaults"]
+    deployment = one(docs, "Deployment", "operator")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 2
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    (container,) = spec["template"]["spec"]["containers"]
+    args = build_parser().parse_args(container["args"])
+    assert args.leader_election and args.leader_election_namespace == NAMESPACE
+    Timing(
+        args.leader_election_lease_duration,
+        args.leader_election_renew_deadline,
+        args.leader_election_retry_period,
+    )
+    host, port, path = endpoint_address(args.liveness_endpoint)
+    assert host == "0.0.0.0"  # the kubelet probes the pod's IP
+    assert container["livenessProbe"]["httpGet"] == {"path": path, "port": port}
+    env = {
+        e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        for e in container["env"]
+    }
+    assert env["POD_NAME"] == "metadata.name"
+    assert env["POD_NAMESPACE"] == "metadata.namespace"
+    pdb = one(docs, "PodDisruptionBudget", "operator")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["metadata"]["namespace"] == NAMESPACE
+    labels = spec["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pdb["spec"]["selector"] == spec["selector"]
+    # One replica: no budget (minAvailable 1 would block every node drain).
+    single = template(helm, "--set", "operator.replicas=1")
+    assert one(single, "Deployment", "operator")["spec"]["replicas"] == 1
+    assert not objects_of(single, "PodDisruptionBudget")
+
+
+@pytest.mark.parametrize("name", ["defaults", "disaggregated"])
+def test_leader_election_rbac_covers_what_the_election_sends(rendered, name):
+    """The Lease Role grants, on the operator's one Lease, exactly the verbs a real election
+    sends (acquire, renew, release, run against the emulator and recorded): create (RBAC cannot
+    limit it by name), get and update by name. Both scopes: the Lease is in the release
+    namespace either way."""
+    from operator_harness import RESOURCES
+
+    from kube_emulator import kubernetes_emulators
+    from pagefleet.common.cli import build_parser
+    from pagefleet.operator.handlers import KubeClient
+    from pagefleet.operator.leader import LeaseElector, Timing
+
+    docs = rendered[name]
+    container = one(docs, "Deployment", "operator")["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args(container["args"])
+    role = one(docs, "Role", "leader-election")
+    assert role["metadata"]["namespace"] == args.leader_election_namespace == NAMESPACE
+    binding = one(docs, "RoleBinding", "leader-election")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    account = one(docs, "Deployment", "operator")["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
+    ]
+    granted = {
+        (verb, lease)
+        for rule in role["rules"]
+        for verb in rule["verbs"]
+        for lease in rule.get("resourceNames", ["*"])
+        if rule["apiGroups"] == ["coordination.k8s.io"] and rule["resources"] == ["leases"]
+    }
+    assert len(granted) == sum(
+        len(r["verbs"]) * len(r.get("resourceNames", ["*"])) for r in role["rules"]
+    )
+    lease_name = args.leader_election_id
+    resources = {**RESOURCES, "coordination.k8s.io/v1/leases": ("Lease", True, ())}
+    with kubernetes_emulators(resources) as emulated:
+        elector = LeaseElector(
+            KubeClient(emulated.urls[0]), NAMESPACE, lease_name, "pod-a", Timing(3, 2, 0.5)
+        )
+        assert elector.try_acquire_or_renew() and elector.try_acquire_or_renew()
+        elector.release()
+        sent = {
+            (HTTP_VERBS[c.method], c.path.rpartition("/leases")[2].lstrip("/") or "*")
+            for c in emulated.emulator.calls
+        }
+    assert sent == {("create", "*"), ("get", lease_name), ("update", lease_name)}
+    assert sent == granted
 
 
 def test_the_router_comes_only_from_the_operator(rendered):

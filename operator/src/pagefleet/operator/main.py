@@ -1,5 +1,6 @@
 """`pagefleet operator`: flags, `pagefleet operator crd`, and kopf's run loop (cluster login
-through the usual in-cluster or kubeconfig lookup)."""
+through the usual in-cluster or kubeconfig lookup), behind leader election on a Lease so that
+of several replicas only one acts."""
 
 from __future__ import annotations
 
@@ -91,6 +92,7 @@ def add_operator_parser(sub) -> None:
         "(NetworkPolicyPeer lists; an empty list is any peer, except for operatorFrom and "
         "metricsFrom; default: the chart's operator pods, any client, API server and DNS)",
     )
+    add_leader_election_flags(p)
     p.add_argument("--verbose", action="store_true", help="kopf debug logging")
     commands = p.add_subparsers(dest="operator_command", metavar="SUBCOMMAND")
     crd = commands.add_parser("crd", help="print the ModelDeployment CRD (YAML) and exit")
@@ -107,6 +109,44 @@ def add_operator_parser(sub) -> None:
     )
     crd.set_defaults(func=print_crd)
     p.set_defaults(func=run_operator)
+
+
+def add_leader_election_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--leader-election",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="act only while holding a coordination.k8s.io Lease, so that replicas never act "
+        "together; followers wait for it (on)",
+    )
+    p.add_argument(
+        "--leader-election-namespace",
+        default=None,
+        help="namespace of the Lease (default: POD_NAMESPACE, else the service account's, "
+        "else `default`)",
+    )
+    p.add_argument("--leader-election-id", default="pagefleet-operator", help="name of the Lease")
+    p.add_argument(
+        "--leader-election-lease-duration",
+        type=int,
+        default=15,
+        metavar="SECONDS",
+        help="a follower takes over a Lease nobody renewed for this long (15)",
+    )
+    p.add_argument(
+        "--leader-election-renew-deadline",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a leader that could not renew for this long exits (10; under the lease duration)",
+    )
+    p.add_argument(
+        "--leader-election-retry-period",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="seconds between renewals and between a follower's tries (2)",
+    )
 
 
 def print_crd(args: argparse.Namespace) -> int:
@@ -151,6 +191,7 @@ def run_operator(args: argparse.Namespace) -> int:
         build_registry,
         configure,
     )
+    from pagefleet.operator.leader import lead
     from pagefleet.operator.reconcile import EngineImages
     from pagefleet.operator.spec import DEFAULT_ROUTER_IMAGE
 
@@ -170,14 +211,69 @@ def run_operator(args: argparse.Namespace) -> int:
         allowed_host_paths=allowed_host_paths(args.allowed_host_paths),
     )
     registry = build_registry(OperatorState(config, KubeClient(config.api_url)))
+
+    async def operate(stop: asyncio.Event | None = None, liveness: str | None = None) -> None:
+        settings = configure(kopf.OperatorSettings())
+        try:
+            await kopf.operator(
+                registry=registry,
+                settings=settings,
+                clusterwide=not args.namespace,
+                namespaces=args.namespace or [],
+                standalone=True,
+                liveness_endpoint=liveness,
+                stop_flag=stop,
+            )
+        finally:
+            await drain(settings)
+
+    if not args.leader_election:
+        asyncio.run(operate(liveness=args.liveness_endpoint))
+        return 0
+    elector = leader_elector(args, KubeClient(config.api_url))
     asyncio.run(
-        kopf.operator(
-            registry=registry,
-            settings=configure(kopf.OperatorSettings()),
-            clusterwide=not args.namespace,
-            namespaces=args.namespace or [],
-            standalone=True,
-            liveness_endpoint=args.liveness_endpoint,
+        lead(
+            elector,
+            lambda stop: operate(stop, args.liveness_endpoint),
+            exit_on_lost_lease,
+            args.liveness_endpoint,
         )
     )
     return 0
+
+
+LOST_LEASE_EXIT = 3
+
+
+async def drain(settings) -> None:
+    """Wait for the reconciles still running in threads (kopf's handlers, the periodic pass):
+    kopf has stopped, but a thread is not cancelled, and the Lease goes to a follower next."""
+    import asyncio
+
+    await asyncio.to_thread(settings.execution.executor.shutdown, wait=True)
+    await asyncio.get_running_loop().shutdown_default_executor()
+
+
+def leader_elector(args: argparse.Namespace, client):
+    from pagefleet.operator.leader import (
+        LeaseElector,
+        Timing,
+        default_identity,
+        default_namespace,
+    )
+
+    timing = Timing(
+        args.leader_election_lease_duration,
+        args.leader_election_renew_deadline,
+        args.leader_election_retry_period,
+    )
+    namespace = args.leader_election_namespace or default_namespace()
+    return LeaseElector(client, namespace, args.leader_election_id, default_identity(), timing)
+
+
+def exit_on_lost_lease(why: str) -> None:
+    """Stop acting at once: a follower may hold the Lease already. The kubelet restarts the
+    container, which then waits as a follower (client-go's rule: lost lease, exit)."""
+    logging.getLogger("pagefleet.operator").error("lost the leader lease (%s): exiting", why)
+    logging.shutdown()
+    os._exit(LOST_LEASE_EXIT)
