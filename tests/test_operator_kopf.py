@@ -4,6 +4,7 @@ idempotence, ownerReferences, bad specs, and builtin autoscaling from fake pods'
 from __future__ import annotations
 
 import base64
+import datetime
 import signal
 import subprocess
 import threading
@@ -27,7 +28,14 @@ from operator_harness import (
     wait_for,
 )
 
-from pagefleet.operator.handlers import KubeClient, OperatorConfig, OperatorState, reconcile
+from pagefleet.operator.handlers import (
+    KubeClient,
+    OperatorConfig,
+    OperatorState,
+    _now_iso,
+    reconcile,
+)
+from pagefleet.operator.reconcile import EngineImages
 from server_utils import PAGEFLEET
 
 
@@ -714,3 +722,149 @@ def test_concurrent_reconciles_announce_a_problem_once():
         assert condition(md_status(client), "Degraded")["reason"] == "ForeignObject"
         events = client.list("v1", "Event", NS, {})
         assert [e["reason"] for e in events] == ["ForeignObject"]
+
+
+def engine_image(client: KubeClient, deployment: str = "llama-colocated") -> str | None:
+    found = get(client, "apps/v1", "Deployment", deployment)
+    return found["spec"]["template"]["spec"]["containers"][0]["image"] if found else None
+
+
+def test_engine_images_are_pinned_at_creation_until_status_images_is_cleared():
+    """Catches an operator upgrade (new --image/--gpu-image) re-imaging every engine whose
+    ModelDeployment names no image: the images of the operator that created it stay until a
+    user clears status.images."""
+    images_a = EngineImages("registry.test/engine:a", "registry.test/engine:a-cuda")
+    images_b = EngineImages("registry.test/engine:b", "registry.test/engine:b-cuda")
+    with emulator() as url:
+        client = KubeClient(url)
+        with operator(url, client, autoscale_interval=0.3, images=images_a):
+            client.create(model_deployment())
+            wait_for(lambda: engine_image(client) == images_a.cpu, what="image A")
+            pinned = {"cpu": images_a.cpu, "cuda": images_a.cuda}
+            wait_for(lambda: md_status(client).get("images") == pinned, what="images in status")
+        with operator(url, client, autoscale_interval=0.3, images=images_b) as state:
+            next_pass(state)
+            next_pass(state)
+            assert engine_image(client) == images_a.cpu
+            assert md_status(client)["images"] == pinned
+            md = get(client, MD_API, "ModelDeployment", "llama")
+            client.merge_patch(md, {"status": {"images": None}}, "/status")
+            wait_for(lambda: engine_image(client) == images_b.cpu, what="image B")
+            wanted = {"cpu": images_b.cpu, "cuda": images_b.cuda}
+            wait_for(lambda: md_status(client).get("images") == wanted, what="B in status")
+
+
+def test_a_builtin_pool_scaled_by_hand_is_put_back_with_one_event_naming_it():
+    """Catches a manual `kubectl scale deployment` on an autoscaled pool silently fought
+    (or silently kept): it goes back, and one Warning event says why and names the pool."""
+    autoscaling = {"mode": "builtin", "minReplicas": 2, "maxReplicas": 4}
+    with emulator() as url:
+        client = KubeClient(url)
+        with operator(url, client, autoscale_interval=0.3) as state:
+            client.create(
+                model_deployment(pools={"colocated": {"replicas": 2, "autoscaling": autoscaling}})
+            )
+            deployment = wait_for(lambda: get(client, "apps/v1", "Deployment", "llama-colocated"))
+            assert deployment["spec"]["replicas"] == 2
+            next_pass(state)
+            client.merge_patch(deployment, {"spec": {"replicas": 4}})
+            wait_for(
+                lambda: (
+                    get(client, "apps/v1", "Deployment", "llama-colocated")["spec"]["replicas"] == 2
+                ),
+                what="manual scale reverted",
+            )
+            next_pass(state)
+            next_pass(state)
+            events = client.list("v1", "Event", NS, {})
+            reverted = [e for e in events if e["reason"] == "ManualScaleReverted"]
+            assert len(reverted) == 1, [e["message"] for e in reverted]
+            (event,) = reverted
+            assert event["type"] == "Warning"
+            assert event["involvedObject"]["name"] == "llama"
+            assert "llama-colocated was scaled to 4" in event["message"]
+            assert "pool colocated" in event["message"] and "back to 2" in event["message"]
+
+
+def pool_replicas(client: KubeClient, pool: str = "colocated") -> int:
+    return get(client, "apps/v1", "Deployment", f"llama-{pool}")["spec"]["replicas"]
+
+
+def test_a_spec_replicas_edit_applies_after_a_manual_scale():
+    """Catches a pool without autoscaling keeping a hand-scaled Deployment's replicas when
+    the user then edits spec.pools.<pool>.replicas (the edit must win, once)."""
+    spec = {
+        "mode": "disaggregated",
+        "pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 2}},
+    }
+    with emulator() as url:
+        client = KubeClient(url)
+        with operator(url, client, autoscale_interval=0.3) as state:
+            client.create(model_deployment(**spec))
+            deployment = wait_for(lambda: get(client, "apps/v1", "Deployment", "llama-decode"))
+            wait_for(
+                lambda: (
+                    md_status(client).get("pools", {}).get("decode", {}).get("specReplicas") == 2
+                ),
+                what="specReplicas recorded",
+            )
+            client.merge_patch(deployment, {"spec": {"replicas": 5}})
+            wait_for(lambda: md_status(client)["pools"]["decode"]["desiredReplicas"] == 5)
+            next_pass(state)
+            assert pool_replicas(client, "decode") == 5
+            md = get(client, MD_API, "ModelDeployment", "llama")
+            client.merge_patch(md, {"spec": {"pools": {"decode": {"replicas": 3}}}})
+            wait_for(lambda: pool_replicas(client, "decode") == 3, what="the spec edit applied")
+            wait_for(lambda: md_status(client)["pools"]["decode"]["specReplicas"] == 3)
+            assert md_status(client)["pools"]["decode"]["desiredReplicas"] == 3
+            # The edit applied once: a later manual scale is kept again.
+            client.merge_patch(
+                get(client, "apps/v1", "Deployment", "llama-decode"), {"spec": {"replicas": 6}}
+            )
+            wait_for(lambda: md_status(client)["pools"]["decode"]["desiredReplicas"] == 6)
+            next_pass(state)
+            assert pool_replicas(client, "decode") == 6
+            assert pool_replicas(client, "prefill") == 1
+
+
+def test_conditions_carry_the_generation_and_last_scale_time_moves_with_desired_replicas():
+    """Catches conditions without observedGeneration (clients cannot tell a stale Ready from
+    a current one) and a lastScaleTime never written, or rewritten on every pass."""
+    with emulator() as url:
+        client = KubeClient(url)
+        with operator(url, client, autoscale_interval=0.3) as state:
+            client.create(model_deployment(pools={"colocated": {"replicas": 2}}))
+
+            def generations() -> set:
+                return {
+                    c.get("observedGeneration") for c in md_status(client).get("conditions", [])
+                }
+
+            wait_for(lambda: generations() == {1}, what="conditions at generation 1")
+            assert {c["type"] for c in md_status(client)["conditions"]} == {
+                "Ready",
+                "Progressing",
+                "Degraded",
+            }
+            first = md_status(client)["pools"]["colocated"]["lastScaleTime"]
+            datetime.datetime.strptime(first, "%Y-%m-%dT%H:%M:%SZ")
+            # A spec edit that changes no replicas moves the generation, not lastScaleTime.
+            wait_for(lambda: _now_iso() != first, what="the clock to pass a second")
+            md = get(client, MD_API, "ModelDeployment", "llama")
+            client.merge_patch(
+                md, {"metadata": {"generation": 2}, "spec": {"engineArgs": {"max-num-seqs": 8}}}
+            )
+            wait_for(lambda: generations() == {2}, what="conditions at generation 2")
+            assert md_status(client)["observedGeneration"] == 2
+            next_pass(state)
+            next_pass(state)
+            assert md_status(client)["pools"]["colocated"]["lastScaleTime"] == first
+            # desiredReplicas moves (a manual scale): lastScaleTime follows.
+            deployment = get(client, "apps/v1", "Deployment", "llama-colocated")
+            client.merge_patch(deployment, {"spec": {"replicas": 3}})
+            wait_for(lambda: md_status(client)["pools"]["colocated"]["desiredReplicas"] == 3)
+            moved = md_status(client)["pools"]["colocated"]["lastScaleTime"]
+            assert moved > first
+            next_pass(state)
+            next_pass(state)
+            assert md_status(client)["pools"]["colocated"]["lastScaleTime"] == moved

@@ -218,7 +218,8 @@ def test_valid_examples_pass_the_crd_schema_and_the_operator(name):
 def test_invalid_examples_are_rejected(name):
     """Each invalid example names the error it must get: `expect:` from the schema itself,
     `expect-cel:` from one of the CRD's x-kubernetes-validations rules (which jsonschema
-    cannot run; the operator's parse_spec enforces the same rule and says the same)."""
+    cannot run; the operator enforces the same rule and says the same), `expect-operator:`
+    from the operator alone (the API server admits it; the ModelDeployment goes Degraded)."""
     text = (EXAMPLES / name).read_text()
     header = text.splitlines()[0]
     kind, _, expected = header.lstrip("# ").partition(": ")
@@ -227,19 +228,21 @@ def test_invalid_examples_are_rejected(name):
         errors = schema_errors(md)
         assert any(expected in e for e in errors), errors
     else:
-        assert kind == "expect-cel"
+        assert kind in ("expect-cel", "expect-operator")
         rules = json.dumps(crd())
-        assert json.dumps(expected) in rules, "the CRD has no CEL rule with this message"
-        assert schema_errors(md) == []  # only the CEL rule catches it
+        if kind == "expect-cel":
+            assert expected in rules, "the CRD has no CEL rule with this message"
+        assert schema_errors(md) == []  # only the CEL rule or the operator catches it
+    md["metadata"]["uid"] = "uid"
     with pytest.raises(SpecError) as caught:
-        parse_spec(md["spec"])
-    if kind == "expect-cel":
+        desired_objects(md, RenderOptions(prometheus_url=PROMETHEUS))
+    if kind != "expect":
         assert expected in str(caught.value)
 
 
 def test_there_are_invalid_examples_of_each_kind():
-    heads = [(EXAMPLES / n).read_text().split(":")[0] for n in examples("invalid-")]
-    assert "# expect" in heads and "# expect-cel" in heads
+    heads = {(EXAMPLES / n).read_text().split(":")[0] for n in examples("invalid-")}
+    assert heads == {"# expect", "# expect-cel", "# expect-operator"}
 
 
 def test_chart_crd_file_is_the_rendered_crd():

@@ -384,7 +384,10 @@ def autoscale_pool(
     namespace, name = meta["namespace"], meta["name"]
     memory = remembered(state, md, pool, now)
     deployment = pool_object_name(name, pool.name)
-    current, ready = _deployment(state.client, namespace, deployment, meta["uid"])
+    found, ready = _deployment(state.client, namespace, deployment, meta["uid"])
+    # Decide from the operator's own last decision, not the Deployment's replicas: a manual
+    # scale is reverted (and announced), never adopted as the autoscaler's starting point.
+    current = memory.replicas if memory.replicas is not None else found
     pods = state.client.list("v1", "Pod", namespace, pool_selector(name, pool.name))
     pool_pods = PoolPods(namespace, name, pool.name, spec.model.name, ready_pod_ips(pods))
     source = (
@@ -448,7 +451,7 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
     router = (0, 0)
     try:
         spec = parse_spec(md.get("spec"))
-        replicas, memories = _decide_replicas(state, md, spec, autoscale)
+        replicas, memories, own = _decide_replicas(state, md, spec, autoscale)
         options = RenderOptions(
             images,
             config.prometheus_url,
@@ -456,6 +459,7 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
             config.network_policy,
             config.allowed_host_paths,
             config.router_image,
+            own_replicas=own,
         )
         foreign, incomplete = apply_all(client, md, options)
         for pool in spec.pools:
@@ -505,15 +509,17 @@ def images_status(images: EngineImages) -> dict[str, str]:
 
 def _decide_replicas(
     state: OperatorState, md: dict, spec: Spec, autoscale: bool
-) -> tuple[dict[str, int], dict[str, PoolMemory]]:
-    """Replicas per pool (KEDA pools: none, their HPA decides), and the builtin autoscaler's
-    memory. A pool without autoscaling takes spec.replicas when that changed since it was
-    last applied, and otherwise keeps its Deployment's (kubectl scale, an HPA)."""
+) -> tuple[dict[str, int], dict[str, PoolMemory], frozenset[str]]:
+    """Replicas per pool (KEDA pools: none, their HPA decides), the builtin autoscaler's
+    memory, and the pools whose Deployment keeps its own replicas: a pool without autoscaling
+    takes spec.replicas when that changed since it was last applied, and otherwise is applied
+    without replicas (so a `kubectl scale` or an HPA landing mid-pass is never undone)."""
     meta = md["metadata"]
     now = time.time()  # wall clock: the autoscaler's window is kept in status
     recorded = (md.get("status") or {}).get("pools") or {}
     replicas: dict[str, int] = {}
     memories: dict[str, PoolMemory] = {}
+    keep: set[str] = set()
     for pool in spec.pools:
         mode = pool.autoscaling.mode
         if mode == "builtin":
@@ -530,10 +536,10 @@ def _decide_replicas(
             name = pool_object_name(meta["name"], pool.name)
             found = state.client.get("apps/v1", "Deployment", meta["namespace"], name)
             if applied == pool.replicas and found and controlled_by(found, meta["uid"]):
-                replicas[pool.name] = (found.get("spec") or {}).get("replicas", pool.replicas)
+                keep.add(pool.name)
             else:
                 replicas[pool.name] = pool.replicas
-    return replicas, memories
+    return replicas, memories, frozenset(keep)
 
 
 def _notice_manual_scale(state: OperatorState, md: dict, pool: Pool, last: int | None) -> None:

@@ -4,6 +4,7 @@ context, the fleet secret, its labels, the volumes and paths it mounts."""
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,8 +77,10 @@ def _names(items: tuple[dict, ...], where: str) -> list[str]:
 
 
 def _under(path: str, root: str) -> bool:
-    clean = "/" + path.strip("/")
-    return clean == root or clean.startswith(root + "/")
+    """Whether `path` is `root` or inside it, as the kubelet resolves them (`..` and `.`
+    folded), so `/scratch/../models` is `/models`."""
+    clean, top = (posixpath.normpath("/" + p.lstrip("/")) for p in (path, root))
+    return clean == top or clean.startswith(top.rstrip("/") + "/")
 
 
 def _check_reserved(o: PodOverrides, where: str) -> None:

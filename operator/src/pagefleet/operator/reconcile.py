@@ -98,6 +98,8 @@ class RenderOptions:
     # Folders hostPath model sources may be under; None: not checked (rendering only).
     allowed_host_paths: tuple[str, ...] | None = None
     router_image: str = DEFAULT_ROUTER_IMAGE
+    # Pools without autoscaling whose Deployment keeps its own replicas (rendered without).
+    own_replicas: frozenset[str] = frozenset()
 
 
 def desired_objects(md: dict[str, Any], options: RenderOptions | None = None) -> list[dict]:
@@ -185,14 +187,15 @@ def _owner(md: dict[str, Any]) -> dict[str, Any]:
 
 
 def _pool_replicas(pool: Pool, options: RenderOptions) -> int | None:
-    """None for KEDA pools: their HPA owns spec.replicas and the operator must not fight it."""
+    """None for KEDA pools (their HPA owns spec.replicas and the operator must not fight it)
+    and for pools that keep their Deployment's own."""
     mode = pool.autoscaling.mode
-    if mode == "keda":
+    if mode == "keda" or (mode == "none" and pool.name in options.own_replicas):
         return None
     chosen = options.replicas.get(pool.name, pool.replicas)
     if mode == "builtin":
         return max(pool.autoscaling.min_replicas, min(pool.autoscaling.max_replicas, chosen))
-    return chosen  # mode none: spec.replicas, or the Deployment's own since that last applied
+    return chosen  # mode none: spec.replicas (the handler's choice)
 
 
 def pool_object_name(md_name: str, pool: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import posixpath
 import re
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
@@ -31,6 +32,7 @@ from pagefleet.operator.crd import (
     ROUTER_RESOURCES,
     SCORER_DEFAULTS,
     SECRET_KEY_PATTERN,
+    name_rule,
 )
 from pagefleet.operator.pod_overrides import (
     POD_FIELDS,
@@ -46,6 +48,8 @@ GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_SHM_SIZE = "2Gi"
 # The router runs from its own image (deploy/docker/Dockerfile.slim): no torch, a tenth the size.
 DEFAULT_ROUTER_IMAGE = f"ghcr.io/pagefleet/pagefleet-router:{__version__}"
+# The CRD's CEL message (crd.model_schema), so both refusals read the same.
+HF_ONLY = "spec.model: hf and cache go with an hf:// uri"
 ROLE_OF_POOL = {"colocated": "both", "prefill": "prefill", "decode": "decode"}
 
 
@@ -429,7 +433,7 @@ def parse_model(raw: Any) -> Model:
     if "uri" in m:
         return parse_model_uri(name, m)
     if "hf" in m or "cache" in m:
-        raise SpecError("spec.model.hf and spec.model.cache go with an hf:// uri")
+        raise SpecError(HF_ONLY)
     source = _choice(m.get("source", "pvc"), "spec.model.source", MODEL_SOURCES)
     pvc = _mapping(m.get("pvc"), "spec.model.pvc")
     if source == "pvc" and not pvc:
@@ -448,13 +452,16 @@ def parse_model_uri(name: str, m: dict[str, Any]) -> Model:
     """`uri: hf://org/name[@revision]` or `pvc://claim[/path]`, which replace source."""
     clash = sorted({"source", "pvc", "image", "path"} & set(m))
     if clash:
-        raise SpecError(f"spec.model.uri replaces {', '.join(clash)}: give one or the other")
+        raise SpecError(
+            "spec.model: uri replaces source, pvc, image and path: give one or the other "
+            f"(found {', '.join(clash)})"
+        )
     uri = m["uri"]
     if not isinstance(uri, str):
         raise SpecError("spec.model.uri must be a string")
     if uri.startswith("pvc://"):
         if "hf" in m or "cache" in m:
-            raise SpecError("spec.model.hf and spec.model.cache go with an hf:// uri")
+            raise SpecError(HF_ONLY)
         claim, _, path = uri.removeprefix("pvc://").partition("/")
         if not re.match(DNS_SUBDOMAIN_PATTERN, claim):
             raise SpecError(f"spec.model.uri {uri!r}: {claim!r} is not a claim name")
@@ -472,6 +479,11 @@ def parse_model_uri(name: str, m: dict[str, Any]) -> Model:
         isinstance(endpoint, str) and re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", endpoint)
     ):
         raise SpecError(f"spec.model.hf.endpoint must be an http(s) URL, not {endpoint!r}")
+    if endpoint is not None:
+        try:
+            urllib.parse.urlsplit(endpoint).port  # noqa: B018 - the policies open this port
+        except ValueError as e:
+            raise SpecError(f"spec.model.hf.endpoint {endpoint!r}: {e}") from None
     cache = _mapping(m.get("cache"), "spec.model.cache")
     _reject_unknown(cache, {"claimName"}, "spec.model.cache")
     claim = cache.get("claimName")
@@ -589,6 +601,9 @@ def parse_spec(raw: Any) -> Spec:
         check_gpus(spec, pool)
     if spec.rdma.enabled and (mode != "disaggregated" or spec.kv_connector != "nixl"):
         raise SpecError("spec.kvTransfer.rdma needs mode disaggregated and the nixl connector")
+    if spec.placement is not None and mode != "disaggregated":
+        # Only prefill and decode pods move KV between them: nothing to place together.
+        raise SpecError("spec.kvTransfer.placement needs mode disaggregated")
     return spec
 
 
@@ -652,7 +667,4 @@ def check_gpus(spec: Spec, pool: Pool) -> None:
 def check_name(name: str) -> None:
     """The CRD's admission rule (crd.name_rule), for objects that skipped an API server."""
     if len(name) > OBJECT_NAME_MAX or not re.match(OBJECT_NAME_PATTERN, name):
-        raise SpecError(
-            f"metadata.name {name!r} must be a DNS-1035 label of at most {OBJECT_NAME_MAX} "
-            "characters: it prefixes the Services and Deployments the operator creates"
-        )
+        raise SpecError(f"{name_rule()['message']}; not {name!r}")
