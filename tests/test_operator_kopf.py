@@ -868,3 +868,70 @@ def test_conditions_carry_the_generation_and_last_scale_time_moves_with_desired_
             next_pass(state)
             next_pass(state)
             assert md_status(client)["pools"]["colocated"]["lastScaleTime"] == moved
+
+
+def test_what_a_later_spec_no_longer_sets_is_removed_from_the_deployments():
+    """A merge patch of the desired object alone never removes a field: switching a model from
+    hf:// to a claim would keep the download init container (against a read-only claim, so
+    the pods never start), turning RDMA's host network off would keep hostNetwork, and
+    Recreate would keep RollingUpdate's rollingUpdate (which the API server refuses)."""
+    pd_pools = {
+        "prefill": {"resources": {"limits": {"nvidia.com/gpu": 1}}},
+        "decode": {"resources": {"limits": {"nvidia.com/gpu": 1}}},
+    }
+    hf = {"name": "llama-3-8b", "uri": "hf://org/llama@main"}
+    rdma = {"rdma": {"enabled": True, "hostNetwork": True}, "connector": "nixl"}
+    with emulator() as url:
+        client, probe = KubeClient(url), KubeClient(url)
+        with operator(url, client, autoscale_interval=0.3):
+            probe.create(
+                model_deployment(model=hf, mode="disaggregated", pools=pd_pools, kvTransfer=rdma)
+            )
+
+            def pod(name: str = "llama-decode") -> dict:
+                found = get(probe, "apps/v1", "Deployment", name) or {}
+                return (found.get("spec") or {}).get("template", {}).get("spec") or {}
+
+            def deployment_spec() -> dict:
+                return get(probe, "apps/v1", "Deployment", "llama-decode")["spec"]
+
+            wait_for(lambda: pod().get("initContainers"), 30, "the download init container")
+            assert pod()["hostNetwork"] is True
+            assert deployment_spec()["strategy"]["rollingUpdate"] == {
+                "maxSurge": 0,
+                "maxUnavailable": 1,
+            }
+            md = get(probe, MD_API, "ModelDeployment", "llama")
+            pools = {
+                name: {**pool, "strategy": {"type": "Recreate"}} for name, pool in pd_pools.items()
+            }
+            probe.merge_patch(
+                md,
+                {
+                    "metadata": {"generation": 2},
+                    "spec": {
+                        "model": {
+                            "uri": None,
+                            "pvc": {"claimName": "models", "path": "llama"},
+                        },
+                        "pools": pools,
+                        "kvTransfer": {"rdma": {"hostNetwork": False}},
+                    },
+                },
+            )
+
+            def pruned() -> bool:
+                spec, template = deployment_spec(), pod()
+                return (
+                    "initContainers" not in template
+                    and "hostNetwork" not in template
+                    and "dnsPolicy" not in template
+                    and spec["strategy"] == {"type": "Recreate"}
+                )
+
+            wait_for(pruned, 30, "fields the new spec no longer sets removed")
+            volumes = {v["name"]: v for v in pod()["volumes"]}
+            assert volumes["model"]["persistentVolumeClaim"]["claimName"] == "models"
+            # Removed once: the next passes find nothing to patch.
+            for name in ("llama-decode", "llama-prefill"):
+                assert "initContainers" not in pod(name)

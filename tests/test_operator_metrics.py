@@ -10,7 +10,14 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
-from pagefleet.operator.handlers import contains, merge_diff
+from pagefleet.operator.handlers import (
+    LAST_APPLIED,
+    contains,
+    last_applied,
+    merge_diff,
+    removals,
+    with_last_applied,
+)
 from pagefleet.operator.metrics_source import PodScraper, PoolPods, PrometheusSource, ready_pod_ips
 from pagefleet.operator.status import Observed, PoolObserved, build_status
 from server_utils import free_port
@@ -159,3 +166,34 @@ def test_status_patch_removes_pools_that_are_gone_and_nothing_else():
         "ready": "decode 0/2",
     }
     assert merge_diff(new, new) == {}
+
+
+def test_the_last_applied_record_prunes_what_the_operator_stopped_setting():
+    """The record leaves out spec.replicas (an HPA or kubectl scale may own it: never pruned)
+    and itself; removals null the keys the operator set and sets no more, never a list item
+    (a merge patch replaces lists whole) nor a key someone else added."""
+    before = {
+        "metadata": {"name": "d", "annotations": {"team": "a"}},
+        "spec": {
+            "replicas": 3,
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0}},
+            "template": {"spec": {"hostNetwork": True, "containers": [{"name": "e"}]}},
+        },
+    }
+    stored = with_last_applied(before)
+    record = last_applied(stored)
+    assert "replicas" not in record["spec"]
+    assert LAST_APPLIED not in record["metadata"]["annotations"]
+    assert stored["spec"]["replicas"] == 3  # the object itself keeps it
+    after = {
+        "metadata": {"name": "d"},
+        "spec": {
+            "strategy": {"type": "Recreate"},
+            "template": {"spec": {"containers": [{"name": "e", "env": []}]}},
+        },
+    }
+    assert removals(record, after) == {
+        "metadata": {"annotations": None},
+        "spec": {"strategy": {"rollingUpdate": None}, "template": {"spec": {"hostNetwork": None}}},
+    }
+    assert last_applied({"metadata": {"annotations": {LAST_APPLIED: "not json"}}}) == {}

@@ -54,6 +54,9 @@ from pagefleet.operator.spec import (
 from pagefleet.operator.status import Observed, PoolObserved, build_status
 
 log = logging.getLogger("pagefleet.operator")
+# On each object the operator applies: what it set (kubectl's last-applied idea), so that a
+# field a later spec no longer sets (an init container, hostNetwork, an affinity) is removed.
+LAST_APPLIED = f"{GROUP}/last-applied"
 
 
 @dataclass(frozen=True)
@@ -213,18 +216,74 @@ def retire(client: KubeClient, patch: dict, owner_uid: str) -> bool:
 def apply(client: KubeClient, obj: dict, owner_uid: str) -> str:
     """Create the object, or merge-patch it when it drifted; returns what was done. An object
     of the same name that this ModelDeployment does not control is left as it is ("foreign"):
-    patching it would also hand it to the garbage collector with our owner reference."""
+    patching it would also hand it to the garbage collector with our owner reference. What
+    the operator set last time (its annotation) and sets no more is removed by the patch."""
+    desired = with_last_applied(obj)
     meta = obj["metadata"]
     current = client.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
     if current is None:
-        client.create(obj)
+        client.create(desired)
         return "created"
     if not controlled_by(current, owner_uid):
         return "foreign"
-    if contains(current, obj):
+    if contains(current, desired):
         return "unchanged"
-    client.merge_patch(current, obj)
+    client.merge_patch(current, merged(desired, removals(last_applied(current), desired)))
     return "patched"
+
+
+def applied_record(obj: dict) -> dict:
+    """What the operator sets on an object, as its annotation records it: spec.replicas aside
+    (the operator sets it, or leaves it to an HPA, KEDA or kubectl scale, never removes it)."""
+    record = json.loads(json.dumps(obj))
+    annotations = record["metadata"].get("annotations") or {}
+    annotations.pop(LAST_APPLIED, None)
+    if not annotations:
+        record["metadata"].pop("annotations", None)
+    if isinstance(record.get("spec"), dict):
+        record["spec"].pop("replicas", None)
+    return record
+
+
+def with_last_applied(obj: dict) -> dict:
+    text = json.dumps(applied_record(obj), sort_keys=True, separators=(",", ":"))
+    meta = obj["metadata"]
+    annotations = {**(meta.get("annotations") or {}), LAST_APPLIED: text}
+    return {**obj, "metadata": {**meta, "annotations": annotations}}
+
+
+def last_applied(current: dict) -> dict:
+    text = ((current.get("metadata") or {}).get("annotations") or {}).get(LAST_APPLIED)
+    try:
+        record = json.loads(text) if text else {}
+    except ValueError:
+        return {}  # someone edited it: nothing is known to prune
+    return record if isinstance(record, dict) else {}
+
+
+def removals(last: dict, desired: dict) -> dict:
+    """Merge-patch nulls for the keys `last` set and `desired` sets no more (objects compared
+    key by key; a list is replaced whole by a merge patch, so it needs none)."""
+    patch: dict[str, Any] = {}
+    for key, before in last.items():
+        if key not in desired:
+            patch[key] = None
+        elif isinstance(before, dict) and isinstance(desired[key], dict):
+            sub = removals(before, desired[key])
+            if sub:
+                patch[key] = sub
+    return patch
+
+
+def merged(base: dict, extra: dict) -> dict:
+    """`base` with `extra`'s keys laid over it, objects merged key by key."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def new_fleet_keys() -> dict[str, str]:
