@@ -1,0 +1,1 @@
+"""Tensor-parallel ranks of one engine: where they run and how they talk."""
