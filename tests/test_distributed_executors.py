@@ -324,10 +324,12 @@ def local_ray() -> Iterator[str]:
             shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_ray_ranks_all_reduce_with_rank0_in_the_engine(local_ray, world_size):
+def test_ray_ranks_all_reduce_with_rank0_in_the_engine(local_ray):
+    """Ray actors as ranks 1 and 2 of a driver this process already runs (its connection stays
+    the caller's); the placement group is gone after shutdown."""
     import ray
 
+    world_size = 3
     executor = make_executor("ray")
     total = run_rank0_all_reduce(executor, world_size)
     assert total == math.fsum(range(world_size))
@@ -355,21 +357,46 @@ def test_ray_supervisor_reports_a_killed_actor(local_ray):
         executor.shutdown()
 
 
-def test_ray_engine_exits_nonzero_when_an_actor_dies_mid_collective(local_ray, engine_processes):
-    """The engine is a second driver of the same cluster (RAY_ADDRESS): when it exits, Ray
-    kills its remaining actors."""
-    engine = EngineProcess(
-        "--backend", "ray", "--world-size", "3", "--hang", env={"RAY_ADDRESS": local_ray}
-    )
+def test_ray_engine_exits_nonzero_when_an_actor_dies_mid_collective(engine_processes):
+    """Catches a hang and a leak: the engine starts its own local Ray cluster (no RAY_ADDRESS),
+    rank 1's actor is SIGKILLed while rank 0 waits; the engine reports unhealthy naming rank 1,
+    exits 1, and its cleanup leaves no Ray process and no temp dir behind."""
+    engine = EngineProcess("--backend", "ray", "--world-size", "3", "--hang")
     engine_processes.append(engine)
-    pids = engine.wait_event("ranks")["pids"]
+    ranks = engine.wait_event("ranks", timeout_s=120)
+    cluster_dir = ranks["local_cluster_dir"]
+    assert cluster_dir and ranks["master_addr"] == "127.0.0.1"  # a one-machine cluster
     engine.wait_event("waiting")
-    os.kill(pids[0], signal.SIGKILL)
+    assert len(cluster_processes(cluster_dir)) >= 4  # GCS, raylet, agents, actors
+    os.kill(ranks["pids"][0], signal.SIGKILL)
     returncode, err = engine.finish()
     assert returncode == 1, err
     reason = engine.events["unhealthy"]["reason"]
     assert reason.startswith("tensor-parallel rank 1 ") and "actor died" in reason
-    wait_until(lambda: not pid_alive(pids[1]), "rank 2's actor to die with its engine")
+    wait_until(lambda: not pid_alive(ranks["pids"][1]), "rank 2's actor to stop")
+    wait_until(lambda: not cluster_processes(cluster_dir), "the engine's Ray cluster to stop")
+    assert not Path(cluster_dir).exists()
+
+
+def cluster_processes(cluster_dir: str) -> list[int]:
+    """Live processes of the Ray cluster whose temp dir is `cluster_dir`: named on their command
+    line (raylet, GCS) or holding a file open in it (agents retitle themselves `ray::...`)."""
+    return [
+        pid
+        for pid in (int(p.name) for p in Path("/proc").glob("[0-9]*"))
+        if pid != os.getpid() and pid_alive(pid) and touches(pid, cluster_dir)
+    ]
+
+
+def touches(pid: int, directory: str) -> bool:
+    try:
+        if directory.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return True
+        return any(
+            os.readlink(fd).startswith(directory) for fd in Path(f"/proc/{pid}/fd").iterdir()
+        )
+    except OSError:  # gone meanwhile, or a descriptor closed while listed
+        return False
 
 
 # --- Ray, two nodes -----------------------------------------------------------------------

@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -57,14 +58,25 @@ def main() -> None:
         env={"PYTHONPATH": TESTS_DIR},
     )
     executor.start(spec)
-    on_failure = functools.partial(fail_engine, mark_unhealthy=mark_unhealthy, grace_s=args.grace_s)
+    on_failure = functools.partial(
+        fail_engine,
+        mark_unhealthy=mark_unhealthy,
+        grace_s=args.grace_s,
+        cleanup=executor.shutdown,
+    )
     supervision = watch(executor, on_failure, interval_s=0.1)
     join_group(0, spec)
     emit("ranks", master_addr=spec.master_addr, **ranks_info(executor))
     emit("sum", value=all_reduce_rank(0))
     if args.hang:
         emit("waiting")
-        dist.recv(torch.zeros(1), src=args.world_size - 1)  # never completes: workers idle
+        try:
+            dist.recv(torch.zeros(1), src=args.world_size - 1)  # never completes: workers idle
+        except RuntimeError:
+            # The executor's cleanup stopped the rank it waited on: like the engine's step loop,
+            # leave the verdict (and the exit) to the supervisor.
+            emit("collective_failed")
+            threading.Event().wait()
         emit("returned")  # a hang that ends without the supervisor is a failure too
         sys.exit(3)
     supervision.stop()
@@ -80,6 +92,7 @@ def ranks_info(executor) -> dict:
 
     placements = executor.placements()
     return {
+        "local_cluster_dir": executor.local_cluster_dir,
         "pids": [p.pid for p in placements],
         "nodes": [ray.get_runtime_context().get_node_id()] + [p.node_id for p in placements],
     }

@@ -214,6 +214,11 @@ class RayExecutor:
             actor.run.remote(rank, spec) for rank, actor in enumerate(self._actors, start=1)
         ]
 
+    @property
+    def local_cluster_dir(self) -> str | None:
+        """The temp dir of the private local cluster this executor started, if it did."""
+        return self._temp_dir
+
     def placements(self) -> list[RankPlacement]:
         """Where ranks 1..N-1 run, rank 1 first."""
         return list(self._placements)
@@ -241,17 +246,21 @@ class RayExecutor:
         self._stopping = True
         import ray
 
+        actors = [a for a in [*self._actors, self._placeholder] if a is not None]
+        group = self._group
+        # Drop every Ray handle and reference before ray.shutdown(): one released after the
+        # core worker is gone makes Ray end the process on the spot, mid-shutdown.
+        self._actors, self._runs, self._placeholder, self._group = [], [], None, None
         if ray.is_initialized():
-            for actor in [*self._actors, self._placeholder]:
-                if actor is not None:
-                    ray.kill(actor, no_restart=True)
-            if self._group is not None:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            if group is not None:
                 from ray.util.placement_group import remove_placement_group
 
-                remove_placement_group(self._group)
+                remove_placement_group(group)
+            del actors, group
             if self._owns is not None:
                 ray.shutdown()
-        self._actors, self._runs, self._placeholder, self._group = [], [], None, None
         self._owns = None
         if self._temp_dir is not None:
             shutil.rmtree(self._temp_dir, ignore_errors=True)

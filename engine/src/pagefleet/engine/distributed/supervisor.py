@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 # a probe or a router to see why, short enough that Kubernetes restarts it promptly.
 DEFAULT_FAIL_GRACE_S = 2.0
 FAILED_EXIT_CODE = 1
+DEFAULT_CLEANUP_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -72,11 +73,15 @@ def fail_engine(
     reason: str,
     mark_unhealthy: Callable[[str], None] | None = None,
     grace_s: float = DEFAULT_FAIL_GRACE_S,
+    cleanup: Callable[[], None] | None = None,
+    cleanup_timeout_s: float = DEFAULT_CLEANUP_TIMEOUT_S,
 ) -> None:
     """Fail the engine process: log `reason` loudly, mark health unhealthy (so /health answers
-    503 during `grace_s`), then exit non-zero with os._exit. os._exit, not sys.exit: rank 0's
-    main thread may be blocked in a collective waiting for the dead rank, and no Python-level
-    exit (atexit handlers, joining threads) may wait on it."""
+    503 during `grace_s`), run `cleanup` (the executor's shutdown: a private Ray cluster leaves
+    processes behind otherwise) for at most `cleanup_timeout_s`, then exit non-zero with
+    os._exit. os._exit, not sys.exit: rank 0's main thread may be blocked in a collective
+    waiting for the dead rank, and no Python-level exit (atexit, joining threads) may wait on
+    it."""
     log.critical("engine failed: %s; exiting in %.1fs", reason, grace_s)
     if mark_unhealthy is not None:
         try:
@@ -84,7 +89,19 @@ def fail_engine(
         except Exception:
             log.exception("could not mark the engine unhealthy")
     time.sleep(max(grace_s, 0.0))
+    if cleanup is not None:
+        # In a thread of its own: a cleanup stuck on the dead rank must not keep the engine up.
+        worker = threading.Thread(target=_run_cleanup, args=(cleanup,), daemon=True)
+        worker.start()
+        worker.join(cleanup_timeout_s)
     # No logging.shutdown(): a handler lock held by a stuck thread would hang the exit.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(FAILED_EXIT_CODE)
+
+
+def _run_cleanup(cleanup: Callable[[], None]) -> None:
+    try:
+        cleanup()
+    except Exception:
+        log.exception("cleanup of a failed engine failed")
