@@ -10,6 +10,7 @@ a rank that dies during the rendezvous fails the engine instead of hanging it):
     addr = executor.master_addr()
     spec = RankSpec(tp, addr, free_master_port(), "gloo" or "nccl", "pkg.mod:worker_main", ...)
     executor.start(spec)
+    on_failure = partial(fail_engine, mark_unhealthy=..., grace_s=..., cleanup=executor.shutdown)
     supervision = watch(executor, on_failure)          # supervisor.py
     torch.distributed.init_process_group(..., init_method=spec.init_method, rank=0, ...)
     ... serve ...
