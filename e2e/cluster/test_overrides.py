@@ -322,7 +322,9 @@ def test_a_hand_scaled_pool_keeps_its_pods_until_its_spec_replicas_change(tmp_pa
         deployment = lab.kube.get("apps/v1", "Deployment", NAMESPACE, "manual-colocated")
         lab.kube.patch(deployment, {"spec": {"replicas": 2}}, "scale")  # kubectl scale
         scaled_at = len(lab.kube.history("apps/v1", "Deployment", NAMESPACE, "manual-colocated"))
-        engines = {p["metadata"]["name"] for p in wait_serving(lab, NAMESPACE, "manual", 2)}
+        # Simulated engines are Ready in seconds: an operator that reverts the scale fails here.
+        scaled = wait_serving(lab, NAMESPACE, "manual", engines=2, timeout=90)
+        engines = {p["metadata"]["name"] for p in scaled}
         lab.wait_for(lambda: router_pods(lab, url) == engines, 30, "the router to use both")
         # The operator saw both pods ready (its status says so) and left the scale alone.
         lab.wait_for(
