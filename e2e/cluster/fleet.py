@@ -269,6 +269,16 @@ class Offline:
         return self.llm.generate([ids], params, use_tqdm=False)[0].outputs[0].text
 
 
+SERVING_PROMPTS = ["What is a KV cache?", "the router sends each request to"]
+
+
+def assert_serves_as_offline(lab: Lab, url: str, model: str, offline: Offline) -> None:
+    """Completions and a chat through `url` give the offline engine's greedy text."""
+    for prompt in SERVING_PROMPTS:
+        assert complete(lab, url, model, prompt) == offline.complete(prompt)
+    assert chat(lab, url, model, SERVING_PROMPTS[0]) == offline.chat(SERVING_PROMPTS[0])
+
+
 def tcp_only_image() -> Image:
     """The project's image where UCX may only use TCP, as between pods on different nodes
     without RDMA (on one machine it would copy through CMA, which no NetworkPolicy sees)."""

@@ -11,7 +11,7 @@ from pagefleet.operator.reconcile import KV_TRANSFER_PORT, UCX_PORTS
 from .conftest import open_lab
 from .fleet import (
     EXAMPLES,
-    chat,
+    assert_serves_as_offline,
     complete,
     example,
     for_cpu,
@@ -29,7 +29,6 @@ from .fleet import (
 from .images import files_image
 
 VALUES = Path(__file__).with_name("chart-cpu-values.yaml")
-PROMPTS = ["What is a KV cache?", "the router sends each request to"]
 LONG = " ".join(f"history{i % 29} of the chat so far" for i in range(45))  # ~650 tokens
 KEDA_CRD = {
     "apiVersion": "apiextensions.k8s.io/v1",
@@ -42,12 +41,6 @@ KEDA_CRD = {
         "versions": [{"name": "v1alpha1", "served": True, "storage": True, "schema": {}}],
     },
 }
-
-
-def assert_serves_as_offline(lab, url: str, model: str, offline) -> None:
-    for prompt in PROMPTS:
-        assert complete(lab, url, model, prompt) == offline.complete(prompt)
-    assert chat(lab, url, model, PROMPTS[0]) == offline.chat(PROMPTS[0])
 
 
 def test_the_charts_default_model_deployment_serves_on_cpu(tmp_path, model_store, offline):
