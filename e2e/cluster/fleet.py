@@ -35,6 +35,7 @@ ENGINE_PORT, ROUTER_PORT = 8000, 8080
 T = TypeVar("T")
 # The examples size the KV cache for GPUs; on CPU the engine would take 4 GiB per pod.
 CPU_ENGINE_ARGS = {"kv-cache-memory": 0.05}
+GPU = "nvidia.com/gpu"
 
 
 def helm_template(release: str, namespace: str, values: Path) -> list[dict]:
@@ -106,8 +107,12 @@ def simulated_deployment(name: str, namespace: str, pool: dict) -> dict:
 
 
 def for_cpu(md: dict) -> dict:
-    """A ModelDeployment as a user runs it without GPUs: the engine args say so."""
+    """A ModelDeployment as a user runs it without GPUs: no pool requests one (so the operator
+    runs the CPU build with --device cpu), and the engine args size the KV cache for a CPU."""
     md["spec"]["engineArgs"] = {**md["spec"].get("engineArgs", {}), **CPU_ENGINE_ARGS}
+    for pool in (md["spec"].get("pools") or {}).values():
+        for amounts in (pool.get("resources") or {}).values():
+            amounts.pop(GPU, None)
     return md
 
 
@@ -267,6 +272,16 @@ class Offline:
         ids = list(ids if isinstance(ids, list) else ids["input_ids"])
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
         return self.llm.generate([ids], params, use_tqdm=False)[0].outputs[0].text
+
+
+SERVING_PROMPTS = ["What is a KV cache?", "the router sends each request to"]
+
+
+def assert_serves_as_offline(lab: Lab, url: str, model: str, offline: Offline) -> None:
+    """Completions and a chat through `url` give the offline engine's greedy text."""
+    for prompt in SERVING_PROMPTS:
+        assert complete(lab, url, model, prompt) == offline.complete(prompt)
+    assert chat(lab, url, model, SERVING_PROMPTS[0]) == offline.chat(SERVING_PROMPTS[0])
 
 
 def tcp_only_image() -> Image:

@@ -7,7 +7,8 @@ containers to completion, then each container as a real process through shim.py 
 UTS namespace, the spec's user, read-only root where asked). Probes (startup, readiness,
 liveness) from the node as the spec states them, restarts with back-off (restartCount), and on
 deletion SIGTERM, then SIGKILL after the grace period. Pod status (phase, podIP, conditions,
-container statuses) is written back through the status subresource.
+container statuses with each ended container's termination message) is written back through the
+status subresource.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ BACKOFF_S, BACKOFF_MAX_S = 10.0, 300.0
 TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 # Mount points shims created on the machine's tree, by every lab on this machine.
 CREATED_MOUNT_POINTS = Path("/run/pagefleet-lab/created-mount-points")
+# The kubelet's limits on a termination message (pkg/kubelet/container): the file's last 4096
+# bytes; with FallbackToLogsOnError and an empty file, the log's last 80 lines, 2048 bytes at most.
+TERMINATION_MESSAGE_BYTES = 4096
+TERMINATION_LOG_LINES, TERMINATION_LOG_BYTES = 80, 2048
 
 
 def now_iso() -> str:
@@ -59,6 +64,18 @@ def repository(image: str) -> str:
     name = image.split("@", 1)[0]
     last = name.rsplit("/", 1)[-1]
     return name[: len(name) - len(last)] + last.split(":", 1)[0]
+
+
+def termination_message(written: bytes, log_tail: str, policy: str | None, exit_code: int) -> str:
+    """What `state.terminated.message` says, as the kubelet reads it: the termination-message
+    file's end; when that is empty and the container failed under FallbackToLogsOnError, the
+    end of this run's log."""
+    if written:
+        return written[-TERMINATION_MESSAGE_BYTES:].decode(errors="replace")
+    if policy != "FallbackToLogsOnError" or exit_code == 0:
+        return ""
+    lines = log_tail.splitlines(keepends=True)[-TERMINATION_LOG_LINES:]
+    return "".join(lines).encode()[-TERMINATION_LOG_BYTES:].decode(errors="replace")
 
 
 def tmpfs_size(limit: str | None) -> str:
@@ -421,8 +438,14 @@ class PodWorker:
 
     # -- what a container runs
 
-    def launch(self, container: dict, volumes: dict[str, tuple[str, bool]]) -> dict:
-        """The shim's spec for `container`; ConfigError when it cannot be created yet."""
+    def launch(
+        self,
+        container: dict,
+        volumes: dict[str, tuple[str, bool]],
+        termination_file: Path | None = None,
+    ) -> dict:
+        """The shim's spec for `container`; ConfigError when it cannot be created yet.
+        `termination_file` (this run's, on the node) is mounted at terminationMessagePath."""
         image = self.config.images.get(repository(container["image"]))
         if image is None:
             raise ConfigError(f"ErrImagePull: the lab has no image {container['image']!r}")
@@ -464,6 +487,9 @@ class PodWorker:
                     "read_only": read_only or bool(m.get("readOnly")),
                 }
             )
+        target = container.get("terminationMessagePath")
+        if termination_file is not None and target:
+            mounts.append({"source": str(termination_file), "target": target, "read_only": False})
         hosts = self.dir / "etc-hosts"
         hosts.write_text(f"127.0.0.1\tlocalhost\n::1\tlocalhost\n{self.ip}\t{self.name}\n")
         mounts.append({"source": str(hosts), "target": "/etc/hosts", "read_only": False})
@@ -500,6 +526,8 @@ class ContainerRunner:
         self.proc: asyncio.subprocess.Process | None = None
         name = f"{worker.ns}_{worker.name}_{container['name']}"
         self.log_path = worker.config.state_dir / "logs" / f"{name}.log"
+        self.log_offset = 0  # where this run's output starts in the log
+        self.termination_file: Path | None = None
 
     async def _sleep_or_stop(self, seconds: float) -> bool:
         """Sleep; True if the pod is stopping meanwhile."""
@@ -516,7 +544,8 @@ class ContainerRunner:
     async def _start(self) -> asyncio.subprocess.Process | None:
         """Start the process; None (with the waiting reason set) when it cannot be created."""
         try:
-            spec = self.worker.launch(self.container, self.volumes)
+            termination_file = self._new_termination_file()
+            spec = self.worker.launch(self.container, self.volumes, termination_file)
         except ConfigError as e:
             reason = "ErrImagePull" if "ErrImagePull" in str(e) else "CreateContainerConfigError"
             self.state.state = {"waiting": {"reason": reason, "message": str(e)}}
@@ -529,6 +558,7 @@ class ContainerRunner:
         with open(self.log_path, "ab") as out:
             out.write(f"--- start {now_iso()} (restart {self.state.restart_count})\n".encode())
             out.flush()
+            self.log_offset = out.tell()
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 str(SHIM),
@@ -537,10 +567,33 @@ class ContainerRunner:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
+        self.termination_file = termination_file
         self.state.container_id = f"lab://{proc.pid}"
         self.state.state = {"running": {"startedAt": now_iso()}}
         self.worker.changed()
         return proc
+
+    def _new_termination_file(self) -> Path:
+        """A fresh, empty file per run (as the kubelet makes one per container instance),
+        writable by any user the container runs as."""
+        run = self.state.restart_count
+        path = self.worker.dir / "termination" / f"{self.container['name']}.{run}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"")
+        path.chmod(0o666)
+        return path
+
+    def _message(self, code: int) -> str:
+        written = b""
+        if self.termination_file is not None:
+            with contextlib.suppress(OSError):
+                written = self.termination_file.read_bytes()
+        log_tail = ""
+        with contextlib.suppress(OSError), open(self.log_path, "rb") as log:
+            log.seek(self.log_offset)
+            log_tail = log.read().decode(errors="replace")
+        policy = self.container.get("terminationMessagePolicy")
+        return termination_message(written, log_tail, policy, code)
 
     def _exited(self, code: int, started: dict, reason: str | None = None) -> None:
         code = 128 - code if code < 0 else code
@@ -551,6 +604,9 @@ class ContainerRunner:
             "finishedAt": now_iso(),
             "containerID": self.state.container_id,
         }
+        message = self._message(code)
+        if message:
+            terminated["message"] = message
         self.state.last_state = {"terminated": terminated}
         self.state.state = {"terminated": terminated}
         self.state.ready = False

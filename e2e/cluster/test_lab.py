@@ -504,6 +504,36 @@ def test_probes_restart_and_termination(lab):
     assert "drained" in lab.pod_log(running[0])
 
 
+def test_termination_messages_as_the_kubelet_reports_them(lab):
+    """A container's `state.terminated.message`: what it wrote to its terminationMessagePath
+    (a non-root user under a read-only root may write it); with FallbackToLogsOnError and
+    nothing written, the end of a failed run's log (80 lines at most); with the default File
+    policy, nothing from the log."""
+    many = "import sys; [print(f'line {i}') for i in range(100)]; sys.exit(3)"
+    pods = {
+        "wrote": ("open('/dev/termination-log', 'w').write('model ready: 42')", None),
+        "fell-back": (many, "FallbackToLogsOnError"),
+        "file-policy": (many, "File"),
+    }
+    for name, (script, policy) in pods.items():
+        container = {"securityContext": {"runAsUser": 1000, "readOnlyRootFilesystem": True}}
+        if policy:
+            container["terminationMessagePolicy"] = policy
+        lab.kube.create(pod(name, script, restartPolicy="Never", container=container))
+
+    def ended(name: str) -> dict | None:
+        status = (lab.kube.get("v1", "Pod", "default", name).get("status") or {}).get(
+            "containerStatuses"
+        ) or [{}]
+        return status[0].get("state", {}).get("terminated")
+
+    done = {n: lab.wait_for(lambda n=n: ended(n), 60, f"{n} to end") for n in pods}
+    assert done["wrote"]["message"] == "model ready: 42"
+    fell_back = done["fell-back"]["message"].splitlines()
+    assert fell_back == [f"line {i}" for i in range(20, 100)]
+    assert "message" not in done["file-policy"]
+
+
 def test_volumes_users_and_read_only_root(lab):
     """ConfigMap files, Secret env, an emptyDir an init container fills, the pod's user and
     fsGroup, a read-only root, the service-account token, all as the spec states them."""

@@ -134,6 +134,9 @@ def _engine_child(
         host=opts.host,
         port=port,
         served_model_name=opts.served_model_name,
+        # Said explicitly, as the operator's pods say theirs: here each engine takes the
+        # machine's GPU when it has one.
+        device="auto",
         fleet_secret_file=opts.fleet_secret_file,
         json_args=json_args,
         simulate=opts.simulate,
