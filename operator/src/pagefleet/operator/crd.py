@@ -516,6 +516,11 @@ def status_schema() -> dict:
                 "type": "integer",
                 "description": "spec replicas last applied (a change applies again)",
             },
+            "workload": {
+                "type": "string",
+                "enum": ["Deployment", "LeaderWorkerSet"],
+                "description": "the kind that runs the pool (LeaderWorkerSet when nodes > 1)",
+            },
             "lastScaleTime": {"type": "string", "format": "date-time"},
             "recommendations": {
                 "type": "array",
