@@ -85,22 +85,26 @@ LEADER_WORKER_SET_SCHEMA: dict[str, Any] = {
 }
 
 
+def validate_builtin(obj: dict, versions: tuple[str, ...]) -> None:
+    """A built-in kind, strictly, for each Kubernetes version (kubernetes-validate)."""
+    for version in versions:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            raise AssertionError(
+                f"{obj['kind']} invalid for Kubernetes {version} at {e.json_path}: {e.message}"
+            ) from None
+
+
 def validate_pod_template(template: dict, versions: tuple[str, ...]) -> None:
-    """A PodTemplateSpec, strictly, as the API server would take it inside a PodTemplate."""
+    """A PodTemplateSpec, as the API server would take it inside a PodTemplate."""
     wrapper = {
         "apiVersion": "v1",
         "kind": "PodTemplate",
         "metadata": {"name": "lws-template"},
         "template": template,
     }
-    for version in versions:
-        try:
-            kubernetes_validate.validate(wrapper, version, strict=True)
-        except kubernetes_validate.ValidationError as e:
-            raise AssertionError(
-                f"LeaderWorkerSet pod template invalid for Kubernetes {version} at "
-                f"{e.json_path}: {e.message}"
-            ) from None
+    validate_builtin(wrapper, versions)
 
 
 def validate_leader_worker_set(obj: dict, versions: tuple[str, ...]) -> None:

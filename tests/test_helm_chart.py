@@ -16,9 +16,9 @@ from typing import Any
 
 import celpy
 import jsonschema
-import kubernetes_validate
 import pytest
 import yaml
+from lws_schema import validate_builtin as validate_kubernetes
 from lws_schema import validate_leader_worker_set
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -336,13 +336,7 @@ SCALED_OBJECT_SCHEMA = {
 
 
 def validate_builtin(obj: dict) -> None:
-    for version in KUBERNETES_VERSIONS:
-        try:
-            kubernetes_validate.validate(obj, version, strict=True)
-        except kubernetes_validate.ValidationError as e:
-            raise AssertionError(
-                f"{obj['kind']} invalid for Kubernetes {version} at {e.json_path}: {e.message}"
-            ) from None
+    validate_kubernetes(obj, KUBERNETES_VERSIONS)
 
 
 def validate_scaled_object(obj: dict) -> None:
