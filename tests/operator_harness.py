@@ -37,6 +37,7 @@ RESOURCES = {
     "rbac.authorization.k8s.io/v1/roles": ("Role", True, ()),
     "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, ()),
     "keda.sh/v1alpha1/scaledobjects": ("ScaledObject", True, ()),
+    "leaderworkerset.x-k8s.io/v1/leaderworkersets": ("LeaderWorkerSet", True, {"scale"}),
     "coordination.k8s.io/v1/leases": ("Lease", True, ()),  # `pagefleet operator`'s election
 }
 

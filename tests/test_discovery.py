@@ -93,6 +93,41 @@ def test_ready_matching_pods_are_discovered_and_removed():
             discovery.stop()
 
 
+def group_pod(name: str, worker_index: str, owner: str) -> dict:
+    """A pod of the operator's LeaderWorkerSet `md-colocated` (a multi-node pool): leaders are
+    controlled by the leader StatefulSet `md-colocated`, the workers of group 0 by
+    `md-colocated-0`."""
+    made = pod(name)
+    labels = made["metadata"]["labels"]
+    del labels["pod-template-hash"]
+    labels["leaderworkerset.sigs.k8s.io/worker-index"] = worker_index
+    made["metadata"]["ownerReferences"][0].update(kind="StatefulSet", name=owner)
+    return made
+
+
+def test_only_the_leaders_of_a_multi_node_pool_are_routed_to():
+    """A group's worker pods carry the pool's labels but run Ray only: routing to one fails
+    every request sent there. A pod claiming to be a leader (worker index 0) counts only when
+    the leader StatefulSet of the pool's LeaderWorkerSet controls it."""
+    with pods_emulator() as url:
+        api = core_api(url)
+        api.create_namespaced_pod("serving", group_pod("md-colocated-0", "0", "md-colocated"))
+        api.create_namespaced_pod("serving", group_pod("md-colocated-0-1", "1", "md-colocated-0"))
+        # A worker that relabels itself a leader is still not the leader StatefulSet's.
+        api.create_namespaced_pod("serving", group_pod("liar", "0", "md-colocated-0"))
+        # A Deployment's pod never passes as a group leader by its StatefulSet name alone.
+        api.create_namespaced_pod("serving", group_pod("no-index", "", "md-colocated"))
+        seen: list = []
+        discovery = KubernetesDiscovery(
+            api, "serving", "pagefleet.io/model=m", 8000, seen.append, deployment="md"
+        ).start()
+        try:
+            wait_until(lambda: seen and "md-colocated-0" in [p.name for p in seen[-1]])
+            assert [(p.name, p.role) for p in seen[-1]] == [("md-colocated-0", "both")]
+        finally:
+            discovery.stop()
+
+
 def rogue(name: str, change) -> dict:
     made = pod(name, pool="decode")
     change(made["metadata"])

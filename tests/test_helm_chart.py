@@ -16,9 +16,10 @@ from typing import Any
 
 import celpy
 import jsonschema
-import kubernetes_validate
 import pytest
 import yaml
+from lws_schema import validate_builtin as validate_kubernetes
+from lws_schema import validate_leader_worker_set
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "pagefleet"
@@ -335,13 +336,7 @@ SCALED_OBJECT_SCHEMA = {
 
 
 def validate_builtin(obj: dict) -> None:
-    for version in KUBERNETES_VERSIONS:
-        try:
-            kubernetes_validate.validate(obj, version, strict=True)
-        except kubernetes_validate.ValidationError as e:
-            raise AssertionError(
-                f"{obj['kind']} invalid for Kubernetes {version} at {e.json_path}: {e.message}"
-            ) from None
+    validate_kubernetes(obj, KUBERNETES_VERSIONS)
 
 
 def validate_scaled_object(obj: dict) -> None:
@@ -385,6 +380,11 @@ VALIDATORS: dict[tuple[str, str], Callable[[dict], None]] = {
         SERVICE_MONITOR_SCHEMA
     ).validate(o),
     ("keda.sh/v1alpha1", "ScaledObject"): validate_scaled_object,
+    # The LeaderWorkerSet API reference's fields, closed; its pod templates by
+    # kubernetes-validate (tests/lws_schema.py).
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): lambda o: validate_leader_worker_set(
+        o, KUBERNETES_VERSIONS
+    ),
 }
 
 
@@ -428,7 +428,7 @@ def ci_values(name: str) -> dict:
 
 
 def test_the_required_values_files_exist():
-    assert {"colocated", "disaggregated", "keda", "minimal"} <= set(VALUES_FILES)
+    assert {"colocated", "disaggregated", "keda", "minimal", "multinode"} <= set(VALUES_FILES)
     assert CRD_FILE.is_file(), "the CRD ships in crds/"
 
 
@@ -517,6 +517,61 @@ def test_every_cel_rule_of_the_crd_compiles_and_rejects_what_it_should():
         check_cel_rules(crd_schema(), bad)
     bad["spec"]["model"] = {"name": "x", "uri": "hf://org/name@v1", "cache": {"claimName": "c"}}
     check_cel_rules(crd_schema(), bad)
+
+
+@pytest.mark.parametrize(
+    ("pool", "engine_args", "message"),
+    [
+        ({"resources": {"limits": {GPU: 2}}}, {}, "must equal tensorParallelSize / nodes"),
+        (
+            {"resources": {"requests": {GPU: "2"}}, "tensorParallelSize": 2, "nodes": 2},
+            {},
+            "must equal",
+        ),
+        ({"tensorParallelSize": 3, "nodes": 2}, {}, "must be a multiple of nodes"),
+        (
+            {"tensorParallelSize": 2, "nodes": 2, "strategy": {"type": "Recreate"}},
+            {},
+            "strategy.type must be RollingUpdate",
+        ),
+        ({}, {"tensor-parallel-size": 2}, "set the pool's tensorParallelSize instead"),
+        ({"engineArgs": {"pipeline-parallel-size": 2}}, {}, "pipeline parallelism is not offered"),
+        ({"engineArgs": {"distributed-executor-backend": "ray"}}, {}, "is the operator's"),
+    ],
+)
+def test_the_crds_parallelism_rules_refuse_at_admission(pool, engine_args, message):
+    """The operator refuses these too (tests/test_operator_parallel.py); the CEL rules make
+    the API server refuse them before a ModelDeployment exists, with the same words."""
+    md = {
+        "apiVersion": "pagefleet.io/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": "x"},
+        "spec": {"model": {"name": "x", "uri": "pvc://m"}, "pools": {"colocated": pool}},
+    }
+    if engine_args:
+        md["spec"]["engineArgs"] = engine_args
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        check_cel_rules(crd_schema(), md)
+
+
+@pytest.mark.parametrize(
+    "pool",
+    [
+        {},
+        {"tensorParallelSize": 2},  # CPU ranks
+        {"resources": {"limits": {GPU: 2}, "requests": {GPU: 2}}, "tensorParallelSize": 2},
+        {"resources": {"limits": {GPU: "4"}}, "tensorParallelSize": 8, "nodes": 2},
+        {"resources": {"limits": {GPU: 0}}, "tensorParallelSize": 2},  # no GPU: a CPU pool
+    ],
+)
+def test_the_crds_parallelism_rules_admit_consistent_pools(pool):
+    md = {
+        "apiVersion": "pagefleet.io/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": "x"},
+        "spec": {"model": {"name": "x", "uri": "pvc://m"}, "pools": {"colocated": pool}},
+    }
+    check_cel_rules(crd_schema(), md)
 
 
 def test_a_schema_violation_fails_install_naming_each_key(helm):
@@ -834,6 +889,7 @@ def test_operator_rbac_is_least_privilege_and_covers_what_it_creates(rendered):
         ),
         *(("networking.k8s.io", "networkpolicies", v) for v in owned_verbs),
         *(("policy", "poddisruptionbudgets", v) for v in owned_verbs),
+        *(("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in owned_verbs),
         *(("", "secrets", v) for v in secret_verbs),
         *(("", "pods", v) for v in ("get", "list", "watch")),
         ("", "events", "create"),
@@ -863,6 +919,7 @@ def test_operator_rbac_is_least_privilege_and_covers_what_it_creates(rendered):
         "RoleBinding",
         "Secret",
         "NetworkPolicy",
+        "LeaderWorkerSet",
     } <= kinds
 
 
@@ -1849,3 +1906,37 @@ def test_keda_auth_values_reach_the_scaled_object(rendered):
     assert trigger["metadata"]["authModes"] == "bearer"
     assert trigger["metadata"]["activationThreshold"] == "1"
     assert spec["minReplicaCount"] == 0
+
+
+def test_multinode_values_render_a_leader_worker_set_of_ray_groups(rendered):
+    """values -> the chart's ModelDeployment -> a LeaderWorkerSet: 2 pods of 8 GPUs per engine
+    (TP 16 over Ray), the leader serving, KEDA scaling the LeaderWorkerSet."""
+    docs = rendered["multinode"]
+    md = one(docs, "ModelDeployment")
+    pool = md["spec"]["pools"]["colocated"]
+    assert (pool["tensorParallelSize"], pool["nodes"]) == (16, 2)
+    assert "shmSize" not in pool  # the operator's rule: 2Gi x 8 GPUs + 1Gi
+    objects = owned_objects(md, ci_values("multinode"), docs)
+    (lws,) = objects_of(objects, "LeaderWorkerSet")
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert template["size"] == 2
+    leader, worker = template["leaderTemplate"]["spec"], template["workerTemplate"]["spec"]
+    (lead,) = leader["containers"]
+    (work,) = worker["containers"]
+    assert lead["image"] == work["image"] == operator_images(docs).cuda
+    assert "--tensor-parallel-size 16 --distributed-executor-backend ray" in lead["command"][2]
+    assert lead["command"][2].startswith("ray start --head ")
+    assert "ray start '--address=$(LWS_LEADER_ADDRESS):6379' --block" in work["command"][2]
+    for c in (lead, work):
+        assert c["resources"]["limits"][GPU] == 8
+        assert {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"} in c["env"]
+    assert "readinessProbe" in lead and "readinessProbe" not in work
+    for pod in (leader, worker):
+        assert pod["nodeSelector"] == pool["nodeSelector"]
+        (shm,) = [v for v in pod["volumes"] if v["name"] == "shm"]
+        assert shm["emptyDir"]["sizeLimit"] == "17Gi"
+    (scaled,) = objects_of(objects, "ScaledObject")
+    assert scaled["spec"]["scaleTargetRef"]["kind"] == "LeaderWorkerSet"
+    assert not [
+        d for d in objects_of(objects, "Deployment") if "colocated" in d["metadata"]["name"]
+    ]

@@ -21,11 +21,15 @@ CASES = {
     "colocated.yaml": ("llama", "00000000-0000-0000-0000-000000000014", "llama-3-8b"),
     "disaggregated.yaml": ("llama-pd", "00000000-0000-0000-0000-000000000018", "llama-3-8b"),
     "keda.yaml": ("qwen", "00000000-0000-0000-0000-000000000009", "qwen2-7b"),
+    "multinode.yaml": ("llama-70b", "00000000-0000-0000-0000-000000000014", "llama-3-70b"),
 }
+# The goldens whose engines are Deployments (multinode.yaml's are a LeaderWorkerSet).
+SINGLE_NODE = sorted(set(CASES) - {"multinode.yaml"})
 MODEL_PATHS = {
     "colocated.yaml": "/models/llama-3-8b",
     "disaggregated.yaml": "/models/llama-3-8b",
     "keda.yaml": "/models",
+    "multinode.yaml": "/models/llama-3-70b",
 }
 # The operator's flags: before every engineArgs flag (argparse keeps the last value, so a user
 # can override any of them).
@@ -57,6 +61,7 @@ KV_EVENTS = {
 }
 FLEET_SECRET_FILE = "/var/run/secrets/pagefleet.io/fleet/secret"
 ENGINE_PORTS = {"http": 8000, "kv-events": 5557, "kv-replay": 5558}
+GPU = "nvidia.com/gpu"
 POD_IP_ENV = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
 
@@ -105,7 +110,7 @@ def test_every_object_is_controlled_by_its_model_deployment(name):
         assert obj["metadata"]["namespace"] == "serving"
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", SINGLE_NODE)
 def test_engine_pods_flags_order_events_probes_and_pod_ip(name):
     _, _, model = CASES[name]
     engines = {
@@ -384,3 +389,126 @@ def test_colocated_network_policies_open_no_kv_transfer_port():
     assert flows(engines, "egress", md) == {("any", "TCP", 53, None), ("any", "UDP", 53, None)}
     router = flows(policies["llama-router"], "egress", md)
     assert {port for _, _, port, _ in router} == {8000, 5557, 5558, 443, 6443, 53}
+
+
+# multinode.yaml: tensorParallelSize 8 over nodes 2 (4 GPUs per pod), as a LeaderWorkerSet.
+RAY_PORTS = {
+    "--node-manager-port": "6380",
+    "--object-manager-port": "6381",
+    "--min-worker-port": "10002",
+    "--max-worker-port": "19999",
+}
+
+
+def ray_flags(script: str) -> dict[str, str]:
+    """`--flag=value` arguments of a shell command line (valueless flags left out)."""
+    words = (w.strip("'") for w in script.split())
+    return dict(w.split("=", 1) for w in words if w.startswith("--") and "=" in w)
+
+
+def test_multinode_pool_is_one_leader_worker_set_with_a_ray_head_and_a_ray_worker():
+    """The leader starts the group's Ray head and then execs the engine with TP 8 over Ray
+    (RAY_ADDRESS: its own head); the worker waits for that head and joins it with every port
+    pinned; each pod requests TP / nodes = 4 GPUs and tells Ray so; only the leader serves
+    (probes, fleet secret, API key)."""
+    objects = golden("multinode.yaml")
+    assert not [o for o in objects if o["kind"] == "Deployment" and "colocated" in str(o)]
+    (lws,) = [o for o in objects if o["kind"] == "LeaderWorkerSet"]
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    assert lws["metadata"]["name"] == "llama-70b-colocated"
+    assert lws["spec"]["replicas"] == 1  # builtin autoscaling starts at spec.replicas
+    assert lws["spec"]["startupPolicy"] == "LeaderCreated"
+    assert lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"] == {
+        "maxSurge": 0,
+        "maxUnavailable": 1,
+    }
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert template["size"] == 2
+    assert template["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader, worker = (template[k]["spec"] for k in ("leaderTemplate", "workerTemplate"))
+    (lead,) = leader["containers"]
+    (work,) = worker["containers"]
+    assert lead["command"][:2] == work["command"][:2] == ["sh", "-c"]
+    head, _, serve = lead["command"][2].partition(" && exec ")
+    assert head.startswith("ray start --head --port=6379 --include-dashboard=false")
+    assert {k: ray_flags(head)[k] for k in RAY_PORTS} == RAY_PORTS
+    assert ray_flags(head)["--node-ip-address"] == "$(POD_IP)"
+    assert ray_flags(head)["--num-gpus"] == "4"
+    assert serve.startswith("pagefleet serve /models/llama-3-70b ")
+    assert " --tensor-parallel-size 8 --distributed-executor-backend ray " in serve
+    assert "--device cuda" in serve
+    assert {"name": "RAY_ADDRESS", "value": "$(POD_IP):6379"} in lead["env"]
+    wait, _, join = work["command"][2].partition("; exec ")
+    assert wait == (
+        "until ray health-check '--address=$(LWS_LEADER_ADDRESS):6379' >/dev/null 2>&1; "
+        "do sleep 2; done"
+    )
+    assert join.startswith("ray start '--address=$(LWS_LEADER_ADDRESS):6379' --block ")
+    assert {k: ray_flags(join)[k] for k in RAY_PORTS} == RAY_PORTS
+    assert ray_flags(join)["--num-gpus"] == "4"
+    for c in (lead, work):
+        assert c["resources"]["limits"][GPU] == c["resources"]["requests"][GPU] == 4
+        assert POD_IP_ENV in c["env"]
+        assert {"name": "NCCL_DEBUG", "value": "WARN"} in c["env"]  # overrides reach both
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert probe_path(lead, probe) == ("/health", "http")
+        assert probe not in work
+    assert "fleet-secret" in {v["name"] for v in leader["volumes"]}
+    assert "fleet-secret" not in {v["name"] for v in worker["volumes"]}
+    assert secret_ref(work["env"], "PAGEFLEET_API_KEY") is None
+    for pod in (leader, worker):
+        (shm,) = [v for v in pod["volumes"] if v["name"] == "shm"]
+        assert shm["emptyDir"]["sizeLimit"] == "9Gi"  # 2Gi x 4 GPUs + 1Gi Ray object store
+        assert {"name": "net.ipv4.ip_local_port_range", "value": "32768 60999"} in pod[
+            "securityContext"
+        ]["sysctls"]
+        assert pod["automountServiceAccountToken"] is False
+
+
+def test_multinode_service_targets_leaders_and_publishes_them_before_ready():
+    """The Service named like the LeaderWorkerSet is the group's DNS subdomain (so the LWS
+    controller makes none of its own) and the pool's headless Service: leaders only, listed
+    while not ready so that workers resolve LWS_LEADER_ADDRESS before the engine serves."""
+    (service,) = [
+        o
+        for o in golden("multinode.yaml")
+        if o["kind"] == "Service" and o["metadata"]["name"] == "llama-70b-colocated"
+    ]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {
+        "pagefleet.io/deployment": "llama-70b",
+        "pagefleet.io/pool": "colocated",
+        "leaderworkerset.sigs.k8s.io/worker-index": "0",
+    }
+    (budget,) = [o for o in golden("multinode.yaml") if o["kind"] == "PodDisruptionBudget"]
+    # The whole group: evicting any pod restarts its group, so every pod counts.
+    assert budget["spec"]["selector"]["matchLabels"] == {
+        "pagefleet.io/deployment": "llama-70b",
+        "pagefleet.io/pool": "colocated",
+    }
+
+
+def test_multinode_pods_reach_each_other_on_rays_ports_and_the_ephemeral_range_only():
+    md = "llama-70b"
+    policies = network_policies("multinode.yaml")
+    engines = policies["llama-70b-colocated"]
+    group = {
+        ("colocated", "TCP", 6379, None),  # Ray GCS (the leader's head)
+        ("colocated", "TCP", 6380, None),  # raylets
+        ("colocated", "TCP", 6381, None),  # object managers
+        ("colocated", "TCP", 10002, 19999),  # Ray worker processes (the rank actors)
+        ("colocated", "TCP", 32768, 60999),  # torch.distributed store, gloo, NCCL
+    }
+    assert flows(engines, "ingress", md) == {
+        ("router", "TCP", 8000, None),
+        ("operator", "TCP", 8000, None),
+        ("router", "TCP", 5557, None),
+        ("router", "TCP", 5558, None),
+        *group,
+    }
+    assert flows(engines, "egress", md) == {
+        ("any", "TCP", 53, None),
+        ("any", "UDP", 53, None),
+        *group,
+    }

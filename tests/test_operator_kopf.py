@@ -935,3 +935,65 @@ def test_what_a_later_spec_no_longer_sets_is_removed_from_the_deployments():
             # Removed once: the next passes find nothing to patch.
             for name in ("llama-decode", "llama-prefill"):
                 assert "initContainers" not in pod(name)
+
+
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+
+
+def test_a_pool_switching_to_several_nodes_and_back_moves_its_replicas_between_kinds():
+    """A pool that becomes multi-node gets a LeaderWorkerSet with the pool's replicas, its
+    Deployment goes to 0 (the operator deletes nothing) and its Service selects the group
+    leaders; back on one node, the LeaderWorkerSet goes to 0 and the Deployment takes
+    spec.replicas again. Catches the pool keeping the retired Deployment's 0 replicas as "its
+    own" (mode none keeps a workload's replicas while spec.replicas is unchanged). A
+    `kubectl scale` of the LeaderWorkerSet (its scale subresource) is kept, as for a
+    Deployment."""
+    one_node = {"replicas": 2, "resources": {"limits": {"nvidia.com/gpu": 2}}}
+    two_nodes = {**one_node, "tensorParallelSize": 4, "nodes": 2}  # still 2 GPUs per pod
+    with emulator() as url:
+        client = KubeClient(url)
+        with operator(url, client, autoscale_interval=0.3) as state:
+            client.create(
+                model_deployment(pools={"colocated": {**one_node, "tensorParallelSize": 2}})
+            )
+            wait_for(lambda: get(client, "apps/v1", "Deployment", "llama-colocated"))
+            wait_for(
+                lambda: md_status(client).get("pools", {}).get("colocated", {}).get("workload")
+            )
+            md = get(client, MD_API, "ModelDeployment", "llama")
+            client.merge_patch(md, {"spec": {"pools": {"colocated": two_nodes}}})
+
+            def lws() -> dict | None:
+                return get(client, LWS_API, "LeaderWorkerSet", "llama-colocated")
+
+            wait_for(lambda: lws() and lws()["spec"].get("replicas") == 2, what="the LWS at 2")
+            wait_for(lambda: pool_replicas(client) == 0, what="the Deployment retired")
+            service = get(client, "v1", "Service", "llama-colocated")
+            assert service["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+            assert service["spec"]["publishNotReadyAddresses"] is True
+            wait_for(
+                lambda: md_status(client)["pools"]["colocated"]["workload"] == "LeaderWorkerSet"
+            )
+            assert md_status(client)["selector"].endswith(
+                ",leaderworkerset.sigs.k8s.io/worker-index=0"
+            )
+            # kubectl scale lws llama-colocated --replicas 3: kept (spec.replicas unchanged).
+            client.merge_patch(lws(), {"spec": {"replicas": 3}})
+            wait_for(lambda: md_status(client)["pools"]["colocated"]["desiredReplicas"] == 3)
+            next_pass(state)
+            assert lws()["spec"]["replicas"] == 3
+            md = get(client, MD_API, "ModelDeployment", "llama")
+            client.merge_patch(
+                md, {"spec": {"pools": {"colocated": {"nodes": 1, "tensorParallelSize": 2}}}}
+            )
+            wait_for(lambda: lws()["spec"]["replicas"] == 0, what="the LWS retired")
+            wait_for(lambda: pool_replicas(client) == 2, what="the Deployment back at 2")
+            wait_for(
+                lambda: (
+                    "publishNotReadyAddresses"
+                    not in get(client, "v1", "Service", "llama-colocated")["spec"]
+                ),
+                what="the Service back to every pod of the pool",
+            )
+            next_pass(state)
+            assert pool_replicas(client) == 2

@@ -141,43 +141,33 @@ def test_gpu_pools_roll_without_a_surge_pod_and_a_users_strategy_wins():
 
 
 @pytest.mark.parametrize(
-    ("pool", "engine_args", "match"),
+    ("pool", "match"),
     [
         (
             {"resources": {"limits": {"nvidia.com/gpu": 2}}},
-            {},
-            r"spec.pools.colocated: 2 nvidia.com/gpu per pod, but one engine uses 1 "
-            r"\(tensor-parallel-size x pipeline-parallel-size\)",
+            r"spec.pools.colocated: 2 nvidia.com/gpu per pod x 1 node\(s\), but "
+            "tensorParallelSize is 1",
         ),
         (
-            {"resources": {"requests": {"nvidia.com/gpu": "4"}}},
-            {"tensor-parallel-size": 2},
-            "4 nvidia.com/gpu per pod, but one engine uses 2",
+            {"resources": {"requests": {"nvidia.com/gpu": "4"}}, "tensorParallelSize": 2},
+            "4 nvidia.com/gpu per pod x 1 node",
         ),
-        (
-            {"resources": GPU, "engineArgs": {"pipeline-parallel-size": 2}},
-            {"tensor-parallel-size": 2},
-            "1 nvidia.com/gpu per pod, but one engine uses 4",
-        ),
-        ({"resources": {"limits": {"nvidia.com/gpu": "500m"}}}, {}, "must be a whole number"),
-        ({"resources": GPU}, {"tensor-parallel-size": 0}, "tensor-parallel-size must be"),
+        ({"resources": {"limits": {"nvidia.com/gpu": "500m"}}}, "must be a whole number"),
+        ({"resources": GPU, "tensorParallelSize": 0}, "tensorParallelSize must be"),
     ],
 )
-def test_gpu_count_must_be_what_one_engine_uses(pool, engine_args, match):
-    refused(md(pools={"colocated": pool}, engineArgs=engine_args), match)
+def test_gpu_count_must_be_what_one_engine_uses(pool, match):
+    refused(md(pools={"colocated": pool}), match)
 
 
 def test_gpu_count_equal_to_the_engines_parallelism_is_accepted():
-    two = {
-        "resources": {"limits": {"nvidia.com/gpu": 2}},
-        "engineArgs": {"tensor-parallel-size": 2},
-    }
+    two = {"resources": {"limits": {"nvidia.com/gpu": 2}}, "tensorParallelSize": 2}
     objects = render(md(pools={"colocated": two}))
     container = main_container(objects, "md-colocated")
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert container["image"] == IMAGES.cuda
     # A CPU pool has no GPU count to check.
-    render(md(engineArgs={"tensor-parallel-size": 2}))
+    render(md(pools={"colocated": {"tensorParallelSize": 2}}))
 
 
 # Model URIs

@@ -12,6 +12,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from lws_schema import validate_leader_worker_set
 
 from pagefleet.common.cli import main
 from pagefleet.common.serve_command import engine_flags
@@ -30,6 +31,7 @@ GOLDEN_CASES = {
     "colocated": "colocated.yaml",
     "disaggregated": "disaggregated.yaml",
     "keda": "keda.yaml",
+    "multinode": "multinode.yaml",
 }
 
 
@@ -69,6 +71,9 @@ def test_rendered_objects_validate_strictly(case, version):
     for obj in objects:
         if obj["apiVersion"].startswith("keda.sh/"):
             continue  # KEDA's CRD schemas are not bundled with kubernetes-validate
+        if obj["kind"] == "LeaderWorkerSet":
+            validate_leader_worker_set(obj, (version,))  # tests/lws_schema.py
+            continue
         kubernetes_validate.validate(obj, version, strict=True)
 
 

@@ -32,6 +32,30 @@ RESERVED_LABEL_PREFIXES = ("pagefleet.io/", "app.kubernetes.io/")
 RESOURCE_KINDS = ("TriggerAuthentication", "ClusterTriggerAuthentication")
 # UCX transports for NIXL over RDMA: verbs (rc), then GPU copies; tcp as a last resort.
 RDMA_UCX_TLS = "rc,sm,self,cuda_copy,cuda_ipc,tcp"
+GPU_RESOURCE = "nvidia.com/gpu"
+# Engine flags a pool's fields decide (one place for each decision): refused in engineArgs, by
+# the CRD's CEL rules and by operator/spec.py, with these messages.
+RESERVED_ENGINE_ARGS = {
+    "tensor-parallel-size": "engineArgs.tensor-parallel-size: set the pool's tensorParallelSize "
+    "instead (the operator sets the flag and checks the pod's GPUs against it)",
+    "distributed-executor-backend": "engineArgs.distributed-executor-backend is the operator's: "
+    "mp for the ranks of one pod, ray when a pool spans nodes",
+    "pipeline-parallel-size": "engineArgs.pipeline-parallel-size: pipeline parallelism is not "
+    "offered (the engine builds tensor parallelism only)",
+}
+# The pool rules on parallelism (CEL here, the same words in operator/spec.py).
+TP_NODES_MESSAGE = (
+    "tensorParallelSize must be a multiple of nodes "
+    "(each pod runs tensorParallelSize / nodes ranks)"
+)
+GPU_MESSAGE = (
+    f"{GPU_RESOURCE} per pod must equal tensorParallelSize / nodes (one GPU per rank: a GPU no "
+    "rank uses is wasted, a rank without one cannot run)"
+)
+GROUP_STRATEGY_MESSAGE = (
+    "a pool with nodes > 1 is a LeaderWorkerSet, which rolls one group at a time: "
+    "strategy.type must be RollingUpdate"
+)
 
 # One place for the defaults: the schema carries them (the API server applies them) and
 # operator/spec.py reads them from here for specs that never went through an API server.
@@ -132,7 +156,34 @@ def _engine_args() -> dict:
         "type": "object",
         "description": 'vLLM flag names without "--" and their values (bools give --x/--no-x).',
         "additionalProperties": {"x-kubernetes-preserve-unknown-fields": True},
+        "x-kubernetes-validations": [
+            {"rule": f"!('{flag}' in self)", "message": message}
+            for flag, message in RESERVED_ENGINE_ARGS.items()
+        ],
     }
+
+
+def _gpu_rule(kind: str) -> str:
+    """CEL: the pod's GPUs (when it names any) are the ranks it runs."""
+    gpus = f"self.resources.{kind}['{GPU_RESOURCE}']"
+    return (
+        f"!has(self.resources) || !has(self.resources.{kind}) || "
+        f"!('{GPU_RESOURCE}' in self.resources.{kind}) || int({gpus}) == 0 || "
+        f"int({gpus}) * self.nodes == self.tensorParallelSize"
+    )
+
+
+def pool_rules() -> list[dict]:
+    return [
+        {"rule": "self.tensorParallelSize % self.nodes == 0", "message": TP_NODES_MESSAGE},
+        {"rule": _gpu_rule("limits"), "message": GPU_MESSAGE},
+        {"rule": _gpu_rule("requests"), "message": GPU_MESSAGE},
+        {
+            "rule": "self.nodes == 1 || !has(self.strategy) || !has(self.strategy.type) || "
+            "self.strategy.type == 'RollingUpdate'",
+            "message": GROUP_STRATEGY_MESSAGE,
+        },
+    ]
 
 
 def autoscaling_schema() -> dict:
@@ -229,13 +280,28 @@ def pool_schema() -> dict:
                 "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
             },
             "engineArgs": _engine_args(),
+            "tensorParallelSize": _int(
+                1,
+                1,
+                "tensor-parallel ranks of one engine (--tensor-parallel-size): on a GPU pool "
+                f"each pod requests {GPU_RESOURCE} = tensorParallelSize / nodes; a pool that "
+                "requests no GPU runs its ranks on CPU (gloo)",
+            ),
+            "nodes": _int(
+                1,
+                1,
+                "pods per engine: above 1 the pool is a LeaderWorkerSet of groups of this size "
+                "(a Ray head and pagefleet serve in the leader, Ray workers in the others); "
+                "needs the LeaderWorkerSet controller",
+            ),
             "autoscaling": autoscaling_schema(),
             **pod_overrides_schema(),
             "serviceAccountName": {"type": "string", "pattern": DNS_SUBDOMAIN_PATTERN},
             "shmSize": {
                 "type": "string",
                 "pattern": "^[0-9]+(Ki|Mi|Gi|Ti)?$",
-                "description": "size of /dev/shm (2Gi)",
+                "description": "size of /dev/shm (default 2Gi per GPU of the pod, at least 2Gi, "
+                "and 1Gi more for Ray's object store when nodes > 1)",
             },
             "strategy": _obj(
                 {
@@ -251,7 +317,8 @@ def pool_schema() -> dict:
                 {"maxUnavailable": _int_or_string()},
                 description="the pool's PodDisruptionBudget (maxUnavailable 1)",
             ),
-        }
+        },
+        **{"x-kubernetes-validations": pool_rules()},
     )
 
 
@@ -448,6 +515,11 @@ def status_schema() -> dict:
             "specReplicas": {
                 "type": "integer",
                 "description": "spec replicas last applied (a change applies again)",
+            },
+            "workload": {
+                "type": "string",
+                "enum": ["Deployment", "LeaderWorkerSet"],
+                "description": "the kind that runs the pool (LeaderWorkerSet when nodes > 1)",
             },
             "lastScaleTime": {"type": "string", "format": "date-time"},
             "recommendations": {

@@ -39,9 +39,10 @@ from pagefleet.operator.reconcile import (
     EngineImages,
     RenderOptions,
     desired_objects,
-    pool_object_name,
-    pool_selector,
     retired_objects,
+    serving_selector,
+    workload_kind,
+    workload_ref,
 )
 from pagefleet.operator.spec import (
     DEFAULT_ROUTER_IMAGE,
@@ -406,14 +407,37 @@ def _now_iso() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _deployment(client: KubeClient, namespace: str, name: str, owner_uid: str) -> tuple[int, int]:
-    """(spec.replicas, readyReplicas) of a Deployment this ModelDeployment controls, else 0s."""
-    found = client.get("apps/v1", "Deployment", namespace, name) or {}
+def _deployment(
+    client: KubeClient,
+    namespace: str,
+    name: str,
+    owner_uid: str,
+    kind: tuple[str, str] = ("apps/v1", "Deployment"),
+) -> tuple[int, int]:
+    """(spec.replicas, readyReplicas) of a Deployment (or another kind with both, such as a
+    LeaderWorkerSet, whose readyReplicas counts ready groups) this ModelDeployment controls,
+    else 0s."""
+    found = client.get(*kind, namespace, name) or {}
     if not controlled_by(found, owner_uid):
         return 0, 0
     replicas = (found.get("spec") or {}).get("replicas")
     ready = (found.get("status") or {}).get("readyReplicas") or 0
     return (replicas if replicas is not None else 0), ready
+
+
+def _pool_workload(client: KubeClient, md: dict, pool: Pool) -> tuple[int, int]:
+    """(replicas, ready) of the object that runs the pool: its Deployment or LeaderWorkerSet."""
+    meta = md["metadata"]
+    api_version, kind, name = workload_ref(meta["name"], pool)
+    return _deployment(client, meta["namespace"], name, meta["uid"], (api_version, kind))
+
+
+def _found_workload(client: KubeClient, md: dict, pool: Pool) -> dict | None:
+    """The pool's Deployment or LeaderWorkerSet when this ModelDeployment controls it."""
+    meta = md["metadata"]
+    api_version, kind, name = workload_ref(meta["name"], pool)
+    found = client.get(api_version, kind, meta["namespace"], name)
+    return found if found and controlled_by(found, meta["uid"]) else None
 
 
 def remembered(state: OperatorState, md: dict, pool: Pool, now: float) -> PoolMemory:
@@ -427,8 +451,7 @@ def remembered(state: OperatorState, md: dict, pool: Pool, now: float) -> PoolMe
         if "desiredReplicas" in recorded:
             memory.replicas = recorded["desiredReplicas"]
         else:
-            name = pool_object_name(meta["name"], pool.name)
-            current, _ = _deployment(state.client, meta["namespace"], name, meta["uid"])
+            current, _ = _pool_workload(state.client, md, pool)
             memory.replicas = current or pool.replicas
         restored = window_from_status(recorded.get("recommendations"), now, memory.replicas)
         memory.window = needed(restored, pool.autoscaling, now)
@@ -442,12 +465,12 @@ def autoscale_pool(
     meta = md["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     memory = remembered(state, md, pool, now)
-    deployment = pool_object_name(name, pool.name)
-    found, ready = _deployment(state.client, namespace, deployment, meta["uid"])
+    found, ready = _pool_workload(state.client, md, pool)
     # Decide from the operator's own last decision, not the Deployment's replicas: a manual
     # scale is reverted (and announced), never adopted as the autoscaler's starting point.
     current = memory.replicas if memory.replicas is not None else found
-    pods = state.client.list("v1", "Pod", namespace, pool_selector(name, pool.name))
+    # The pods that serve: a multi-node pool's leaders (its workers run no server).
+    pods = state.client.list("v1", "Pod", namespace, serving_selector(name, pool))
     pool_pods = PoolPods(namespace, name, pool.name, spec.model.name, ready_pod_ips(pods))
     source = (
         PrometheusSource(state.config.prometheus_url)
@@ -522,13 +545,23 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
         )
         foreign, incomplete = apply_all(client, md, options)
         for pool in spec.pools:
-            current, ready = _deployment(client, namespace, pool_object_name(name, pool.name), uid)
+            current, ready = _pool_workload(client, md, pool)
             desired = replicas.get(pool.name, current)
             memory = memories.get(pool.name)
             reason = _pool_reason(pool, memory)
             window = memory.window if memory is not None else None
             pools.append(
-                PoolObserved(pool.name, current, ready, desired, reason, window, pool.replicas)
+                PoolObserved(
+                    pool.name,
+                    current,
+                    ready,
+                    desired,
+                    reason,
+                    window,
+                    pool.replicas,
+                    workload_kind(pool),
+                    pool.multi_node,
+                )
             )
         router = _deployment(client, namespace, f"{name}-router", uid)
         missing = None
@@ -573,7 +606,6 @@ def _decide_replicas(
     memory, and the pools whose Deployment keeps its own replicas: a pool without autoscaling
     takes spec.replicas when that changed since it was last applied, and otherwise is applied
     without replicas (so a `kubectl scale` or an HPA landing mid-pass is never undone)."""
-    meta = md["metadata"]
     now = time.time()  # wall clock: the autoscaler's window is kept in status
     recorded = (md.get("status") or {}).get("pools") or {}
     replicas: dict[str, int] = {}
@@ -591,10 +623,12 @@ def _decide_replicas(
             if memories[pool.name].replicas is not None:
                 replicas[pool.name] = memories[pool.name].replicas
         elif mode == "none":
-            applied = (recorded.get(pool.name) or {}).get("specReplicas")
-            name = pool_object_name(meta["name"], pool.name)
-            found = state.client.get("apps/v1", "Deployment", meta["namespace"], name)
-            if applied == pool.replicas and found and controlled_by(found, meta["uid"]):
+            before = recorded.get(pool.name) or {}
+            # A pool that switched between a Deployment and a LeaderWorkerSet takes
+            # spec.replicas: the other kind's replicas (the retired one's 0) are not its own.
+            same_kind = before.get("workload", "Deployment") == workload_kind(pool)
+            found = _found_workload(state.client, md, pool)
+            if before.get("specReplicas") == pool.replicas and same_kind and found:
                 keep.add(pool.name)
             else:
                 replicas[pool.name] = pool.replicas
@@ -604,9 +638,9 @@ def _decide_replicas(
 def _notice_manual_scale(state: OperatorState, md: dict, pool: Pool, last: int | None) -> None:
     """A builtin-autoscaled pool scaled by hand is scaled back: say so, once per change."""
     meta = md["metadata"]
-    name = pool_object_name(meta["name"], pool.name)
-    found = state.client.get("apps/v1", "Deployment", meta["namespace"], name)
-    if last is None or not found or not controlled_by(found, meta["uid"]):
+    name = workload_ref(meta["name"], pool)[2]
+    found = _found_workload(state.client, md, pool)
+    if last is None or not found:
         return
     current = (found.get("spec") or {}).get("replicas")
     if current is not None and current != last:

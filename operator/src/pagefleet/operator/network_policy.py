@@ -110,6 +110,10 @@ class PolicyInputs:
     # hf:// models: the init containers download from the endpoint (and its CDN redirects) on
     # these ports, at addresses no policy can name in advance.
     download_ports: tuple[int, ...] = ()
+    # Multi-node pools, whose pods (Ray head and workers, torch.distributed ranks) connect to
+    # each other on these ports (NetworkPolicyPorts), both ways.
+    group_pools: tuple[str, ...] = ()
+    group_ports: tuple[dict, ...] = ()
 
 
 def tcp(*ports: int) -> list[dict]:
@@ -174,8 +178,10 @@ def pool_policy(inputs: PolicyInputs, pool: str, peers: PolicyPeers) -> dict:
     /metrics) and Prometheus; KV events from the router only; into prefill pods the
     KV-transfer port (decode pods read, the router releases) and, from decode pods, NIXL's UCX
     ports (the decode side opens every connection: its READs are one-sided and it sends no
-    notifications); out only to DNS and, for decode pods, to the prefill pods. The engines use
-    no API (no token either)."""
+    notifications); out only to DNS and, for decode pods, to the prefill pods. A multi-node
+    pool's pods also reach each other (and only each other) on Ray's pinned ports and the
+    ephemeral range torch.distributed, gloo and NCCL listen on. The engines use no API (no
+    token either)."""
     router = pods(inputs.router_selector)
     ingress = [
         _rule(
@@ -198,6 +204,10 @@ def pool_policy(inputs: PolicyInputs, pool: str, peers: PolicyPeers) -> dict:
         egress.append(_rule("to", [prefill], tcp(inputs.kv_transfer_port)))
         if inputs.ucx_ports:
             egress.append(_rule("to", [prefill], [tcp_range(inputs.ucx_ports)]))
+    if pool in inputs.group_pools:
+        group = pods(selectors[pool])
+        ingress.append(_rule("from", [group], list(inputs.group_ports)))
+        egress.append(_rule("to", [group], list(inputs.group_ports)))
     return {
         "podSelector": {"matchLabels": dict(selectors[pool])},
         "policyTypes": ["Ingress", "Egress"],

@@ -13,7 +13,18 @@ from pagefleet.operator.crd import RESERVED_LABEL_PREFIXES
 # Names and paths the operator's pods already use (reconcile.py); an override of one would
 # silently replace the model, the fleet secret or the API key.
 RESERVED_ENV = frozenset(
-    {"POD_IP", "PAGEFLEET_API_KEY", "PAGEFLEET_UPSTREAM_API_KEY", "HF_TOKEN", "HF_HUB_OFFLINE"}
+    {
+        "POD_IP",
+        "PAGEFLEET_API_KEY",
+        "PAGEFLEET_UPSTREAM_API_KEY",
+        "HF_TOKEN",
+        "HF_HUB_OFFLINE",
+        # Multi-node pools: the leader's own Ray head, and what the LeaderWorkerSet injects.
+        "RAY_ADDRESS",
+        "LWS_LEADER_ADDRESS",
+        "LWS_GROUP_SIZE",
+        "LWS_WORKER_INDEX",
+    }
 )
 RESERVED_VOLUMES = frozenset({"model", "tmp", "shm", "fleet-secret", "config"})
 RESERVED_MOUNTS = ("/models", "/tmp", "/dev/shm", "/var/run/secrets/pagefleet.io", "/etc/pagefleet")

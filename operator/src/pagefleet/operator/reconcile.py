@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from pagefleet.common.names import (
     LABEL_MODEL,
     LABEL_POOL,
     LABEL_ROLE,
+    LABEL_WORKER_INDEX,
     VERSION,
 )
 from pagefleet.common.serve_command import (
@@ -37,16 +39,25 @@ from pagefleet.operator.model_source import (
     model_path,
     router_model_volume,
 )
-from pagefleet.operator.network_policy import PolicyInputs, PolicyPeers, pool_policy, router_policy
+from pagefleet.operator.network_policy import (
+    PolicyInputs,
+    PolicyPeers,
+    pool_policy,
+    router_policy,
+    tcp,
+    tcp_range,
+)
 from pagefleet.operator.pod_overrides import overlay
 from pagefleet.operator.spec import (
     DEFAULT_GPU_IMAGE,
     DEFAULT_IMAGE,
     DEFAULT_ROUTER_IMAGE,
+    RAY_OBJECT_STORE_GI,
     Pool,
     SecretKeyRef,
     Spec,
     SpecError,
+    check_group_name,
     check_host_path,
     check_name,
     json_object,
@@ -61,6 +72,8 @@ ROUTER_PORT = 8080
 ROUTER_CONFIG_FILE = "/etc/pagefleet/router.yaml"
 # The engine container's own pod IP (downward API); the kubelet expands $(POD_IP) in commands.
 POD_IP_ENV = "POD_IP"
+# The group leader's address, which the LeaderWorkerSet controller gives every pod of a group.
+LWS_LEADER_ENV = "LWS_LEADER_ADDRESS"
 # The fleet secret (pagefleet/fleet_auth.py): one Secret per ModelDeployment, made once by the
 # operator, mounted into the router and every engine. Its second key is the API key engines
 # require and the router sends them (so a client's key never opens an engine).
@@ -73,6 +86,29 @@ UPSTREAM_API_KEY_ENV = "PAGEFLEET_UPSTREAM_API_KEY"
 # NIXL's UCX TCP transport listens on a random port; pinned to this range on prefill and decode
 # pods (UCX_TCP_PORT_RANGE) so that NetworkPolicies can open exactly it between them.
 UCX_PORTS = (14580, 14609)
+# Multi-node pools: one LeaderWorkerSet (sigs.k8s.io/lws) per pool, a group of `nodes` pods per
+# engine. Ray's ports in those pods are pinned (ray start flags) so NetworkPolicies open exactly
+# them between the pods of the pool: the head's GCS, each node's raylet and object manager, and
+# the range Ray's worker processes (the engine's rank actors) listen on. The agents Ray starts
+# beside them (runtime env, dashboard agent, metrics) are pinned too but only used in the pod.
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_KIND = "LeaderWorkerSet"
+RAY_GCS_PORT = 6379
+RAY_NODE_MANAGER_PORT = 6380
+RAY_OBJECT_MANAGER_PORT = 6381
+RAY_LOCAL_PORTS = {
+    "runtime-env-agent-port": 6382,
+    "dashboard-agent-grpc-port": 6383,
+    "dashboard-agent-listen-port": 6384,
+    "metrics-export-port": 6385,
+}
+RAY_WORKER_PORTS = (10002, 19999)  # Ray's own default range, made explicit
+# torch.distributed's TCP store (rank 0 binds port 0), gloo's pairs and NCCL's sockets listen on
+# ephemeral ports: the kernel's local port range, set on these pods (a safe sysctl) so that the
+# range the NetworkPolicies open is the range the kernel uses.
+EPHEMERAL_PORTS = (32768, 60999)
+LOCAL_PORT_RANGE_SYSCTL = "net.ipv4.ip_local_port_range"
+RAY_OBJECT_STORE_BYTES = RAY_OBJECT_STORE_GI * 2**30  # in /dev/shm (spec.default_shm_size)
 # KEDA (2.13+) stops scaling a ScaledObject with this annotation set to "true".
 KEDA_PAUSED = "autoscaling.keda.sh/paused"
 MULTUS_NETWORKS = "k8s.v1.cni.cncf.io/networks"
@@ -109,6 +145,8 @@ def desired_objects(md: dict[str, Any], options: RenderOptions | None = None) ->
     meta = md["metadata"]
     check_name(meta["name"])
     spec = parse_spec(md.get("spec"))
+    for pool in spec.pools:
+        check_group_name(meta["name"], pool)
     if options.allowed_host_paths is not None:
         check_host_path(spec.model, options.allowed_host_paths)
     ctx = _Context(
@@ -116,7 +154,7 @@ def desired_objects(md: dict[str, Any], options: RenderOptions | None = None) ->
     )
     objects: list[dict] = [fleet_secret(ctx)]
     for pool in spec.pools:
-        objects.append(engine_deployment(ctx, pool, _pool_replicas(pool, options)))
+        objects.append(engine_workload(ctx, pool, _pool_replicas(pool, options)))
         objects.append(engine_service(ctx, pool))
         objects.append(disruption_budget(ctx, pool))
         if pool.autoscaling.mode == "keda":
@@ -130,9 +168,11 @@ def desired_objects(md: dict[str, Any], options: RenderOptions | None = None) ->
 
 def retired_objects(md: dict[str, Any]) -> list[dict]:
     """Patches that retire what an earlier spec made and this one no longer wants, with no
-    delete rights needed: engine Deployments of removed pools go to 0 replicas, ScaledObjects of
-    pools no longer on KEDA are paused (so KEDA stops fighting the operator's replicas).
-    Callers apply each only to an existing object this ModelDeployment controls."""
+    delete rights needed: the engine workloads of removed pools go to 0 replicas, and so does a
+    pool's Deployment when it became multi-node (a LeaderWorkerSet) and its LeaderWorkerSet when
+    it went back to one node; ScaledObjects of pools no longer on KEDA are paused (so KEDA stops
+    fighting the operator's replicas). Callers apply each only to an existing object this
+    ModelDeployment controls."""
     spec = parse_spec(md.get("spec"))
     meta = md["metadata"]
     current = {p.name: p for p in spec.pools}
@@ -140,15 +180,17 @@ def retired_objects(md: dict[str, Any]) -> list[dict]:
     for pool in POOL_NAMES:
         name = pool_object_name(meta["name"], pool)
         where = {"name": name, "namespace": meta["namespace"]}
-        if pool not in current:
-            patches.append(
-                {
-                    "apiVersion": "apps/v1",
-                    "kind": "Deployment",
-                    "metadata": where,
-                    "spec": {"replicas": 0},
-                }
-            )
+        kept = workload_kind(current[pool]) if pool in current else None
+        for api_version, kind in (("apps/v1", "Deployment"), (LWS_API_VERSION, LWS_KIND)):
+            if kind != kept:
+                patches.append(
+                    {
+                        "apiVersion": api_version,
+                        "kind": kind,
+                        "metadata": where,
+                        "spec": {"replicas": 0},
+                    }
+                )
         if pool not in current or current[pool].autoscaling.mode != "keda":
             patches.append(
                 {
@@ -203,7 +245,26 @@ def pool_object_name(md_name: str, pool: str) -> str:
 
 
 def pool_selector(md_name: str, pool: str) -> dict[str, str]:
+    """Every pod of the pool (a multi-node pool's Ray workers included)."""
     return {LABEL_INSTANCE: md_name, LABEL_POOL: pool}
+
+
+def serving_selector(md_name: str, pool: Pool) -> dict[str, str]:
+    """The pool's pods that serve: in a multi-node pool, each group's leader only."""
+    selector = pool_selector(md_name, pool.name)
+    if pool.multi_node:
+        selector[LABEL_WORKER_INDEX] = "0"
+    return selector
+
+
+def workload_kind(pool: Pool) -> str:
+    return LWS_KIND if pool.multi_node else "Deployment"
+
+
+def workload_ref(md_name: str, pool: Pool) -> tuple[str, str, str]:
+    """(apiVersion, kind, name) of the object that runs and scales the pool's engines."""
+    api_version = LWS_API_VERSION if pool.multi_node else "apps/v1"
+    return api_version, workload_kind(pool), pool_object_name(md_name, pool.name)
 
 
 def _metadata(ctx: _Context, name: str, labels: dict[str, str]) -> dict[str, Any]:
@@ -300,9 +361,64 @@ def engine_command(spec: Spec, pool: Pool) -> list[str]:
         served_model_name=spec.model.name,
         fleet_secret_file=FLEET_SECRET_FILE,
         json_args=json_engine_args(spec, pool),
-        user_flags=engine_flags({k: v for k, v in user.items() if k not in JSON_ENGINE_ARGS}),
+        user_flags=[
+            *parallel_flags(pool),
+            *engine_flags({k: v for k, v in user.items() if k not in JSON_ENGINE_ARGS}),
+        ],
     )
     return serve_argv(command)
+
+
+def parallel_flags(pool: Pool) -> list[str]:
+    """The engine flags the pool's parallelism decides (refused in engineArgs)."""
+    if pool.tensor_parallel_size == 1:
+        return []
+    return [
+        "--tensor-parallel-size",
+        str(pool.tensor_parallel_size),
+        "--distributed-executor-backend",
+        pool.executor_backend,
+    ]
+
+
+def ray_start_argv(pool: Pool, head: bool) -> list[str]:
+    """`ray start` for a multi-node pool's pod: the leader's head (returns once it runs) or a
+    worker that joins the leader's head and blocks while its node runs. Every port pinned."""
+    argv = ["ray", "start"]
+    if head:
+        argv += ["--head", f"--port={RAY_GCS_PORT}", "--include-dashboard=false"]
+    else:
+        argv += [f"--address=$({LWS_LEADER_ENV}):{RAY_GCS_PORT}", "--block"]
+    argv += [
+        f"--node-ip-address=$({POD_IP_ENV})",
+        f"--node-manager-port={RAY_NODE_MANAGER_PORT}",
+        f"--object-manager-port={RAY_OBJECT_MANAGER_PORT}",
+        *(f"--{flag}={port}" for flag, port in RAY_LOCAL_PORTS.items()),
+        f"--min-worker-port={RAY_WORKER_PORTS[0]}",
+        f"--max-worker-port={RAY_WORKER_PORTS[1]}",
+        # One rank per GPU; a CPU pool's ranks take no GPU.
+        f"--num-gpus={pool.gpus}",
+        f"--object-store-memory={RAY_OBJECT_STORE_BYTES}",
+        "--disable-usage-stats",
+    ]
+    return argv
+
+
+def leader_command(spec: Spec, pool: Pool) -> list[str]:
+    """The leader starts the group's Ray head, then becomes the engine, whose Ray executor
+    places its ranks on the group's nodes (RAY_ADDRESS: this head)."""
+    head = shlex.join(ray_start_argv(pool, head=True))
+    return ["sh", "-c", f"{head} && exec {shlex.join(engine_command(spec, pool))}"]
+
+
+def worker_command(pool: Pool) -> list[str]:
+    """A worker waits for the leader's head to answer (the LeaderWorkerSet starts the group's
+    pods together), then joins it until its node stops; a worker that exits restarts the
+    group (restartPolicy RecreateGroupOnPodRestart)."""
+    address = f"$({LWS_LEADER_ENV}):{RAY_GCS_PORT}"
+    check = shlex.join(["ray", "health-check", f"--address={address}"])
+    wait = f"until {check} >/dev/null 2>&1; do sleep 2; done"
+    return ["sh", "-c", f"{wait}; exec {shlex.join(ray_start_argv(pool, head=False))}"]
 
 
 def _container_security() -> dict[str, Any]:
@@ -333,41 +449,66 @@ def _http_probe(path: str, port: str, period: int, failures: int) -> dict[str, A
     }
 
 
-def engine_deployment(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
-    spec = ctx.spec
-    selector = pool_selector(ctx.name, pool.name)
-    labels = {
+# The pods of a pool: a single-node pool's engines, a multi-node pool's group leaders (Ray head
+# and engine) and group workers (Ray workers holding ranks).
+ENGINE, LEADER, WORKER = "engine", "leader", "worker"
+
+
+def engine_labels(ctx: _Context, pool: Pool) -> dict[str, str]:
+    return {
         **_common_labels(ctx, "engine"),
-        **selector,
-        LABEL_MODEL: spec.model.name,
+        **pool_selector(ctx.name, pool.name),
+        LABEL_MODEL: ctx.spec.model.name,
         LABEL_ROLE: pool.role,
     }
+
+
+def engine_pod_template(ctx: _Context, pool: Pool, part: str = ENGINE) -> dict:
+    """The pod template of one part of a pool. Leaders and workers get what an engine pod
+    gets (image, security, model volume, shm, RDMA, placement, overrides); only the pods that
+    serve get the probes, the fleet secret and the engine's API key."""
+    spec = ctx.spec
+    serves = part != WORKER
     image = ctx.engine_image(pool)
     rdma = spec.rdma.enabled and pool.role in KV_ROLES
     security = _container_security()
     volume, init_containers = engine_model_volume(spec.model, image, security)
-    ports = [
-        {"name": port, "containerPort": number, "protocol": "TCP"}
-        for port, number in engine_ports(spec, pool).items()
+    mounts = [
+        {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": spec.model.source != "image"},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "shm", "mountPath": "/dev/shm"},
     ]
+    volumes = [
+        volume,
+        {"name": "tmp", "emptyDir": {}},
+        # PyTorch, NCCL, NIXL and Ray's object store use shared memory; the runtime's 64 MiB
+        # default is too small.
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": pool.shm_size}},
+    ]
+    if serves:
+        mounts.append(_FLEET_SECRET_MOUNT)
+        volumes.append(_fleet_secret_volume(ctx))
     container: dict[str, Any] = {
         "name": "engine",
         "image": image,
-        "command": engine_command(spec, pool),
-        "ports": ports,
-        "env": _engine_env(ctx, pool),
-        "readinessProbe": _http_probe("/health", "http", 5, 3),
-        "livenessProbe": _http_probe("/health", "http", 10, 6),
-        # Loading weights and warming up can take long: up to 30 minutes before liveness.
-        "startupProbe": _http_probe("/health", "http", 10, 180),
-        "securityContext": _rdma_security(security) if rdma else security,
-        "volumeMounts": [
-            {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": spec.model.source != "image"},
-            {"name": "tmp", "mountPath": "/tmp"},
-            {"name": "shm", "mountPath": "/dev/shm"},
-            _FLEET_SECRET_MOUNT,
+        "command": part_command(spec, pool, part),
+        "ports": [
+            {"name": port, "containerPort": number, "protocol": "TCP"}
+            for port, number in container_ports(spec, pool, part).items()
         ],
+        "env": _engine_env(ctx, pool, part),
     }
+    if serves:
+        container.update(
+            {
+                "readinessProbe": _http_probe("/health", "http", 5, 3),
+                "livenessProbe": _http_probe("/health", "http", 10, 6),
+                # Loading weights and warming up can take long: up to 30 minutes.
+                "startupProbe": _http_probe("/health", "http", 10, 180),
+            }
+        )
+    container["securityContext"] = _rdma_security(security) if rdma else security
+    container["volumeMounts"] = mounts
     resources = _with_rdma(pool.resources, spec.rdma.resources) if rdma else pool.resources
     if resources:
         container["resources"] = resources
@@ -376,15 +517,14 @@ def engine_deployment(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
         "automountServiceAccountToken": False,
         "securityContext": _pod_security(),
         "containers": [container],
-        "volumes": [
-            volume,
-            {"name": "tmp", "emptyDir": {}},
-            # PyTorch and NIXL use shared memory; the runtime's 64 MiB default is too small.
-            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": pool.shm_size}},
-            _fleet_secret_volume(ctx),
-        ],
+        "volumes": volumes,
         "terminationGracePeriodSeconds": 60,
     }
+    host_network = rdma and spec.rdma.host_network
+    if pool.multi_node and not host_network:
+        pod_spec["securityContext"]["sysctls"] = [
+            {"name": LOCAL_PORT_RANGE_SYSCTL, "value": f"{EPHEMERAL_PORTS[0]} {EPHEMERAL_PORTS[1]}"}
+        ]
     if init_containers:
         pod_spec["initContainers"] = init_containers
     if pool.service_account:
@@ -393,22 +533,41 @@ def engine_deployment(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
         pod_spec["nodeSelector"] = pool.node_selector
     if pool.tolerations:
         pod_spec["tolerations"] = pool.tolerations
-    if rdma and spec.rdma.host_network:
+    if host_network:
         # The RDMA device's own address; NetworkPolicies do not apply to host-network pods.
         pod_spec["hostNetwork"] = True
         pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
     if spec.placement is not None and pool.role in KV_ROLES:
         pod_spec["affinity"] = _placement_affinity(ctx)
     overlay(pod_spec, container, pool.pod)
-    template_meta: dict[str, Any] = {"labels": {**pool.pod.labels, **labels}}
+    template_meta: dict[str, Any] = {"labels": {**pool.pod.labels, **engine_labels(ctx, pool)}}
     annotations = dict(pool.pod.annotations)
     if rdma and spec.rdma.networks:
         annotations[MULTUS_NETWORKS] = spec.rdma.networks
     if annotations:
         template_meta["annotations"] = annotations
+    return {"metadata": template_meta, "spec": pod_spec}
+
+
+def part_command(spec: Spec, pool: Pool, part: str) -> list[str]:
+    if part == LEADER:
+        return leader_command(spec, pool)
+    if part == WORKER:
+        return worker_command(pool)
+    return engine_command(spec, pool)
+
+
+def engine_workload(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
+    """The pool's Deployment, or its LeaderWorkerSet when an engine spans nodes."""
+    if pool.multi_node:
+        return engine_leader_worker_set(ctx, pool, replicas)
+    return engine_deployment(ctx, pool, replicas)
+
+
+def engine_deployment(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
     deployment_spec: dict[str, Any] = {
-        "selector": {"matchLabels": selector},
-        "template": {"metadata": template_meta, "spec": pod_spec},
+        "selector": {"matchLabels": pool_selector(ctx.name, pool.name)},
+        "template": engine_pod_template(ctx, pool),
     }
     strategy = pool.strategy or _default_strategy(pool)
     if strategy:
@@ -418,18 +577,60 @@ def engine_deployment(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(ctx, pool_object_name(ctx.name, pool.name), labels),
+        "metadata": _metadata(ctx, pool_object_name(ctx.name, pool.name), engine_labels(ctx, pool)),
         "spec": deployment_spec,
     }
 
 
-def _engine_env(ctx: _Context, pool: Pool) -> list[dict]:
+def engine_leader_worker_set(ctx: _Context, pool: Pool, replicas: int | None) -> dict:
+    """A multi-node pool, the way llm-d deploys one: `replicas` groups of `nodes` pods each, one
+    engine per group. The LeaderWorkerSet (its scale subresource is what autoscalers and
+    `kubectl scale` move) makes a StatefulSet of leaders and one of workers per group, names
+    the group's pods after itself, and injects LWS_LEADER_ADDRESS, resolved through the
+    headless Service of the same name that the operator makes (engine_service). A pod or
+    container that fails restarts its whole group: the engine's ranks live and die together."""
+    rolling = (pool.strategy or {}).get("rollingUpdate", {})
+    lws_spec: dict[str, Any] = {
+        # Workers start with their leader: the leader's engine waits for their ranks, so
+        # LeaderReady (workers after a ready leader) would never start them.
+        "startupPolicy": "LeaderCreated",
+        "rolloutStrategy": {
+            "type": "RollingUpdate",
+            "rollingUpdateConfiguration": {
+                # A surge group would need `nodes` spare GPU nodes: roll one group at a time.
+                "maxSurge": rolling.get("maxSurge", 0),
+                "maxUnavailable": rolling.get("maxUnavailable", 1),
+            },
+        },
+        "leaderWorkerTemplate": {
+            "size": pool.nodes,
+            "restartPolicy": "RecreateGroupOnPodRestart",
+            "leaderTemplate": engine_pod_template(ctx, pool, LEADER),
+            "workerTemplate": engine_pod_template(ctx, pool, WORKER),
+        },
+    }
+    if replicas is not None:
+        lws_spec = {"replicas": replicas, **lws_spec}
+    return {
+        "apiVersion": LWS_API_VERSION,
+        "kind": LWS_KIND,
+        "metadata": _metadata(ctx, pool_object_name(ctx.name, pool.name), engine_labels(ctx, pool)),
+        "spec": lws_spec,
+    }
+
+
+def _engine_env(ctx: _Context, pool: Pool, part: str = ENGINE) -> list[dict]:
     env = [
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "HOME", "value": "/tmp"},
         {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        _secret_env(API_KEY_ENV, engine_api_key(ctx)),
     ]
+    if part != WORKER:
+        env.append(_secret_env(API_KEY_ENV, engine_api_key(ctx)))
+    if part == LEADER:
+        # The engine's Ray executor joins the head its own pod started (after POD_IP, which
+        # the kubelet expands here).
+        env.append({"name": "RAY_ADDRESS", "value": f"$({POD_IP_ENV}):{RAY_GCS_PORT}"})
     if _uses_ucx(ctx.spec, pool):
         env.append({"name": "UCX_TCP_PORT_RANGE", "value": f"{UCX_PORTS[0]}-{UCX_PORTS[1]}"})
         if ctx.spec.rdma.enabled:
@@ -485,6 +686,26 @@ def disruption_budget(ctx: _Context, pool: Pool) -> dict:
     }
 
 
+def container_ports(spec: Spec, pool: Pool, part: str) -> dict[str, int]:
+    """The named ports of one part's container: the engine's where it serves, Ray's in a
+    multi-node pool (the GCS on the leader)."""
+    ports = engine_ports(spec, pool) if part != WORKER else {}
+    if part == LEADER:
+        ports["ray-gcs"] = RAY_GCS_PORT
+    if part != ENGINE:
+        ports.update({"ray-node": RAY_NODE_MANAGER_PORT, "ray-objects": RAY_OBJECT_MANAGER_PORT})
+    return ports
+
+
+def group_ports() -> tuple[dict, ...]:
+    """What the pods of one multi-node pool open to each other (EPHEMERAL_PORTS, RAY_*)."""
+    return (
+        *tcp(RAY_GCS_PORT, RAY_NODE_MANAGER_PORT, RAY_OBJECT_MANAGER_PORT),
+        tcp_range(RAY_WORKER_PORTS),
+        tcp_range(EPHEMERAL_PORTS),
+    )
+
+
 def engine_ports(spec: Spec, pool: Pool) -> dict[str, int]:
     """An engine container's named ports: HTTP, KV events where the router follows them, the
     KV-transfer port on prefill and decode pods."""
@@ -502,18 +723,25 @@ def _uses_ucx(spec: Spec, pool: Pool) -> bool:
 
 
 def engine_service(ctx: _Context, pool: Pool) -> dict:
-    """Headless: clients (the router) address engine pods one by one."""
-    selector = pool_selector(ctx.name, pool.name)
+    """Headless: clients (the router, Prometheus) address engine pods one by one; in a
+    multi-node pool, the group leaders only. Its name is the LeaderWorkerSet's, so the
+    LeaderWorkerSet controller finds it and makes none of its own: it is the subdomain of the
+    group's pods, through which LWS_LEADER_ADDRESS resolves, and publishes leaders before
+    they are ready (a leader is ready only once its workers have joined it)."""
+    selector = serving_selector(ctx.name, pool)
     ports = [
         {"name": port, "port": number, "targetPort": port, "protocol": "TCP"}
         for port, number in engine_ports(ctx.spec, pool).items()
     ]
-    labels = {**_common_labels(ctx, "engine"), **selector}
+    labels = {**_common_labels(ctx, "engine"), **pool_selector(ctx.name, pool.name)}
+    service_spec: dict[str, Any] = {"clusterIP": "None", "selector": selector, "ports": ports}
+    if pool.multi_node:
+        service_spec["publishNotReadyAddresses"] = True
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(ctx, pool_object_name(ctx.name, pool.name), labels),
-        "spec": {"clusterIP": "None", "selector": selector, "ports": ports},
+        "spec": service_spec,
     }
 
 
@@ -559,7 +787,9 @@ def scaled_object(ctx: _Context, pool: Pool, prometheus_url: str | None) -> dict
         kind, auth_name = keda.authentication
         trigger["authenticationRef"] = {"name": auth_name, "kind": kind}
     spec: dict[str, Any] = {
-        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+        "scaleTargetRef": dict(
+            zip(("apiVersion", "kind", "name"), workload_ref(ctx.name, pool), strict=True)
+        ),
         "minReplicaCount": a.min_replicas,
         "maxReplicaCount": a.max_replicas,
         "cooldownPeriod": (
@@ -599,6 +829,8 @@ def network_policies(ctx: _Context, peers: PolicyPeers) -> list[dict]:
         kv_transfer_port=KV_TRANSFER_PORT,
         ucx_ports=UCX_PORTS if any(_uses_ucx(spec, p) for p in spec.pools) else None,
         download_ports=download_ports(spec),
+        group_pools=tuple(p.name for p in spec.pools if p.multi_node),
+        group_ports=group_ports(),
     )
     labels = _common_labels(ctx, "network-policy")
     policies = [(f"{ctx.name}-router", router_policy(inputs, peers))]

@@ -19,6 +19,9 @@ from pagefleet.operator.crd import (
     AUTOSCALING_MODES,
     DEPLOYMENT_MODES,
     DNS_SUBDOMAIN_PATTERN,
+    GPU_MESSAGE,
+    GPU_RESOURCE,
+    GROUP_STRATEGY_MESSAGE,
     KV_CONNECTORS,
     MODEL_NAME_PATTERN,
     MODEL_SOURCES,
@@ -27,11 +30,13 @@ from pagefleet.operator.crd import (
     POOL_NAMES,
     PREFIX_INDEXES,
     RDMA_UCX_TLS,
+    RESERVED_ENGINE_ARGS,
     RESOURCE_KINDS,
     ROUTER_DEFAULTS,
     ROUTER_RESOURCES,
     SCORER_DEFAULTS,
     SECRET_KEY_PATTERN,
+    TP_NODES_MESSAGE,
     name_rule,
 )
 from pagefleet.operator.pod_overrides import (
@@ -44,8 +49,15 @@ from pagefleet.operator.pod_overrides import (
 # One tag scheme: <version> is the CPU build (Dockerfile.cpu), <version>-cuda the CUDA build.
 DEFAULT_IMAGE = f"ghcr.io/pagefleet/pagefleet:{__version__}"
 DEFAULT_GPU_IMAGE = f"ghcr.io/pagefleet/pagefleet:{__version__}-cuda"
-GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_SHM_SIZE = "2Gi"
+# /dev/shm by default: NCCL (and PyTorch's worker processes) share memory per GPU; Ray's
+# object store lives there too on multi-node pods, capped at RAY_OBJECT_STORE_GI.
+SHM_GI_PER_GPU = 2
+RAY_OBJECT_STORE_GI = 1
+# A multi-node pool's LeaderWorkerSet is named <md>-<pool>; its worker StatefulSets add
+# "-<group>", and a StatefulSet's pods carry "<its name>-<10-character revision hash>" as a
+# label value (63 characters at most): 48 leaves room for 999 groups.
+GROUP_NAME_MAX = 48
 # The router runs from its own image (deploy/docker/Dockerfile.slim): no torch, a tenth the size.
 DEFAULT_ROUTER_IMAGE = f"ghcr.io/pagefleet/pagefleet-router:{__version__}"
 # The CRD's CEL message (crd.model_schema), so both refusals read the same.
@@ -102,6 +114,8 @@ class Pool:
     shm_size: str = DEFAULT_SHM_SIZE
     strategy: dict[str, Any] | None = None  # None: the default for the pool's device
     max_unavailable: int | str = 1  # its PodDisruptionBudget
+    tensor_parallel_size: int = 1  # ranks of one engine
+    nodes: int = 1  # pods of one engine (above 1: a LeaderWorkerSet group with Ray)
 
     @property
     def role(self) -> str:
@@ -115,6 +129,15 @@ class Pool:
             if value is not None:
                 return int(str(value))
         return 0
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nodes > 1
+
+    @property
+    def executor_backend(self) -> str:
+        """How the engine starts its ranks: processes in its pod, Ray actors across pods."""
+        return "ray" if self.multi_node else "mp"
 
 
 @dataclass(frozen=True)
@@ -216,6 +239,8 @@ def parse_engine_args(raw: Any, where: str) -> dict[str, EngineArg]:
     for key, value in args.items():
         if not isinstance(key, str) or not key or key.startswith("-"):
             raise SpecError(f'{where}: flag names come without "--", not {key!r}')
+        if key in RESERVED_ENGINE_ARGS:
+            raise SpecError(f"{where.removesuffix('.engineArgs')}.{RESERVED_ENGINE_ARGS[key]}")
         if not isinstance(value, str | int | float | bool):
             raise SpecError(f"{where}.{key} must be a string, number or bool")
         if key in JSON_ENGINE_ARGS:
@@ -372,6 +397,8 @@ def parse_pool(name: str, raw: Any) -> Pool:
         "shmSize",
         "strategy",
         "disruptionBudget",
+        "tensorParallelSize",
+        "nodes",
         *POD_FIELDS,
     }
     _reject_unknown(p, known, where)
@@ -387,7 +414,12 @@ def parse_pool(name: str, raw: Any) -> Pool:
         isinstance(account, str) and re.match(DNS_SUBDOMAIN_PATTERN, account)
     ):
         raise SpecError(f"{where}.serviceAccountName must name a ServiceAccount")
-    shm = p.get("shmSize", DEFAULT_SHM_SIZE)
+    tensor_parallel = _int(p.get("tensorParallelSize", 1), f"{where}.tensorParallelSize", 1)
+    nodes = _int(p.get("nodes", 1), f"{where}.nodes", 1)
+    if tensor_parallel % nodes:
+        raise SpecError(f"{where}: {TP_NODES_MESSAGE}")
+    gpus = pod_gpus(resources, where)
+    shm = p.get("shmSize") or default_shm_size(gpus, nodes)
     if not isinstance(shm, str) or not re.fullmatch(r"[0-9]+(Ki|Mi|Gi|Ti)?", shm):
         raise SpecError(f"{where}.shmSize must be a quantity such as 8Gi, not {shm!r}")
     budget = _mapping(p.get("disruptionBudget"), f"{where}.disruptionBudget")
@@ -395,6 +427,9 @@ def parse_pool(name: str, raw: Any) -> Pool:
     image = p.get("image")
     if image is not None and (not isinstance(image, str) or not image):
         raise SpecError(f"{where}.image must be an image reference")
+    strategy = parse_strategy(p.get("strategy"), f"{where}.strategy")
+    if nodes > 1 and strategy is not None and strategy["type"] != "RollingUpdate":
+        raise SpecError(f"{where}: {GROUP_STRATEGY_MESSAGE}")
     pool = Pool(
         name=name,
         replicas=_int(p.get("replicas", 1), f"{where}.replicas", 0),
@@ -407,16 +442,41 @@ def parse_pool(name: str, raw: Any) -> Pool:
         pod=parse_overrides(p, where),
         service_account=account,
         shm_size=shm,
-        strategy=parse_strategy(p.get("strategy"), f"{where}.strategy"),
+        strategy=strategy,
         max_unavailable=_int_or_percent(
             budget.get("maxUnavailable", 1), f"{where}.disruptionBudget.maxUnavailable"
         ),
+        tensor_parallel_size=tensor_parallel,
+        nodes=nodes,
     )
-    try:
-        pool.gpus  # noqa: B018 - a quantity the engine cannot count fails here, not in a pod
-    except ValueError:
-        raise SpecError(f"{where}.resources: {GPU_RESOURCE} must be a whole number") from None
+    check_gpus(pool)
     return pool
+
+
+def pod_gpus(resources: dict[str, dict[str, Any]], where: str) -> int:
+    """GPUs each pod requests (limits, else requests; 0: a CPU pool). A quantity the engine
+    cannot count, or limits and requests that disagree, fail here, not in a pod."""
+    counts = []
+    for kind in ("limits", "requests"):
+        value = resources.get(kind, {}).get(GPU_RESOURCE)
+        if value is None:
+            continue
+        text = str(value)
+        if isinstance(value, bool) or not text.isdigit():
+            raise SpecError(f"{where}.resources: {GPU_RESOURCE} must be a whole number")
+        counts.append(int(text))
+    if len(set(counts)) > 1:
+        # Kubernetes requires them equal for extended resources; say so before a pod fails.
+        raise SpecError(f"{where}.resources: {GPU_RESOURCE} limits and requests must be equal")
+    return counts[0] if counts else 0
+
+
+def default_shm_size(gpus: int, nodes: int) -> str:
+    """/dev/shm unless the pool says: 2Gi per GPU (NCCL's shared-memory transport and PyTorch's
+    tensors between rank processes), at least 2Gi, and 1Gi more for Ray's object store on the
+    pods of a multi-node pool."""
+    size = SHM_GI_PER_GPU * max(1, gpus) + (RAY_OBJECT_STORE_GI if nodes > 1 else 0)
+    return f"{size}Gi"
 
 
 def parse_model(raw: Any) -> Model:
@@ -597,8 +657,6 @@ def parse_spec(raw: Any) -> Spec:
         rdma=parse_rdma(kv.get("rdma")),
         placement=parse_placement(kv.get("placement")),
     )
-    for pool in spec.pools:
-        check_gpus(spec, pool)
     if spec.rdma.enabled and (mode != "disaggregated" or spec.kv_connector != "nixl"):
         raise SpecError("spec.kvTransfer.rdma needs mode disaggregated and the nixl connector")
     if spec.placement is not None and mode != "disaggregated":
@@ -643,24 +701,27 @@ def parse_placement(raw: Any) -> Placement | None:
     return Placement(key, p.get("required", False))
 
 
-def engine_parallelism(spec: Spec, pool: Pool) -> int:
-    """GPUs one engine of the pool uses: tensor-parallel x pipeline-parallel size."""
-    args = {**spec.engine_args, **pool.engine_args}
-    where = f"spec.pools.{pool.name}.engineArgs"
-    sizes = [
-        _int(args.get(key, 1), f"{where}.{key}", 1)
-        for key in ("tensor-parallel-size", "pipeline-parallel-size")
-    ]
-    return sizes[0] * sizes[1]
-
-
-def check_gpus(spec: Spec, pool: Pool) -> None:
-    """A pod's GPUs are all its engine uses: a GPU the engine cannot use is a GPU wasted."""
-    gpus, needs = pool.gpus, engine_parallelism(spec, pool)
-    if gpus and gpus != needs:
+def check_gpus(pool: Pool) -> None:
+    """The one rule between GPUs and parallelism: a pool that requests GPUs (a GPU pool) runs
+    one rank per GPU, so each pod requests tensorParallelSize / nodes of them; a pool that
+    requests none runs its ranks on CPU (gloo). The operator never adds GPUs a pool did not
+    ask for: whether a pool runs on GPUs is the user's choice, made in resources."""
+    gpus = pool.gpus
+    if gpus and gpus * pool.nodes != pool.tensor_parallel_size:
         raise SpecError(
-            f"spec.pools.{pool.name}: {gpus} {GPU_RESOURCE} per pod, but one engine uses "
-            f"{needs} (tensor-parallel-size x pipeline-parallel-size): make them equal"
+            f"spec.pools.{pool.name}: {gpus} {GPU_RESOURCE} per pod x {pool.nodes} node(s), "
+            f"but tensorParallelSize is {pool.tensor_parallel_size}: {GPU_MESSAGE}"
+        )
+
+
+def check_group_name(md_name: str, pool: Pool) -> None:
+    """A multi-node pool's LeaderWorkerSet name leaves room for its StatefulSets' names."""
+    name = f"{md_name}-{pool.name}"
+    if pool.multi_node and len(name) > GROUP_NAME_MAX:
+        raise SpecError(
+            f"spec.pools.{pool.name}.nodes > 1: the LeaderWorkerSet {name} would be "
+            f"{len(name)} characters; its StatefulSets need it at most {GROUP_NAME_MAX} "
+            "(shorten the ModelDeployment's name)"
         )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagefleet.common.names import LABEL_INSTANCE, LABEL_POOL
+from pagefleet.common.names import LABEL_INSTANCE, LABEL_POOL, LABEL_WORKER_INDEX
 from pagefleet.operator.autoscale import Recommendation, window_to_status
 
 
@@ -21,6 +21,8 @@ class PoolObserved:
     # from it, so its scale-down window survives the restart.
     window: tuple[Recommendation, ...] | None = None
     spec_replicas: int | None = None  # spec.pools.<name>.replicas as applied in this pass
+    workload: str = "Deployment"  # or LeaderWorkerSet (a multi-node pool)
+    leaders_only: bool = False  # multi-node: only each group's leader serves
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ def _pool_status(pool: PoolObserved, before: dict[str, Any], now: str) -> dict[s
         status["lastScaleTime"] = last
     if pool.spec_replicas is not None:
         status["specReplicas"] = pool.spec_replicas
+    status["workload"] = pool.workload
     if pool.window is not None:
         status["recommendations"] = window_to_status(pool.window)
     return status
@@ -138,5 +141,7 @@ def build_status(
     serving = _serving_pool(observed.pools)
     if serving is not None:
         status["replicas"] = serving.replicas
-        status["selector"] = f"{LABEL_INSTANCE}={name},{LABEL_POOL}={serving.name}"
+        selector = f"{LABEL_INSTANCE}={name},{LABEL_POOL}={serving.name}"
+        # An HPA on the scale subresource reads the pods that serve: a group's leader.
+        status["selector"] = selector + (f",{LABEL_WORKER_INDEX}=0" if serving.leaders_only else "")
     return status

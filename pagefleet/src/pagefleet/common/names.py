@@ -10,3 +10,6 @@ LABEL_ROLE = "pagefleet.io/role"
 # The ModelDeployment a pod belongs to, and its pool (colocated | prefill | decode).
 LABEL_INSTANCE = "pagefleet.io/deployment"
 LABEL_POOL = "pagefleet.io/pool"
+# Set by the LeaderWorkerSet controller on a multi-node pool's pods: "0" on each group's leader
+# (the pod that serves), 1.. on the workers that only hold ranks.
+LABEL_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"

@@ -5,8 +5,10 @@ re-listing after any error or expiry. Each change hands the full set of ready po
 callback (the router moves it onto its event loop).
 
 Only pods the operator's engine Deployments made are routed to: controlled by a ReplicaSet
-named `<deployment>-<pool>-<pod-template-hash>` as the Deployment controller names it, and of
-the pool their labels name; the role comes from that pool, and a role label that disagrees
+named `<deployment>-<pool>-<pod-template-hash>` as the Deployment controller names it, or, in
+a multi-node pool, group leaders (worker index 0) of the LeaderWorkerSet `<deployment>-<pool>`,
+whose leader StatefulSet has its name (its workers run Ray only and are never routed to); and
+of the pool their labels name; the role comes from that pool, and a role label that disagrees
 disqualifies the pod. A hand-made pod with copied labels, or one of another workload, is
 ignored (the Kubernetes garbage collector also deletes pods whose owner does not exist).
 """
@@ -18,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from pagefleet.common.names import LABEL_INSTANCE, LABEL_POOL, LABEL_ROLE
+from pagefleet.common.names import LABEL_INSTANCE, LABEL_POOL, LABEL_ROLE, LABEL_WORKER_INDEX
 from pagefleet.router.scoring import Pod
 
 logger = logging.getLogger("pagefleet.router")
@@ -45,12 +47,12 @@ def role_of_engine_pod(meta, deployment: str | None = None) -> str | None:
     if instance is None or pool not in ROLE_OF_POOL or deployment not in (None, instance):
         return None
     owners = [o for o in meta.owner_references or [] if o.controller]
-    expected = f"{instance}-{pool}-{labels.get(LABEL_TEMPLATE_HASH)}"
-    if len(owners) != 1 or (owners[0].api_version, owners[0].kind, owners[0].name) != (
-        "apps/v1",
-        "ReplicaSet",
-        expected,
-    ):
+    made_by = {
+        ("apps/v1", "ReplicaSet", f"{instance}-{pool}-{labels.get(LABEL_TEMPLATE_HASH)}"),
+    }
+    if labels.get(LABEL_WORKER_INDEX) == "0":
+        made_by.add(("apps/v1", "StatefulSet", f"{instance}-{pool}"))
+    if len(owners) != 1 or (owners[0].api_version, owners[0].kind, owners[0].name) not in made_by:
         return None
     role = ROLE_OF_POOL[pool]
     return role if labels.get(LABEL_ROLE, role) == role else None
