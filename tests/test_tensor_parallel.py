@@ -220,3 +220,45 @@ def test_serve_tp2_output_health_and_metrics(tiny_checkpoints):
         assert metric_value(base, "vllm:generation_tokens_total") >= 16
         blocks = {"num_gpu_blocks": "256", "block_size": "16"}
         assert metric_value(base, "vllm:cache_config_info", blocks) == 1
+
+
+_TRITON_TP2 = """
+import json, sys
+from pagefleet.engine import LLM, SamplingParams
+path, engine_args, prompts, params = sys.argv[1], *map(json.loads, sys.argv[2:])
+llm = LLM(path, tensor_parallel_size=2, attention_backend="triton", **engine_args)
+assert type(llm.engine.runner.backend).__name__ == "TritonAttentionBackend"
+outs = llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
+llm.engine.close()
+print(json.dumps([o.outputs[0].token_ids for o in outs]))
+"""
+
+
+def test_tp2_with_the_triton_backend_equals_tp1(tiny_checkpoints):
+    """The Triton attention backend on each rank's KV heads (kernels interpreted on CPU, in a
+    child process so TRITON_INTERPRET reaches both ranks and no other test): the same greedy
+    tokens as TP=1 with the torch backend. Catches a kernel or its metadata assuming the
+    model's full head counts."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = tiny_checkpoints["qwen3"]
+    engine_args = {"num_gpu_blocks_override": 64, "max_model_len": 128}
+    params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+    prompts = prompts_of_varied_lengths(4)
+    want = _tokens(
+        LLM(path, **engine_args).generate(prompts, SamplingParams(**params), use_tqdm=False)
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    args = [json.dumps(engine_args), json.dumps(prompts), json.dumps(params)]
+    done = subprocess.run(
+        [sys.executable, "-c", _TRITON_TP2, path, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == want
