@@ -52,6 +52,10 @@ class EngineArgs:
     # Disaggregated prefill/decode: vLLM's --kv-transfer-config JSON (parsed by the engine).
     kv_transfer_config: str | None = None
     kv_hold_timeout: float = 120.0  # seconds a prefill engine keeps blocks for a decode engine
+    # Ranks the weights and the KV heads are split over (one device each); rank 0 is this
+    # process, the others run under the executor backend (mp: local processes, ray: actors).
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "must be > 0")
@@ -66,6 +70,18 @@ class EngineArgs:
             "gpu_memory_utilization",
             self.gpu_memory_utilization,
             "must be in (0, 1]",
+        )
+        _require(
+            self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            self.tensor_parallel_size,
+            "must be >= 1",
+        )
+        _require(
+            self.distributed_executor_backend in ("mp", "ray"),
+            "distributed_executor_backend",
+            self.distributed_executor_backend,
+            "must be mp or ray",
         )
         if self.num_gpu_blocks_override is not None:
             _require(

@@ -30,6 +30,7 @@ from pagefleet.engine.client import (
 )
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.detokenizer import Detokenizer
+from pagefleet.engine.kv_sizing import kv_pool_blocks
 from pagefleet.engine.model.loader import load_model, read_config, resolve_dtype
 from pagefleet.engine.model.transformer import ModelConfig
 from pagefleet.engine.outputs import (
@@ -42,7 +43,7 @@ from pagefleet.engine.request import Request, RequestStatus
 from pagefleet.engine.runner import ModelRunner, kv_bytes_per_block
 from pagefleet.engine.sampler import Sampler
 from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.engine.scheduler import Scheduler, SchedulerOutput
+from pagefleet.engine.scheduler import Scheduler
 from pagefleet.engine.simulated import SimulatedRunner
 
 logger = logging.getLogger("pagefleet.engine")
@@ -197,32 +198,76 @@ class LLMEngine:
         return connector
 
     def close(self) -> None:
-        """Stop the KV transfer service and its workers (the engine is unusable after)."""
+        """Stop the KV transfer service, the tensor-parallel ranks and their workers (the engine
+        is unusable after)."""
         if self.connector is not None:
             self.connector.close()
+        close_ranks = getattr(self.runner, "close", None)
+        if close_ranks is not None:
+            close_ranks()
 
     def _load_model_runner(self) -> tuple[ModelRunner, int]:
         args = self.args
+        if args.tensor_parallel_size > 1:
+            return self._load_parallel_runner()
         start = time.perf_counter()
         model = load_model(args.model, self.dtype, self.device, self.max_model_len)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        logger.info(
-            "Loading weights took %.2f s; model weights take %.2f GiB",
-            time.perf_counter() - start,
-            weight_bytes / GiB,
-        )
+        self._log_weights(model, start)
         self.model_config = model.config
-        kv_dtype = (
-            self.dtype
-            if args.kv_cache_dtype == "auto"
-            else resolve_dtype(args.kv_cache_dtype, self.device)
-        )
+        kv_dtype = self._kv_dtype()
         num_blocks = self._size_kv_pool(model, kv_dtype)
         backend = select_backend(args.attention_backend, self.device)
         runner = ModelRunner(model, args.block_size, num_blocks, backend, self.device, kv_dtype)
         if self.device.type == "cuda" and not args.enforce_eager:
             runner.capture_decode_graphs(args.max_num_seqs, self.max_model_len)
         return runner, num_blocks
+
+    def _load_parallel_runner(self) -> tuple[ModelRunner, int]:
+        """Start ranks 1..N-1, load rank 0's shard and size the pool with them. No CUDA graphs
+        (a captured decode step would have to capture its collectives too)."""
+        from pagefleet.engine.distributed import tp_runner
+
+        # TEMPORARY until the executors merge: make_executor(backend, ...) replaces this.
+        from pagefleet.engine.distributed._dev_mp import make_executor
+
+        args = self.args
+        tp_runner.check_tensor_parallel(args, read_config(args.model))
+        job = tp_runner.ShardJob(args, self.max_model_len, self.device.type)
+        executor = make_executor(args.distributed_executor_backend)
+        group = None
+        try:
+            group = tp_runner.start_rank_zero(job, executor)
+            self.device = group.device
+            start = time.perf_counter()
+            model = tp_runner.load_shard(job, group)
+            self._log_weights(model, start)
+            self.model_config = model.config
+            kv_dtype = self._kv_dtype()
+            num_blocks = self._size_kv_pool(model, kv_dtype, group)
+            backend = select_backend(args.attention_backend, self.device)
+            runner = tp_runner.ParallelModelRunner(
+                model, args.block_size, num_blocks, backend, kv_dtype, group, executor
+            )
+        except BaseException:
+            executor.shutdown(timeout_s=0.0)
+            if group is not None:
+                group.close()
+            raise
+        return runner, num_blocks
+
+    def _kv_dtype(self) -> torch.dtype:
+        kv = self.args.kv_cache_dtype
+        return self.dtype if kv == "auto" else resolve_dtype(kv, self.device)
+
+    def _log_weights(self, model, start: float) -> None:
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        tp = self.args.tensor_parallel_size
+        logger.info(
+            "Loading weights took %.2f s; model weights take %.2f GiB%s",
+            time.perf_counter() - start,
+            weight_bytes / GiB,
+            f" per rank (tensor-parallel size {tp})" if tp > 1 else "",
+        )
 
     @staticmethod
     def _sliding_window(hf_config: dict) -> int | None:
@@ -233,16 +278,11 @@ class LLMEngine:
             return None  # Qwen2/Qwen3 carry a window they do not use
         return int(window)
 
-    def _size_kv_pool(self, model, kv_dtype: torch.dtype) -> int:
+    def _size_kv_pool(self, model, kv_dtype: torch.dtype, group=None) -> int:
         args = self.args
         per_block = kv_bytes_per_block(model, args.block_size, kv_dtype)
-        if args.num_gpu_blocks_override:
-            num_blocks = args.num_gpu_blocks_override
-        elif self.device.type == "cuda":
-            num_blocks = self._cuda_kv_budget(model) // per_block
-        else:
-            num_blocks = int(args.kv_cache_memory * GiB) // per_block
-        self._log_kv_size(num_blocks, per_block)
+        num_blocks = kv_pool_blocks(args, model, kv_dtype, self.device, self.max_model_len, group)
+        self._log_kv_size(num_blocks, per_block, model.num_kv_heads)
         tokens = num_blocks * args.block_size
         if tokens < self.max_model_len:
             memory_flag = (
@@ -255,39 +295,23 @@ class LLMEngine:
             )
         return num_blocks
 
-    def _log_kv_size(self, num_blocks: int, bytes_per_block: int | None) -> None:
+    def _log_kv_size(
+        self, num_blocks: int, bytes_per_block: int | None, kv_heads: int | None = None
+    ) -> None:
         tokens = num_blocks * self.args.block_size
-        size = f", {num_blocks * bytes_per_block / GiB:.2f} GiB" if bytes_per_block else ""
+        tp = self.args.tensor_parallel_size
+        size = ""
+        if bytes_per_block:
+            per_rank = " per rank" if tp > 1 else ""
+            size = f", {num_blocks * bytes_per_block / GiB:.2f} GiB{per_rank}"
+        if tp > 1 and kv_heads is not None:
+            size += f", {kv_heads} KV heads per rank, tensor-parallel size {tp}"
         logger.info("KV cache size: %d tokens (%d blocks%s)", tokens, num_blocks, size)
         logger.info(
             "Maximum concurrency for %d tokens per request: %.2fx",
             self.max_model_len,
             tokens / self.max_model_len,
         )
-
-    def _cuda_kv_budget(self, model) -> int:
-        """Bytes left for the KV pool on the GPU: utilisation x total, minus the weights and
-        the activation peak of a dry-run forward at max_num_batched_tokens."""
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        probe = ModelRunner(
-            model,
-            self.args.block_size,
-            -(-self.args.max_num_batched_tokens // self.args.block_size),
-            select_backend(self.args.attention_backend, self.device),
-            self.device,
-            self.dtype,
-        )
-        n = min(self.args.max_num_batched_tokens, self.max_model_len - 1)
-        dry = Request("profile", [0] * n, SamplingParams(max_tokens=1), block_size=probe.block_size)
-        dry.block_ids.extend(range(-(-n // probe.block_size)))
-        probe.execute(SchedulerOutput(scheduled=[(dry, n)], num_tokens=n))
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        del probe
-        torch.cuda.empty_cache()
-        total = torch.cuda.mem_get_info()[1]
-        return max(int(total * self.args.gpu_memory_utilization) - peak, 0)
 
     # ------------------------------------------------------------------ requests
 

@@ -3,6 +3,7 @@ KV pool, and returns the logits rows to sample from.
 
 The KV pool is one tensor [layers, 2, kv_heads, num_blocks, block_size, head_dim], so it can
 be registered for transfer as a single memory region (layout: see attention/torch_ref.py).
+Under tensor parallelism each rank's pool holds its own KV heads of the same blocks.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ class StepInputs:
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block in this model's (or rank's) pool."""
     cfg = model.config
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return 2 * cfg.num_layers * block_size * model.num_kv_heads * cfg.head_dim * elem
 
 
 class ModelRunner:
@@ -62,7 +64,7 @@ class ModelRunner:
         self.kv_pool = torch.zeros(
             cfg.num_layers,
             2,
-            cfg.num_kv_heads,
+            model.num_kv_heads,
             num_blocks,
             block_size,
             cfg.head_dim,
@@ -242,11 +244,14 @@ class ModelRunner:
         """Per request: (first position, logprobs of the prompt tokens that follow each row)."""
         result: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         for req, row, start, count in inputs.prompt_logprob_rows:
-            logprobs = torch.log_softmax(
-                self.model.compute_logits(hidden[row : row + count]).float(), dim=-1
-            )
-            k = req.sampling_params.prompt_logprobs
-            targets = req.all_token_ids[start + 1 : start + 1 + count]
-            entries = [top_logprobs(logprobs[i], t, k) for i, t in enumerate(targets)]
-            result[req.request_id] = (start, entries)
+            logits = self.model.compute_logits(hidden[row : row + count])
+            result[req.request_id] = (start, prompt_logprob_entries(req, start, logits))
         return result
+
+
+def prompt_logprob_entries(req: Request, start: int, logits: torch.Tensor) -> list[TokenLogprobs]:
+    """Logprobs of the prompt tokens after positions start.. (one logits row each)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    k = req.sampling_params.prompt_logprobs
+    targets = req.all_token_ids[start + 1 : start + 1 + len(logits)]
+    return [top_logprobs(logprobs[i], t, k) for i, t in enumerate(targets)]

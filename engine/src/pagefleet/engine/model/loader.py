@@ -1,7 +1,8 @@
 """Load a local Hugging Face checkpoint directory: config, safetensors shards, tokenizer.
 
 Weights stream shard by shard into a model built without initialisation; q/k/v and gate/up
-projections are concatenated on the way in (the model runs them as one matmul each).
+projections are concatenated on the way in (the model runs them as one matmul each). A
+tensor-parallel rank reads only its slice of each tensor from the file (see model/parallel.py).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import torch
 
+from pagefleet.engine.model.parallel import TPLayout
 from pagefleet.engine.model.rope import RotaryEmbedding
-from pagefleet.engine.model.transformer import CausalLM, ModelConfig
+from pagefleet.engine.model.transformer import CausalLM, ModelConfig, TPParts
 
 DTYPES = {
     "float32": torch.float32,
@@ -68,15 +70,21 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    tp: TPParts | None = None,
 ) -> CausalLM:
+    """The model (or with `tp`, this rank's shard of it) on `device`, in `dtype`."""
     from safetensors import safe_open
 
     path = Path(path)
     cfg = ModelConfig.from_hf(read_config(path))
     files = weight_files(path)
+    layout = tp.layout if tp else None
     with torch.device("meta"):
-        model = CausalLM(cfg, max_positions)
+        model = CausalLM(cfg, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -93,7 +101,13 @@ def load_model(
                     continue
                 if target not in params:
                     raise ValueError(f"unexpected weight {name!r} in {file.name}")
-                _copy(params[target], f.get_tensor(name), part, cfg, target)
+                dest = params[target]
+                if layout is None:
+                    tensor = f.get_tensor(name)
+                else:
+                    tensor = _read_slice(f, name, layout.checkpoint_slice(target, part, cfg))
+                    dest = _vocab_rows(dest, target, layout)
+                _copy(dest, tensor, part, _part_sizes(target, cfg, layout), target)
                 loaded.add(target)
                 if part is not None:
                     fused_parts.setdefault(target, set()).add(part)
@@ -120,18 +134,43 @@ def _num_parts(target: str) -> int:
     return 3 if "qkv_proj" in target else 2
 
 
+def _read_slice(f, name: str, piece: tuple[int, int, int] | None) -> torch.Tensor:
+    """Only this rank's rows (dim 0) or columns (dim 1) of a tensor, read from the file."""
+    if piece is None:
+        return f.get_tensor(name)
+    dim, start, length = piece
+    lazy = f.get_slice(name)
+    return lazy[start : start + length] if dim == 0 else lazy[:, start : start + length]
+
+
+def _vocab_rows(param: torch.Tensor, target: str, layout: TPLayout) -> torch.Tensor:
+    """The rows of a vocabulary slice the checkpoint fills; the padding past the vocabulary's
+    end (last rank only) is zeroed, as no token reaches it."""
+    if target not in ("embed_tokens.weight", "lm_head.weight"):
+        return param
+    rows = layout.vocab_end - layout.vocab_start
+    with torch.no_grad():
+        param[rows:].zero_()
+    return param[:rows]
+
+
+def _part_sizes(target: str, cfg: ModelConfig, layout: TPLayout | None) -> list[int]:
+    """Rows of each checkpoint projection inside a fused parameter (of this rank's shard)."""
+    if "qkv_proj" in target:
+        heads = layout.num_heads if layout else cfg.num_heads
+        kv_heads = layout.num_kv_heads if layout else cfg.num_kv_heads
+        q, kv = heads * cfg.head_dim, kv_heads * cfg.head_dim
+        return [q, kv, kv]
+    return [layout.intermediate_size if layout else cfg.intermediate_size] * 2
+
+
 @torch.no_grad()
-def _copy(param, tensor, part: int | None, cfg: ModelConfig, target: str) -> None:
+def _copy(param, tensor, part: int | None, sizes: list[int], target: str) -> None:
     if part is None:
         if param.shape != tensor.shape:
             raise ValueError(f"{target}: checkpoint shape {tuple(tensor.shape)} != {param.shape}")
         param.copy_(tensor)
         return
-    if "qkv_proj" in target:
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        sizes = [q, kv, kv]
-    else:
-        sizes = [cfg.intermediate_size] * 2
     start = sum(sizes[:part])
     dest = param.narrow(0, start, sizes[part])
     if dest.shape != tensor.shape:

@@ -14,6 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.engine.attention.backend import AttentionBackend, AttentionMetadata
+from pagefleet.engine.model.parallel import (
+    Collectives,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPLayout,
+    VocabParallelEmbedding,
+)
 from pagefleet.engine.model.rope import RotaryEmbedding, rope_params
 
 SUPPORTED_ARCHITECTURES = (
@@ -90,19 +97,36 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
+def _output_linear(
+    in_features: int, out_features: int, bias: bool, tp: TPParts | None
+) -> nn.Module:
+    """o_proj / down_proj: a plain linear on one rank, row-parallel over several."""
+    if tp is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp.group)
+
+
+@dataclass(frozen=True)
+class TPParts:
+    """A rank's share of the model and the group its layers reduce over (None on one rank)."""
+
+    layout: TPLayout
+    group: Collectives
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_index: int, tp: TPParts | None = None) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.num_heads = tp.layout.num_heads if tp else cfg.num_heads
+        self.num_kv_heads = tp.layout.num_kv_heads if tp else cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         # q, k and v in one matmul: loaded from the checkpoint's three projections.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = _output_linear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -121,11 +145,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPParts | None = None) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+        self.intermediate = tp.layout.intermediate_size if tp else cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, cfg.mlp_bias)
+        self.down_proj = _output_linear(self.intermediate, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -133,12 +157,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_index: int, tp: TPParts | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_index)
+        self.self_attn = Attention(cfg, layer_index, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, positions, rope, backend, kv_caches, meta):
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend, kv_caches, meta)
@@ -146,13 +170,23 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    """The whole model, or (with `tp`) one tensor-parallel rank's shard of it, whose
+    `compute_logits` returns the full logits on rank 0 and None on the others."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPParts | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.tp = tp
+        if tp is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(tp.layout, cfg.hidden_size, tp.group)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if tp is None:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        else:
+            self.lm_head = ParallelLMHead(tp.layout, cfg.hidden_size, tp.group)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
@@ -171,5 +205,10 @@ class CausalLM(nn.Module):
             x = layer(x, positions, self.rope, backend, kv_caches, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this model (or rank) keeps in its pool."""
+        return self.tp.layout.num_kv_heads if self.tp else self.config.num_kv_heads

@@ -140,7 +140,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "fraction of GPU memory for weights, activations and KV",
         type=float,
     )
-    flag("kv_cache_memory", "GiB of KV cache on CPU", type=float)
+    flag("kv_cache_memory", "GiB of KV cache on CPU (per tensor-parallel rank)", type=float)
     flag(
         "num_gpu_blocks_override",
         "KV blocks in the pool, overriding the memory-based size",
@@ -180,6 +180,16 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "kv_hold_timeout",
         "seconds a prefill engine holds a request's blocks for its decode engine",
         type=float,
+    )
+    flag(
+        "tensor_parallel_size",
+        "ranks (one GPU each) the weights and KV heads are split over",
+        type=int,
+    )
+    flag(
+        "distributed_executor_backend",
+        "where ranks 1.. run: mp (local processes) or ray (actors, several nodes)",
+        choices=["mp", "ray"],
     )
 
 

@@ -1,0 +1,129 @@
+"""The tensor-parallel rank group: joining it through rank 0's TCP store, and the collectives
+the model and the step protocol use (all-reduce, gather to rank 0, broadcast from rank 0).
+
+The group is a process-group object of its own (not torch.distributed's global default), so
+an engine process can hold several engines, and closing one leaves nothing behind. Gloo on CPU,
+NCCL on CUDA (one device per rank).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# Joining waits this long for every rank; a collective this long for the slowest rank (a
+# rank that died is caught sooner by the executor's supervision).
+JOIN_TIMEOUT = timedelta(minutes=10)
+OP_TIMEOUT = timedelta(minutes=30)
+
+
+def open_store(host: str, world_size: int) -> dist.TCPStore:
+    """Rank 0's store on a free port of `host` (its `.port` goes into the workers' RankSpec)."""
+    return dist.TCPStore(
+        host, 0, world_size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False
+    )
+
+
+def local_device(rank: int, device_type: str) -> torch.device:
+    """CUDA: one device per rank, counted within the node (an executor that sets
+    CUDA_VISIBLE_DEVICES to one device per rank leaves each rank cuda:0); CPU: cpu."""
+    if device_type != "cuda":
+        return torch.device("cpu")
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+@dataclass
+class CollectiveTimer:
+    """Seconds spent inside collectives, by kind (for benchmarks/tp_overhead.py)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+
+class RankGroup:
+    """One rank's membership of the tensor-parallel group."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        backend: str,
+        device: torch.device,
+    ) -> None:
+        self.rank, self.size, self.backend, self.device = rank, size, backend, device
+        self.store = store  # rank 0's store must outlive the group
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(store, rank, size, OP_TIMEOUT)
+        elif backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = OP_TIMEOUT
+            self.pg = dist.ProcessGroupNCCL(store, rank, size, options)
+        else:
+            raise ValueError(f"torch.distributed backend {backend!r}: gloo or nccl")
+        self.timer: CollectiveTimer | None = None  # set to measure time in collectives
+
+    @classmethod
+    def join(
+        cls, host: str, port: int, rank: int, size: int, backend: str, device: torch.device
+    ) -> RankGroup:
+        """A worker rank joins rank 0's store and the group."""
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=JOIN_TIMEOUT)
+        return cls(store, rank, size, backend, device)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter() if self.timer else 0.0
+        self.pg.allreduce([x]).wait()
+        if self.timer:
+            self._note("all_reduce", start, x)
+        return x
+
+    def gather_to_first(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `x` (same shape everywhere) on rank 0, in rank order; None elsewhere."""
+        start = time.perf_counter() if self.timer else 0.0
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else []
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        self.pg.gather([parts] if self.rank == 0 else [], [x], opts).wait()
+        if self.timer:
+            self._note("gather", start, x)
+        return parts if self.rank == 0 else None
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` into every rank's `x` (same shape and dtype on every rank)."""
+        start = time.perf_counter() if self.timer else 0.0
+        self.pg.broadcast(x, 0).wait()
+        if self.timer:
+            self._note("broadcast", start, x)
+        return x
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's `value` (e.g. KV blocks each rank's memory allows)."""
+        x = torch.tensor([value], dtype=torch.int64, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.pg.allreduce([x], opts).wait()
+        return int(x.item())
+
+    def _note(self, kind: str, start: float, x: torch.Tensor) -> None:
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        self.timer.add(kind, time.perf_counter() - start)
+
+    def close(self) -> None:
+        """Leave the group (its communicators are freed; the store closes with rank 0)."""
+        shutdown = getattr(self.pg, "shutdown", None)
+        if shutdown is not None:
+            shutdown()

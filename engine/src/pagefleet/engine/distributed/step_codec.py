@@ -1,0 +1,112 @@
+"""One step's forward inputs as one flat int64 tensor, for rank 0 to broadcast to the worker
+ranks (two broadcasts a step: a 3-int head, then the body; no pickling).
+
+Body: descriptors (counts, then (start, end, width) per single-row group and (start, tokens,
+computed, blocks) per prompt chunk), then the data: input ids, positions, slots, write rows,
+each group's block tables and context lengths (workers rebuild its mask), each chunk's block
+ids, and the rows whose logits are computed (sampled rows, then prompt-logprob rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagefleet.engine.attention.backend import AttentionMetadata, PrefillChunk, SingleGroup
+
+OP_STOP = 0
+OP_STEP = 1
+HEAD_LEN = 3  # (op, body length, descriptor length)
+_COUNTS = 7  # rows, slots, write rows (-1: all), num_single, groups, chunks, logit rows
+
+
+def encode_step(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    logit_rows: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(head, body) on the inputs' device: every piece is joined in one cat, with no copy to
+    the host (the descriptors come from host-side ints)."""
+    device = input_ids.device
+    groups, chunks = meta.single_groups, meta.prefills
+    writes = -1 if meta.write_rows is None else len(meta.write_rows)
+    desc = [
+        len(input_ids),
+        len(meta.slot_mapping),
+        writes,
+        meta.num_single,
+        len(groups),
+        len(chunks),
+        len(logit_rows),
+    ]
+    for g in groups:
+        desc += [g.start, g.end, g.block_tables.shape[1]]
+    for c in chunks:
+        desc += [c.start, c.num_tokens, c.num_computed, len(c.block_ids)]
+    pieces = [
+        torch.tensor(desc, dtype=torch.int64, device=device),
+        input_ids,
+        positions,
+        meta.slot_mapping,
+    ]
+    if meta.write_rows is not None:
+        pieces.append(meta.write_rows)
+    for g in groups:
+        pieces += [g.block_tables.flatten(), g.mask.view(g.end - g.start, -1).sum(1)]
+    pieces += [c.block_ids for c in chunks]
+    pieces.append(torch.tensor(logit_rows, dtype=torch.int64, device=device))
+    body = torch.cat(pieces)
+    head = torch.tensor([OP_STEP, len(body), len(desc)], dtype=torch.int64, device=device)
+    return head, body
+
+
+def stop_head(device: torch.device) -> torch.Tensor:
+    return torch.tensor([OP_STOP, 0, 0], dtype=torch.int64, device=device)
+
+
+def decode_step(
+    body: torch.Tensor, desc_len: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """(input_ids, positions, meta, logit_rows) from a body, on the body's device."""
+    desc = body[:desc_len].tolist()
+    rows, num_slots, writes, num_single, num_groups, num_chunks, num_logits = desc[:_COUNTS]
+    at = _COUNTS
+    group_desc = [desc[at + 3 * i : at + 3 * i + 3] for i in range(num_groups)]
+    at += 3 * num_groups
+    chunk_desc = [desc[at + 4 * i : at + 4 * i + 4] for i in range(num_chunks)]
+    data = _Reader(body, desc_len)
+    input_ids, positions = data.take(rows), data.take(rows)
+    slots = data.take(num_slots)
+    write_rows = None if writes < 0 else data.take(writes)
+    groups = []
+    for start, end, width in group_desc:
+        tables = data.take((end - start) * width).view(end - start, width)
+        lens = data.take(end - start)
+        span = torch.arange(width * block_size, device=body.device)
+        mask = (span.unsqueeze(0) < lens.unsqueeze(1)).view(1, end - start, 1, width * block_size)
+        groups.append(SingleGroup(start, end, tables, mask))
+    chunks = [
+        PrefillChunk(start, n, computed, data.take(blocks))
+        for start, n, computed, blocks in chunk_desc
+    ]
+    logit_rows = data.take(num_logits)
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        write_rows=write_rows,
+        num_single=num_single,
+        single_groups=groups,
+        prefills=chunks,
+    )
+    return input_ids, positions, meta, logit_rows
+
+
+class _Reader:
+    """Consecutive slices of the body."""
+
+    def __init__(self, body: torch.Tensor, offset: int) -> None:
+        self.body, self.offset = body, offset
+
+    def take(self, n: int) -> torch.Tensor:
+        piece = self.body[self.offset : self.offset + n]
+        self.offset += n
+        return piece

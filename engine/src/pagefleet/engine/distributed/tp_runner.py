@@ -1,0 +1,212 @@
+"""Tensor-parallel model running: rank 0's runner (in the engine process, after the scheduler)
+and the worker ranks' loop, over one rank group.
+
+Each step rank 0 prepares the inputs as on one rank, broadcasts them in one flat tensor
+(step_codec.py), and every rank runs the forward on its shard of the weights and of every KV
+block (the same block ids everywhere, so the scheduler and KV manager stay single, on rank 0).
+The logits rows (sampled rows, then prompt-logprob rows) are gathered once, on rank 0, which
+samples. A stop message ends the workers' loop. `worker_main` is the entry every executor
+calls in ranks 1..N-1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagefleet.engine.attention.backend import AttentionBackend, select_backend
+from pagefleet.engine.config import EngineArgs
+from pagefleet.engine.distributed.executor import Executor, RankSpec
+from pagefleet.engine.distributed.group import RankGroup, local_device, open_store
+from pagefleet.engine.distributed.step_codec import (
+    HEAD_LEN,
+    OP_STOP,
+    decode_step,
+    encode_step,
+    stop_head,
+)
+from pagefleet.engine.kv_sizing import kv_pool_blocks
+from pagefleet.engine.model.loader import load_model, read_config, resolve_dtype
+from pagefleet.engine.model.parallel import TPLayout
+from pagefleet.engine.model.transformer import CausalLM, ModelConfig, TPParts
+from pagefleet.engine.outputs import TokenLogprobs
+from pagefleet.engine.request import Request
+from pagefleet.engine.runner import ModelRunner, prompt_logprob_entries
+from pagefleet.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger("pagefleet.engine")
+WORKER_ENTRY = "pagefleet.engine.distributed.tp_runner:worker_main"
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    """What every rank needs to build its shard (the pickled `RankSpec.payload`)."""
+
+    args: EngineArgs
+    max_model_len: int
+    device_type: str  # cpu or cuda
+
+    def kv_dtype(self, device: torch.device) -> torch.dtype:
+        kv = self.args.kv_cache_dtype
+        return resolve_dtype(self.args.dtype if kv == "auto" else kv, device)
+
+
+def rank_spec(job: ShardJob, master_addr: str, master_port: int) -> RankSpec:
+    """The spec the executor starts ranks 1..N-1 with."""
+    return RankSpec(
+        world_size=job.args.tensor_parallel_size,
+        master_addr=master_addr,
+        master_port=master_port,
+        backend="nccl" if job.device_type == "cuda" else "gloo",
+        entry=WORKER_ENTRY,
+        payload=pickle.dumps(job),
+    )
+
+
+def check_tensor_parallel(args: EngineArgs, hf_config: dict) -> None:
+    """Refuse, before any rank starts, what tensor parallelism cannot run."""
+    if args.kv_transfer_config:
+        raise ValueError(
+            "--kv-transfer-config with --tensor-parallel-size > 1 is not supported yet "
+            "(P/D moves one rank's KV pool)"
+        )
+    TPLayout.of(ModelConfig.from_hf(hf_config), 0, args.tensor_parallel_size)
+
+
+def start_rank_zero(job: ShardJob, executor: Executor, master_addr: str = "127.0.0.1") -> RankGroup:
+    """Open rank 0's store, start the worker ranks and join the group with them (returns once
+    every rank has joined)."""
+    world = job.args.tensor_parallel_size
+    store = open_store(master_addr, world)
+    spec = rank_spec(job, master_addr, store.port)
+    executor.start(spec)
+    device = local_device(0, job.device_type)
+    return RankGroup(store, 0, world, spec.backend, device)
+
+
+def load_shard(job: ShardJob, group: RankGroup) -> CausalLM:
+    """This rank's shard of the model, on its device."""
+    cfg = ModelConfig.from_hf(read_config(job.args.model))
+    tp = TPParts(TPLayout.of(cfg, group.rank, group.size), group)
+    dtype = resolve_dtype(job.args.dtype, group.device)
+    return load_model(job.args.model, dtype, group.device, job.max_model_len, tp)
+
+
+class ParallelModelRunner(ModelRunner):
+    """Rank 0's runner: prepares each step, sends it to the workers, runs its shard and returns
+    the gathered logits. Owns the group and the executor (close() stops the workers)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        block_size: int,
+        num_blocks: int,
+        backend: AttentionBackend,
+        kv_dtype: torch.dtype,
+        group: RankGroup,
+        executor: Executor,
+    ) -> None:
+        super().__init__(model, block_size, num_blocks, backend, group.device, kv_dtype)
+        self.group = group
+        self.executor = executor
+        self.closed = False
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, list[Request], dict[str, tuple[int, list[TokenLogprobs]]]]:
+        inputs = self.prepare(out)
+        logit_rows = list(inputs.sample_rows)
+        for _, row, _, count in inputs.prompt_logprob_rows:
+            logit_rows.extend(range(row, row + count))
+        head, body = encode_step(inputs.input_ids, inputs.positions, inputs.meta, logit_rows)
+        self.group.broadcast(head)
+        self.group.broadcast(body)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.backend, self.kv_caches, inputs.meta
+        )
+        if not logit_rows:
+            return hidden[:0], inputs.sample_requests, {}
+        rows = torch.tensor(logit_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        num_sampled = len(inputs.sample_rows)
+        prompt_logprobs = {}
+        at = num_sampled
+        for req, _, start, count in inputs.prompt_logprob_rows:
+            entries = prompt_logprob_entries(req, start, logits[at : at + count])
+            prompt_logprobs[req.request_id] = (start, entries)
+            at += count
+        return logits[:num_sampled], inputs.sample_requests, prompt_logprobs
+
+    def close(self) -> None:
+        """Stop the workers' loop, leave the group and stop the executor's ranks."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.executor.failure() is None:
+                self.group.broadcast(stop_head(self.device))
+        finally:
+            self.executor.shutdown()
+            self.group.close()
+
+
+def serve_steps(runner: ModelRunner, group: RankGroup) -> int:
+    """A worker rank's loop: run each step rank 0 broadcasts until the stop message; returns
+    the number of steps run."""
+    head = torch.empty(HEAD_LEN, dtype=torch.int64, device=group.device)
+    steps = 0
+    while True:
+        group.broadcast(head)
+        op, length, desc_len = head.tolist()
+        if op == OP_STOP:
+            return steps
+        body = torch.empty(length, dtype=torch.int64, device=group.device)
+        group.broadcast(body)
+        input_ids, positions, meta, logit_rows = decode_step(body, desc_len, runner.block_size)
+        with torch.inference_mode():
+            hidden = runner.model(input_ids, positions, runner.backend, runner.kv_caches, meta)
+            if len(logit_rows):
+                runner.model.compute_logits(hidden[logit_rows])
+        steps += 1
+
+
+def build_worker(job: ShardJob, group: RankGroup) -> ModelRunner:
+    """A worker rank's shard and pool, sized together with the other ranks."""
+    start = time.perf_counter()
+    model = load_shard(job, group)
+    kv_dtype = job.kv_dtype(group.device)
+    blocks = kv_pool_blocks(job.args, model, kv_dtype, group.device, job.max_model_len, group)
+    backend = select_backend(job.args.attention_backend, group.device)
+    runner = ModelRunner(model, job.args.block_size, blocks, backend, group.device, kv_dtype)
+    logger.info(
+        "rank %d: shard loaded in %.2f s, KV pool of %d blocks",
+        group.rank,
+        time.perf_counter() - start,
+        blocks,
+    )
+    return runner
+
+
+def worker_main(rank: int, spec: RankSpec) -> None:
+    """The entry of worker ranks 1..N-1 (`RankSpec.entry`): join rank 0's group, load this
+    rank's shard, serve steps until rank 0 says stop."""
+    job: ShardJob = pickle.loads(spec.payload)
+    device = local_device(rank, job.device_type)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        # Ranks share the node's cores; each takes its part (rank 0 keeps the engine's).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
+    group = RankGroup.join(
+        spec.master_addr, spec.master_port, rank, spec.world_size, spec.backend, device
+    )
+    try:
+        serve_steps(build_worker(job, group), group)
+    finally:
+        group.close()
