@@ -6,18 +6,15 @@ Rank 0 is this test process (in-process tests) or `tests/tp_engine.py` (a toy en
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,15 +31,14 @@ from pagefleet.engine.distributed.executor import (
 )
 from pagefleet.engine.distributed.mp_executor import MpExecutor, describe_exit
 from pagefleet.engine.distributed.supervisor import watch
+from ray_nodes import RAY_ENV, ray_cluster_of_two_nodes, wait_until
 from tp_engine import EVENT_PREFIX
 from tp_toy_ranks import all_reduce_rank, join_group
 
 TESTS_DIR = Path(__file__).resolve().parent
 ENGINE_SCRIPT = TESTS_DIR / "tp_engine.py"
-RAY_BIN = Path(sys.executable).parent / "ray"
 # Token auth would write ~/.ray/auth_token (shared by every process on the machine); usage
 # stats would try the network.
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 DEADLINE_S = 60.0
 
 
@@ -122,14 +118,6 @@ def pid_alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def wait_until(condition, what: str, timeout_s: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def run_rank0_all_reduce(executor, world_size: int) -> float:
@@ -402,84 +390,10 @@ def touches(pid: int, directory: str) -> bool:
 # --- Ray, two nodes -----------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
-def session_pids(session_id: int) -> list[int]:
-    """Live processes of a session (`ray start` runs in its own; Ray's workers keep it)."""
-    pids = []
-    for stat_path in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat_path.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        # After the command name: state, ppid, pgrp, session.
-        if int(fields[3]) == session_id and fields[0] != "Z":
-            pids.append(int(stat_path.parent.name))
-    return pids
-
-
-def start_ray_node(args: list[str], temp_dir: str, sessions: list[int]) -> None:
-    command = [
-        str(RAY_BIN),
-        "start",
-        "--num-cpus=1",
-        f"--temp-dir={temp_dir}",
-        f"--dashboard-agent-listen-port={free_port()}",
-        "--disable-usage-stats",
-        *args,
-    ]
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, **RAY_ENV},
-    )
-    sessions.append(proc.pid)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
-
-
 @pytest.fixture
 def two_ray_nodes() -> Iterator[str]:
-    """A Ray head and a Ray worker node (1 CPU each), started by `ray start` as two separate
-    process trees on this machine; yields the head's address. Stopped by killing their sessions
-    (`ray stop` would stop every Ray process on the machine, not only these)."""
-    import ray
-
-    sessions: list[int] = []
-    temp_dirs = [tempfile.mkdtemp(prefix=f"pf-ray-{n}-", dir="/tmp") for n in "hw"]
-    address = f"{ray.util.get_node_ip_address()}:{free_port()}"
-    try:
-        start_ray_node(
-            [
-                "--head",
-                f"--port={address.rsplit(':', 1)[1]}",
-                f"--ray-client-server-port={free_port()}",
-                f"--dashboard-port={free_port()}",
-                "--include-dashboard=false",
-            ],
-            temp_dirs[0],
-            sessions,
-        )
-        start_ray_node([f"--address={address}"], temp_dirs[1], sessions)
+    with ray_cluster_of_two_nodes() as address:
         yield address
-    finally:
-        for session in sessions:
-            for pid in session_pids(session):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        for temp_dir in temp_dirs:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-        wait_until(
-            lambda: not any(session_pids(session) for session in sessions),
-            "the Ray nodes to stop",
-        )
 
 
 def test_ray_ranks_span_two_nodes(two_ray_nodes, engine_processes):

@@ -229,7 +229,8 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive()
+        # A failed tensor-parallel rank fails the engine (it exits a moment later).
+        return self._thread.is_alive() and self.engine.failure is None
 
     # ------------------------------------------------------------------ engine thread
 

@@ -55,7 +55,8 @@ class EngineArgs:
     # Ranks the weights and the KV heads are split over (one device each); rank 0 is this
     # process, the others run under the executor backend (mp: local processes, ray: actors).
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "mp"
+    # None: mp while the ranks fit on this node's devices, ray when they do not.
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "must be > 0")
@@ -78,7 +79,7 @@ class EngineArgs:
             "must be >= 1",
         )
         _require(
-            self.distributed_executor_backend in ("mp", "ray"),
+            self.distributed_executor_backend in (None, "mp", "ray"),
             "distributed_executor_backend",
             self.distributed_executor_backend,
             "must be mp or ray",

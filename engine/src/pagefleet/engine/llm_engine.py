@@ -8,6 +8,7 @@ prompt, so they take its blocks from the prefix cache instead of computing them 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -46,6 +47,7 @@ from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import Scheduler
 from pagefleet.engine.simulated import SimulatedRunner
 
+FAILED_RANK_GRACE_S = 5.0
 logger = logging.getLogger("pagefleet.engine")
 GiB = 1 << 30
 
@@ -91,6 +93,9 @@ class LLMEngine:
         """`fleet_secret` (default: $PAGEFLEET_FLEET_SECRET[_FILE]) authenticates KV-transfer
         peers; an engine with --kv-transfer-config needs one."""
         self.args = args
+        # Why a tensor-parallel rank is gone (the engine then fails: health answers 503).
+        self.failure: str | None = None
+        self._supervision = None
         self.device = _resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         hf_config = read_config(args.model)
@@ -202,6 +207,7 @@ class LLMEngine:
         is unusable after)."""
         if self.connector is not None:
             self.connector.close()
+        self._stop_supervision()
         close_ranks = getattr(self.runner, "close", None)
         if close_ranks is not None:
             close_ranks()
@@ -226,18 +232,32 @@ class LLMEngine:
         """Start ranks 1..N-1, load rank 0's shard and size the pool with them. No CUDA graphs
         (a captured decode step would have to capture its collectives too)."""
         from pagefleet.engine.distributed import tp_runner
-
-        # TEMPORARY until the executors merge: make_executor(backend, ...) replaces this.
-        from pagefleet.engine.distributed._dev_mp import make_executor
+        from pagefleet.engine.distributed.executor import (
+            choose_backend,
+            make_executor,
+            node_device_count,
+        )
 
         args = self.args
         tp_runner.check_tensor_parallel(args, read_config(args.model))
         job = tp_runner.ShardJob(args, self.max_model_len, self.device.type)
-        executor = make_executor(args.distributed_executor_backend)
+        backend = choose_backend(
+            args.distributed_executor_backend,
+            args.tensor_parallel_size,
+            node_device_count(self.device.type),
+        )
+        executor = make_executor(backend)
         group = None
         try:
-            group = tp_runner.start_rank_zero(job, executor)
+            group = tp_runner.start_rank_zero(
+                job, executor, executor.master_addr(), on_started=self._supervise
+            )
             self.device = group.device
+            for place in getattr(executor, "placements", list)():
+                logger.info(
+                    "tensor-parallel rank %d runs on Ray node %s (%s, pid %d)",
+                    *(place.rank, place.node_id, place.node_ip, place.pid),
+                )
             start = time.perf_counter()
             model = tp_runner.load_shard(job, group)
             self._log_weights(model, start)
@@ -249,11 +269,35 @@ class LLMEngine:
                 model, args.block_size, num_blocks, backend, kv_dtype, group, executor
             )
         except BaseException:
+            self._stop_supervision()
             executor.shutdown(timeout_s=0.0)
             if group is not None:
                 group.close()
             raise
         return runner, num_blocks
+
+    def _supervise(self, executor) -> None:
+        """Watch the worker ranks from the moment they start: one that dies fails the engine
+        (health 503, then the process exits non-zero) instead of hanging a collective."""
+        from pagefleet.engine.distributed.supervisor import fail_engine, watch
+
+        # A few seconds of 503 before the exit: probes and routers see the engine go first.
+        on_failure = functools.partial(
+            fail_engine,
+            mark_unhealthy=self._mark_failed,
+            grace_s=FAILED_RANK_GRACE_S,
+            cleanup=executor.shutdown,
+        )
+        self._supervision = watch(executor, on_failure)
+
+    def _mark_failed(self, reason: str) -> None:
+        self.failure = reason
+
+    def _stop_supervision(self) -> None:
+        """Before a planned stop, so ranks leaving on purpose are not taken for a failure."""
+        if self._supervision is not None:
+            self._supervision.stop()
+            self._supervision = None
 
     def _kv_dtype(self) -> torch.dtype:
         kv = self.args.kv_cache_dtype

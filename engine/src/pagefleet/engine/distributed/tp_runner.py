@@ -15,13 +15,14 @@ import logging
 import os
 import pickle
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pagefleet.engine.attention.backend import AttentionBackend, select_backend
 from pagefleet.engine.config import EngineArgs
-from pagefleet.engine.distributed.executor import Executor, RankSpec
+from pagefleet.engine.distributed.executor import Executor, RankSpec, worker_device
 from pagefleet.engine.distributed.group import RankGroup, local_device, open_store
 from pagefleet.engine.distributed.step_codec import (
     HEAD_LEN,
@@ -78,14 +79,22 @@ def check_tensor_parallel(args: EngineArgs, hf_config: dict) -> None:
     TPLayout.of(ModelConfig.from_hf(hf_config), 0, args.tensor_parallel_size)
 
 
-def start_rank_zero(job: ShardJob, executor: Executor, master_addr: str = "127.0.0.1") -> RankGroup:
-    """Open rank 0's store, start the worker ranks and join the group with them (returns once
-    every rank has joined)."""
+def start_rank_zero(
+    job: ShardJob,
+    executor: Executor,
+    master_addr: str = "127.0.0.1",
+    on_started: Callable[[Executor], None] | None = None,
+) -> RankGroup:
+    """Open rank 0's store, start the worker ranks (then `on_started`: the supervisor watches
+    before rank 0 waits for them, so a rank dying at the rendezvous fails the engine) and join
+    the group with them (returns once every rank has joined)."""
     world = job.args.tensor_parallel_size
     store = open_store(master_addr, world)
     spec = rank_spec(job, master_addr, store.port)
     executor.start(spec)
-    device = local_device(0, job.device_type)
+    if on_started is not None:
+        on_started(executor)
+    device = torch.device(executor.rank0_device(spec.backend))
     return RankGroup(store, 0, world, spec.backend, device)
 
 
@@ -197,7 +206,9 @@ def worker_main(rank: int, spec: RankSpec) -> None:
     """The entry of worker ranks 1..N-1 (`RankSpec.entry`): join rank 0's group, load this
     rank's shard, serve steps until rank 0 says stop."""
     job: ShardJob = pickle.loads(spec.payload)
-    device = local_device(rank, job.device_type)
+    # The executor tells each rank its device (PAGEFLEET_DEVICE); else one per rank on the node.
+    fallback = local_device(rank, job.device_type)
+    device = torch.device(worker_device(str(fallback)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:

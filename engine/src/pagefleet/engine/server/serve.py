@@ -188,7 +188,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     flag(
         "distributed_executor_backend",
-        "where ranks 1.. run: mp (local processes) or ray (actors, several nodes)",
+        "where ranks 1.. run: mp (local processes) or ray (actors, several nodes); default: mp "
+        "while the ranks fit this node's GPUs, else ray",
         choices=["mp", "ray"],
     )
 

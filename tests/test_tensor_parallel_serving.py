@@ -1,0 +1,142 @@
+"""`pagefleet serve --tensor-parallel-size 2` as users run it: ranks as Ray actors (a private
+local cluster, and a cluster of two Ray nodes where rank 1 runs on the other node), and a rank
+that dies fails the server loudly instead of hanging it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pagefleet.engine import LLM, SamplingParams
+from ray_nodes import RAY_ENV, ray_cluster_of_two_nodes
+from server_utils import running_server, wait_until
+
+PROMPT = "Tell me about the river and the mountain."
+
+
+def tp1_text(path: str) -> str:
+    llm = LLM(path, num_gpu_blocks_override=256, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    return llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
+
+
+def complete(base: str) -> str:
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
+    return got.choices[0].text
+
+
+def test_tp2_on_a_private_ray_cluster_equals_tp1(tiny_checkpoints):
+    """--distributed-executor-backend ray without RAY_ADDRESS: the engine starts its own local
+    Ray cluster, rank 1 is an actor, the text equals TP=1's; stopping the server leaves no Ray
+    process of that cluster behind."""
+    path = tiny_checkpoints["llama"]
+    want = tp1_text(path)
+    flags = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "ray")
+    before = set(Path("/tmp").glob("pf-ray-*"))
+    with running_server(path, *flags, timeout=240, env=RAY_ENV) as (base, proc):
+        assert complete(base) == want
+        log = Path(proc.log_path).read_text()
+        assert "tensor-parallel rank 1 runs on Ray node" in log
+        # The cluster the server started (other tests' clusters may come and go meanwhile).
+        started = [d for d in set(Path("/tmp").glob("pf-ray-*")) - before if _holding(str(d))]
+        assert started, "no private Ray cluster found"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    for cluster_dir in started:
+        wait_until(lambda d=cluster_dir: not _holding(str(d)), 60, "the Ray cluster to stop")
+
+
+def _holding(directory: str) -> list[int]:
+    pids = []
+    for proc_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            if directory.encode() in (proc_dir / "cmdline").read_bytes():
+                pids.append(int(proc_dir.name))
+        except OSError:
+            continue
+    return pids
+
+
+_HEAD_NODE = """
+import json, sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR")
+nodes = [n for n in ray.nodes() if n["Alive"]]
+print(json.dumps({"head": [n["NodeID"] for n in nodes
+                            if "node:__internal_head__" in n["Resources"]],
+                  "all": [n["NodeID"] for n in nodes]}))
+"""
+
+
+def test_one_engine_spans_two_ray_nodes(tiny_checkpoints):
+    """A Ray head and a Ray worker node (one CPU each, two process trees): `pagefleet serve`
+    joins them through RAY_ADDRESS, rank 1's actor runs on the worker node, and the OpenAI API
+    answers TP=1's greedy text."""
+    path = tiny_checkpoints["qwen3"]
+    want = tp1_text(path)
+    with ray_cluster_of_two_nodes() as address:
+        env = {**RAY_ENV, "RAY_ADDRESS": address}
+        flags = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "ray")
+        with running_server(path, *flags, timeout=240, env=env) as (base, proc):
+            assert complete(base) == want
+            assert httpx.get(f"{base}/health").status_code == 200
+            log = Path(proc.log_path).read_text()
+            (rank1_node,) = re.findall(r"tensor-parallel rank 1 runs on Ray node (\w+)", log)
+        nodes = json.loads(
+            subprocess.run(
+                [sys.executable, "-c", _HEAD_NODE, address],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env={**os.environ, **RAY_ENV},
+                check=True,
+            ).stdout.splitlines()[-1]
+        )
+        assert len(nodes["all"]) == 2
+        (head,) = nodes["head"]
+        assert rank1_node in nodes["all"] and rank1_node != head
+
+
+def _worker_pids(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [
+        int(c)
+        for c in children
+        if b"multiprocessing" in Path(f"/proc/{c}/cmdline").read_bytes()
+        and b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()
+    ]
+
+
+@pytest.mark.parametrize("signal_", [signal.SIGKILL])
+def test_a_dead_rank_fails_the_server_instead_of_hanging_it(tiny_checkpoints, signal_):
+    """Rank 1 (an mp worker) is killed: /health answers 503 (or the server is already gone)
+    and the server exits non-zero within seconds, even with a request in flight."""
+    path = tiny_checkpoints["llama"]
+    flags = ("--tensor-parallel-size", "2")
+    with running_server(path, *flags, timeout=180) as (base, proc):
+        (worker,) = _worker_pids(proc.pid)
+        os.kill(worker, signal_)
+        codes: list[int] = []
+
+        def failed() -> bool:
+            if proc.poll() is not None:
+                return True
+            with contextlib.suppress(httpx.HTTPError):
+                codes.append(httpx.get(f"{base}/health", timeout=1).status_code)
+            return False
+
+        wait_until(failed, 60, "the server to fail")
+        assert proc.returncode not in (0, None)
+        assert 503 in codes and set(codes) <= {200, 503}
+        log = Path(proc.log_path).read_text()
+        assert "tensor-parallel rank 1" in log and "SIGKILL" in log
