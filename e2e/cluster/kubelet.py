@@ -1,8 +1,10 @@
 """The lab's kubelet: runs every pod of the API on this machine, from its spec.
 
-Per pod: a network namespace with its own IP on the lab bridge (net.py), its volumes (emptyDir,
+Per pod: a network namespace with its own IP on the lab bridge (net.py) and the pod's safe
+sysctls applied to it, its volumes (emptyDir,
 Memory emptyDir as a tmpfs, configMap, secret, projected service-account token and CA, downward
-API, persistentVolumeClaim and hostPath mapped to directories the test gives), /etc/hosts, init
+API, persistentVolumeClaim and hostPath mapped to directories the test gives), /etc/hosts (its
+own name, and the cluster DNS names of pods behind headless Services, kept current: dns.py), init
 containers to completion, then each container as a real process through shim.py (own mount and
 UTS namespace, the spec's user, read-only root where asked). Probes (startup, readiness,
 liveness) from the node as the spec states them, restarts with back-off (restartCount), and on
@@ -28,6 +30,7 @@ from pathlib import Path
 import kmock
 
 from .api import LabApi, Res
+from .dns import Record, hosts_file, pod_hostname, records
 from .net import LabNetwork
 from .podspec import (
     ConfigError,
@@ -44,6 +47,22 @@ from .probes import Thresholds, TimeScale, check, within
 log = logging.getLogger("cluster.kubelet")
 
 PODS = Res("v1/pods")
+ENDPOINTS = Res("v1/endpoints")
+# The kubelet's default safe sysctls (namespaced to the pod's network namespace); any other is
+# refused unless the kubelet allows it (--allowed-unsafe-sysctls), which the lab's does not.
+SAFE_SYSCTLS = frozenset(
+    {
+        "net.ipv4.ip_local_port_range",
+        "net.ipv4.ip_unprivileged_port_start",
+        "net.ipv4.ping_group_range",
+        "net.ipv4.tcp_syncookies",
+        "net.ipv4.ip_local_reserved_ports",
+        "net.ipv4.tcp_keepalive_time",
+        "net.ipv4.tcp_fin_timeout",
+        "net.ipv4.tcp_keepalive_intvl",
+        "net.ipv4.tcp_keepalive_probes",
+    }
+)
 SHIM = Path(__file__).with_name("shim.py")
 BACKOFF_S, BACKOFF_MAX_S = 10.0, 300.0
 TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -137,6 +156,7 @@ class Kubelet:
         self.api, self.network, self.config = api, network, config
         self.workers: dict[str, PodWorker] = {}
         self.tmpfs_mounts: set[Path] = set()
+        self.cluster_records: list[Record] = []
 
     async def run(self) -> None:
         listener = self.api.listen()
@@ -147,6 +167,7 @@ class Kubelet:
                 await within(listener.wait(), 1.0)
 
     def sync(self) -> None:
+        self.cluster_records = records(self.api.list(ENDPOINTS))
         pods = {p["metadata"]["uid"]: p for p in self.api.list(PODS)}
         for uid, pod in pods.items():
             worker = self.workers.get(uid)
@@ -154,6 +175,7 @@ class Kubelet:
                 worker = self.workers[uid] = PodWorker(self, pod)
                 worker.start()
             worker.observe(pod)
+            worker.write_hosts()
         for uid, worker in list(self.workers.items()):
             if uid not in pods:
                 worker.terminate(0)  # deleted from the API by force
@@ -190,6 +212,7 @@ class PodWorker:
         self.task: asyncio.Task | None = None
         self._publishing: asyncio.Task | None = None
         self._dirty = False
+        self._hosts = ""  # what the pod's /etc/hosts holds
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self.run(), name=f"pod {self.name}")
@@ -212,6 +235,8 @@ class PodWorker:
             await self._bind()
             self.netns, self.ip = await asyncio.to_thread(self.kubelet.network.add_pod, self.uid)
             self.changed()
+            if not await self._apply_sysctls():
+                return
             volumes = await self._mount_volumes()
             if volumes is None:
                 return
@@ -239,6 +264,43 @@ class PodWorker:
             raise
         finally:
             await self._tear_down()
+
+    async def _apply_sysctls(self) -> bool:
+        """The pod's sysctls in its network namespace; False (the pod waits to be deleted, as
+        SysctlForbidden leaves it) when one is not safe."""
+        sysctls = (self.pod["spec"].get("securityContext") or {}).get("sysctls") or []
+        forbidden = sorted(s["name"] for s in sysctls if s["name"] not in SAFE_SYSCTLS)
+        if forbidden:
+            self._waiting_all("SysctlForbidden", f"forbidden sysctl: {', '.join(forbidden)}")
+            await self.stopping.wait()
+            return False
+        for sysctl in sysctls:
+            await asyncio.to_thread(
+                subprocess.run,
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    self.netns,
+                    "sysctl",
+                    "-qw",
+                    f"{sysctl['name']}={sysctl['value']}",
+                ],
+                check=True,
+                capture_output=True,
+            )
+        return True
+
+    def write_hosts(self) -> None:
+        """The pod's /etc/hosts, rewritten in place (containers hold it bind-mounted) when the
+        names it should hold changed."""
+        if self.ip is None:
+            return
+        text = hosts_file(self.pod, self.ip, self.kubelet.cluster_records)
+        if text != self._hosts:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / "etc-hosts").write_text(text)
+            self._hosts = text
 
     async def _bind(self) -> None:
         """The scheduler's job in the lab: every pod goes to the one node."""
@@ -490,12 +552,13 @@ class PodWorker:
         target = container.get("terminationMessagePath")
         if termination_file is not None and target:
             mounts.append({"source": str(termination_file), "target": target, "read_only": False})
-        hosts = self.dir / "etc-hosts"
-        hosts.write_text(f"127.0.0.1\tlocalhost\n::1\tlocalhost\n{self.ip}\t{self.name}\n")
-        mounts.append({"source": str(hosts), "target": "/etc/hosts", "read_only": False})
+        self.write_hosts()
+        mounts.append(
+            {"source": str(self.dir / "etc-hosts"), "target": "/etc/hosts", "read_only": False}
+        )
         return {
             "netns": f"/run/netns/{self.netns}",
-            "hostname": self.name[:63],
+            "hostname": pod_hostname(self.pod),
             "argv": argv,
             "env": process_env(image, env),
             "workdir": container.get("workingDir") or image.workdir,

@@ -34,6 +34,7 @@ from .controllers import ControllerManager, is_ready
 from .images import project_images
 from .kubelet import CREATED_MOUNT_POINTS, SHIM, Kubelet, NodeConfig
 from .labels import parse_selector
+from .lws import LeaderWorkerSetController
 from .net import LabNetwork, enter_netns, leftover_namespaces, other_labs
 from .podspec import Image
 from .probes import TimeScale
@@ -259,7 +260,13 @@ class Lab:
             time=self.time,
         )
         self.kubelet = Kubelet(self.api, self.network, config)
-        manager = ControllerManager(self.api, config.ca_pem, self.claims)
+        # LeaderWorkerSet's controller and webhook run as if installed; they act once a test
+        # installs its CRD (lws.CRD), as on a cluster where the LWS release is applied.
+        leader_worker_sets = LeaderWorkerSetController(self.api)
+        self.api.pod_webhooks.append(leader_worker_sets.webhook)
+        manager = ControllerManager(
+            self.api, config.ca_pem, self.claims, add_ons=[leader_worker_sets.sync]
+        )
         self._tasks = [
             asyncio.create_task(manager.run(), name="controller-manager"),
             asyncio.create_task(self.kubelet.run(), name="kubelet"),
