@@ -3,12 +3,13 @@
 Per pod: a network namespace with its own IP on the lab bridge (net.py) and the pod's safe
 sysctls applied to it, its volumes (emptyDir,
 Memory emptyDir as a tmpfs, configMap, secret, projected service-account token and CA, downward
-API, persistentVolumeClaim and hostPath mapped to directories the test gives), /etc/hosts (its
-own name, and the cluster DNS names of pods behind headless Services, kept current: dns.py), init
+API, persistentVolumeClaim and hostPath mapped to directories the test gives), /etc/hosts and,
+for dnsPolicy ClusterFirst, an /etc/resolv.conf naming the lab's cluster DNS (dns.py), init
 containers to completion, then each container as a real process through shim.py (own mount and
 UTS namespace, the spec's user, read-only root where asked). Probes (startup, readiness,
 liveness) from the node as the spec states them, restarts with back-off (restartCount), and on
-deletion SIGTERM, then SIGKILL after the grace period. Pod status (phase, podIP, conditions,
+deletion SIGTERM, then SIGKILL after the grace period (and to whatever is left in the pod's
+network namespace, as removing its cgroup would). Pod status (phase, podIP, conditions,
 container statuses with each ended container's termination message) is written back through the
 status subresource.
 """
@@ -30,8 +31,8 @@ from pathlib import Path
 import kmock
 
 from .api import LabApi, Res
-from .dns import Record, hosts_file, pod_hostname, records
-from .net import LabNetwork
+from .dns import hosts_file, pod_hostname, resolv_conf
+from .net import LabNetwork, kill_processes
 from .podspec import (
     ConfigError,
     Image,
@@ -47,7 +48,6 @@ from .probes import Thresholds, TimeScale, check, within
 log = logging.getLogger("cluster.kubelet")
 
 PODS = Res("v1/pods")
-ENDPOINTS = Res("v1/endpoints")
 # The kubelet's default safe sysctls (namespaced to the pod's network namespace); any other is
 # refused unless the kubelet allows it (--allowed-unsafe-sysctls), which the lab's does not.
 SAFE_SYSCTLS = frozenset(
@@ -156,7 +156,6 @@ class Kubelet:
         self.api, self.network, self.config = api, network, config
         self.workers: dict[str, PodWorker] = {}
         self.tmpfs_mounts: set[Path] = set()
-        self.cluster_records: list[Record] = []
 
     async def run(self) -> None:
         listener = self.api.listen()
@@ -167,7 +166,6 @@ class Kubelet:
                 await within(listener.wait(), 1.0)
 
     def sync(self) -> None:
-        self.cluster_records = records(self.api.list(ENDPOINTS))
         pods = {p["metadata"]["uid"]: p for p in self.api.list(PODS)}
         for uid, pod in pods.items():
             worker = self.workers.get(uid)
@@ -175,7 +173,6 @@ class Kubelet:
                 worker = self.workers[uid] = PodWorker(self, pod)
                 worker.start()
             worker.observe(pod)
-            worker.write_hosts()
         for uid, worker in list(self.workers.items()):
             if uid not in pods:
                 worker.terminate(0)  # deleted from the API by force
@@ -212,7 +209,7 @@ class PodWorker:
         self.task: asyncio.Task | None = None
         self._publishing: asyncio.Task | None = None
         self._dirty = False
-        self._hosts = ""  # what the pod's /etc/hosts holds
+        self.volumes: dict[str, tuple[str, bool]] | None = None  # once mounted
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self.run(), name=f"pod {self.name}")
@@ -237,7 +234,7 @@ class PodWorker:
             self.changed()
             if not await self._apply_sysctls():
                 return
-            volumes = await self._mount_volumes()
+            volumes = self.volumes = await self._mount_volumes()
             if volumes is None:
                 return
             spec = self.pod["spec"]
@@ -291,16 +288,20 @@ class PodWorker:
             )
         return True
 
-    def write_hosts(self) -> None:
-        """The pod's /etc/hosts, rewritten in place (containers hold it bind-mounted) when the
-        names it should hold changed."""
-        if self.ip is None:
-            return
-        text = hosts_file(self.pod, self.ip, self.kubelet.cluster_records)
-        if text != self._hosts:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / "etc-hosts").write_text(text)
-            self._hosts = text
+    def name_files(self) -> list[dict]:
+        """The mounts of /etc/hosts and, under dnsPolicy ClusterFirst, /etc/resolv.conf."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        hosts = self.dir / "etc-hosts"
+        hosts.write_text(hosts_file(self.pod, self.ip))
+        mounts = [{"source": str(hosts), "target": "/etc/hosts", "read_only": False}]
+        if self.pod["spec"].get("dnsPolicy", "ClusterFirst") in {
+            "ClusterFirst",
+            "ClusterFirstWithHostNet",
+        }:
+            resolv = self.dir / "etc-resolv.conf"
+            resolv.write_text(resolv_conf(self.ns, self.config.node_ip))
+            mounts.append({"source": str(resolv), "target": "/etc/resolv.conf", "read_only": True})
+        return mounts
 
     async def _bind(self) -> None:
         """The scheduler's job in the lab: every pod goes to the one node."""
@@ -317,6 +318,8 @@ class PodWorker:
             await asyncio.gather(self._publishing, return_exceptions=True)
         if self._dirty:
             await self._publish()
+        if self.netns is not None:
+            await asyncio.to_thread(kill_processes, self.netns)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(self.kubelet.network.remove_pod, self.uid)
         for mount in sorted(self.kubelet.tmpfs_mounts):
@@ -431,6 +434,31 @@ class PodWorker:
                     if item["key"] in data:
                         files[item["path"]] = (data[item["key"]], item.get("mode", mode))
         return files
+
+    async def exec(self, container: str, argv: list[str], timeout: float) -> tuple[int, str]:
+        """`kubectl exec`: `argv` in the container's namespaces, mounts, user and environment;
+        (exit code, output). Killed at the timeout."""
+        if self.volumes is None:
+            raise ConfigError(f"pod {self.name} has no running containers yet")
+        found = next(c for c in self.pod["spec"]["containers"] if c["name"] == container)
+        spec = {**self.launch(found, self.volumes), "argv": argv}
+        spec_path = self.dir / f"{container}.exec.json"
+        spec_path.write_text(json.dumps(spec))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(SHIM),
+            str(spec_path),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            out, _ = await within(proc.communicate(), timeout)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the shim made it a group of its own
+            await proc.wait()
+        return proc.returncode, out.decode(errors="replace")
 
     # -- status
 
@@ -552,10 +580,7 @@ class PodWorker:
         target = container.get("terminationMessagePath")
         if termination_file is not None and target:
             mounts.append({"source": str(termination_file), "target": target, "read_only": False})
-        self.write_hosts()
-        mounts.append(
-            {"source": str(self.dir / "etc-hosts"), "target": "/etc/hosts", "read_only": False}
-        )
+        mounts.extend(self.name_files())
         return {
             "netns": f"/run/netns/{self.netns}",
             "hostname": pod_hostname(self.pod),

@@ -7,9 +7,10 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import struct
 import textwrap
 
-from .dns import Record, hosts_file
+from .dns import answer, hosts_file, records, resolv_conf
 from .lws import CRD, admit_pod
 
 IMAGE = "ghcr.io/pagefleet/pagefleet:test"
@@ -197,17 +198,61 @@ def test_the_webhook_names_a_group_as_the_lws_webhook_does():
     assert untouched["spec"] == {"containers": [{}]}
 
 
-def test_hosts_hold_the_pods_fqdn_and_the_headless_services_pod_names():
+def test_cluster_dns_answers_headless_service_pods_and_nothing_else():
+    """The kubelet's hosts file and resolv.conf of a pod with a subdomain, and the DNS
+    server's answers: A records of headless Services' pods and ready addresses, NXDOMAIN for
+    other names, FORMERR for what is not one question, no answer to responses or junk."""
     pod = {
         "metadata": {"name": "grp-0-1", "namespace": "ns"},
         "spec": {"hostname": "grp-0-1", "subdomain": "grp"},
     }
-    cluster = [Record("10.88.0.5", "grp-0", "grp", "ns"), Record("10.88.0.9", "a", "s", "other")]
-    text = hosts_file(pod, "10.88.0.6", cluster)
-    assert "10.88.0.6\tgrp-0-1.grp.ns.svc.cluster.local grp-0-1\n" in text
-    assert "10.88.0.5\tgrp-0.grp.ns.svc.cluster.local grp-0.grp.ns grp-0.grp\n" in text
-    # Another namespace's pod only by the names the search path completes from here.
-    assert "10.88.0.9\ta.s.other.svc.cluster.local a.s.other\n" in text
+    assert hosts_file(pod, "10.88.0.6").endswith(
+        "10.88.0.6\tgrp-0-1.grp.ns.svc.cluster.local grp-0-1\n"
+    )
+    assert resolv_conf("ns", "10.88.0.1") == (
+        "nameserver 10.88.0.1\nsearch ns.svc.cluster.local svc.cluster.local cluster.local\n"
+        "options ndots:5\n"
+    )
+    endpoints = [
+        {
+            "metadata": {"name": "grp", "namespace": "ns"},
+            "subsets": [
+                {"addresses": [{"ip": "10.88.0.5", "hostname": "grp-0"}, {"ip": "10.88.0.7"}]}
+            ],
+        },
+        {
+            "metadata": {"name": "web", "namespace": "ns"},
+            "subsets": [{"addresses": [{"ip": "1.2.3.4"}]}],
+        },
+    ]
+    table = records(endpoints, {("ns", "grp")})  # web has a ClusterIP: not named here
+    assert table == {
+        "grp.ns.svc.cluster.local": ["10.88.0.5", "10.88.0.7"],
+        "grp-0.grp.ns.svc.cluster.local": ["10.88.0.5"],
+    }
+
+    def query(name: str, qtype: int = 1, ident: int = 7, flags: int = 0x0100) -> bytes:
+        labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split("."))
+        return (
+            struct.pack("!HHHHHH", ident, flags, 1, 0, 0, 0)
+            + labels
+            + b"\0"
+            + struct.pack("!HH", qtype, 1)
+        )
+
+    found = answer(query("GRP-0.grp.ns.svc.cluster.local"), table.get)
+    ident, flags, _, count = struct.unpack("!HHHH", found[:8])
+    assert (ident, flags & 0xF, count) == (7, 0, 1)
+    assert found.endswith(bytes([10, 88, 0, 5]))
+    aaaa = answer(query("grp-0.grp.ns.svc.cluster.local", qtype=28), table.get)
+    assert struct.unpack("!HH", aaaa[2:4] + aaaa[6:8]) == (0x8580, 0)  # name exists, no AAAA
+    missing = answer(query("grp-0.grp.ns.ns.svc.cluster.local"), table.get)
+    assert struct.unpack("!H", missing[2:4])[0] & 0xF == 3  # the search path tries on
+    assert struct.unpack("!H", answer(b"\0\1\1\0\0\2" + bytes(6), table.get)[2:4])[0] & 0xF == 1
+    assert answer(query("x", flags=0x8000), table.get) is None
+    assert answer(b"short", table.get) is None
+    bad_label = query("a")[:12] + b"\xc0\x0c" + bytes(4)
+    assert struct.unpack("!H", answer(bad_label, table.get)[2:4])[0] & 0xF == 1
 
 
 # --- in the lab ----------------------------------------------------------------------------
