@@ -16,7 +16,14 @@ from pagefleet.operator.reconcile import (
 )
 
 from .conftest import open_lab
-from .fleet import crash_loop, in_pod, policy_check, prepare_namespace
+from .fleet import (
+    CPU_ENGINE_ARGS,
+    crash_loop,
+    in_pod,
+    policy_check,
+    prepare_namespace,
+    simulated_deployment,
+)
 from .lws import CRD as LWS_CRD
 from .net import running
 
@@ -33,16 +40,11 @@ RAY_NODES = (
 
 def multi_node_deployment() -> dict:
     """A CPU ModelDeployment whose one engine spans two pods (tensor parallel 2 over Ray)."""
-    return {
-        "apiVersion": "pagefleet.io/v1alpha1",
-        "kind": "ModelDeployment",
-        "metadata": {"name": NAME, "namespace": NAMESPACE},
-        "spec": {
-            "model": {"name": "tiny", "pvc": {"claimName": "models", "path": "tiny"}},
-            "engineArgs": {"kv-cache-memory": 0.05},
-            "pools": {POOL: {"replicas": 1, "nodes": 2, "tensorParallelSize": 2}},
-        },
-    }
+    pool = {"replicas": 1, "nodes": 2, "tensorParallelSize": 2}
+    md = simulated_deployment(NAME, NAMESPACE, pool)
+    md["spec"]["engineArgs"] = dict(CPU_ENGINE_ARGS)  # a real forward pass, on CPU
+    md["spec"]["pools"] = {POOL: md["spec"]["pools"].pop("colocated")}
+    return md
 
 
 def rendered_without_engine(md: dict) -> list[dict]:
