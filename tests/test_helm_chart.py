@@ -1471,10 +1471,11 @@ def test_dockerfiles_match_what_the_chart_and_operator_run(rendered, flavour):
         p["containerPort"] for pod in pods for c in pod["containers"] for p in c.get("ports", [])
     }
     assert used and used <= exposed
-    # The engine image installs the engine's distribution and those it stands on, no other.
+    # The engine image installs the engine's distribution (with Ray, which multi-node pools'
+    # pods start) and those it stands on, no other.
     ignore = (ROOT / "deploy" / "docker" / f"Dockerfile.{flavour}.dockerignore").read_text()
     installs = re.findall(r"pip install --no-cache-dir (\./.+?) \\$", text, flags=re.M)
-    assert installs == ["./proto ./pagefleet ./engine"]
+    assert installs == ['./proto ./pagefleet "./engine[ray]"']
     for folder in ("proto", "pagefleet", "engine"):
         assert f"COPY {folder} ./{folder}" in text and f"!{folder}/" in ignore, folder
     assert "router" not in ignore and "operator" not in ignore

@@ -17,6 +17,7 @@ error shapes), taught what a real API server does that our objects rely on:
   the kubelet removes the pod), and foreground/orphan propagation via finalizers that the
   garbage collector (controllers.py) honours;
 - CustomResourceDefinitions that add their resource (with its subresources) to discovery;
+- mutating admission webhooks of pods that add-ons install (`pod_webhooks`);
 - bearer tokens required on the TLS port (pods log in with their service-account token); the
   plain port is an unauthenticated local endpoint, like `kubectl proxy`.
 
@@ -63,6 +64,7 @@ BUILTIN_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
     "v1/persistentvolumeclaims": ("PersistentVolumeClaim", True, ("status",)),
     "apps/v1/deployments": ("Deployment", True, ("status", "scale")),
     "apps/v1/replicasets": ("ReplicaSet", True, ("status", "scale")),
+    "apps/v1/statefulsets": ("StatefulSet", True, ("status", "scale")),
     "rbac.authorization.k8s.io/v1/roles": ("Role", True, ()),
     "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, ()),
     "rbac.authorization.k8s.io/v1/clusterroles": ("ClusterRole", False, ()),
@@ -95,6 +97,10 @@ MERGE_KEYS = {
     "ownerReferences": "uid",
     "imagePullSecrets": "name",
 }
+
+
+# Objects with a pod template whose defaults the server fills in.
+WORKLOADS = frozenset({"Deployment", "ReplicaSet", "StatefulSet"})
 
 
 def now_iso(offset_s: float = 0.0) -> str:
@@ -172,18 +178,22 @@ def default_templates(kind: str, obj: dict) -> None:
         return
     if kind == "Pod":
         default_pod_spec(spec)
-    elif kind in {"Deployment", "ReplicaSet"} and isinstance(spec.get("template"), dict):
+    elif kind in WORKLOADS and isinstance(spec.get("template"), dict):
         default_pod_spec(spec["template"].setdefault("spec", {}))
 
 
 def apply_defaults(kind: str, obj: dict, allocate_ip: Callable[[], str]) -> None:
-    spec = obj.setdefault("spec", {}) if kind in {"Pod", "Deployment", "ReplicaSet"} else None
+    spec = obj.setdefault("spec", {}) if kind in {"Pod", *WORKLOADS} else None
     if kind == "Pod":
         default_pod_spec(spec)
         obj["status"] = {"phase": "Pending"}
-    elif kind in {"Deployment", "ReplicaSet"}:
+    elif kind in WORKLOADS:
         spec.setdefault("replicas", 1)
         default_pod_spec(spec.setdefault("template", {}).setdefault("spec", {}))
+        if kind == "StatefulSet":
+            spec.setdefault("podManagementPolicy", "OrderedReady")
+            spec.setdefault("revisionHistoryLimit", 10)
+            spec.setdefault("updateStrategy", {"type": "RollingUpdate"})
         if kind == "Deployment":
             spec.setdefault("revisionHistoryLimit", 10)
             spec.setdefault("progressDeadlineSeconds", 600)
@@ -307,6 +317,8 @@ class LabApi(kmock.KubernetesEmulator):
     _kinds: dict[tuple[str, str], Res] = attrs.field(factory=dict, init=False)
     _next_service_ip: int = attrs.field(default=10, init=False)
     _listeners: list[asyncio.Event] = attrs.field(factory=list, init=False)
+    # Mutating admission webhooks for pods (an add-on's, e.g. LeaderWorkerSet's), in order.
+    pod_webhooks: list[Callable[[dict], None]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -457,6 +469,8 @@ class LabApi(kmock.KubernetesEmulator):
                 obj.pop("status", None)
             if info.kind == "Pod":
                 self._admit_pod(obj, namespace)
+                for webhook in self.pod_webhooks:  # after the built-in plugins, as on a cluster
+                    webhook(obj)
             apply_defaults(info.kind, obj, self._allocate_service_ip)
             if info.kind == "CustomResourceDefinition":
                 self._establish(obj)

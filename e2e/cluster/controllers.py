@@ -5,7 +5,12 @@
 - ReplicaSets -> Pods (`generateName`, the template's labels plus `pod-template-hash`, a
   controller owner reference), scaling down not-ready and newest pods first, replacing pods that
   are gone, and their status;
-- Services -> Endpoints of their selected pods (ready ones as addresses);
+- StatefulSets -> Pods named `<set>-<ordinal>` (from `ordinals.start`), each with its hostname
+  and the set's Service as subdomain, created in order (OrderedReady) or all at once
+  (Parallel), recreated when gone or ended, removed from the highest ordinal down, rolled from
+  the highest ordinal down when the template changes; and their status;
+- Services -> Endpoints of their selected pods (ready ones as addresses, every one under
+  publishNotReadyAddresses; with the pod's hostname where the pod's subdomain is the Service);
 - PersistentVolumeClaims the lab has a directory for -> Bound;
 - the garbage collector: dependents whose owners are all gone are deleted; foreground deletion
   waits for dependents, orphan deletion strips the owner references.
@@ -20,7 +25,7 @@ import contextlib
 import hashlib
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import kmock
 
@@ -32,6 +37,7 @@ log = logging.getLogger("cluster.controllers")
 
 DEPLOYMENTS = Res("apps/v1/deployments")
 REPLICASETS = Res("apps/v1/replicasets")
+STATEFULSETS = Res("apps/v1/statefulsets")
 PODS = Res("v1/pods")
 SERVICES = Res("v1/services")
 ENDPOINTS = Res("v1/endpoints")
@@ -40,6 +46,9 @@ NAMESPACES = Res("v1/namespaces")
 ACCOUNTS = Res("v1/serviceaccounts")
 CONFIGMAPS = Res("v1/configmaps")
 TEMPLATE_HASH = "pod-template-hash"
+REVISION_HASH = "controller-revision-hash"  # a StatefulSet pod's template revision
+POD_NAME_LABEL = "statefulset.kubernetes.io/pod-name"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 RESYNC_S = 1.0
 _HASH_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 
@@ -107,9 +116,16 @@ def removal_order(pods: list[dict]) -> list[dict]:
 
 
 class ControllerManager:
-    def __init__(self, api: LabApi, ca_pem: str, claims: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        api: LabApi,
+        ca_pem: str,
+        claims: Iterable[str] = (),
+        add_ons: Iterable[Callable[[], Awaitable[None]]] = (),
+    ) -> None:
         self.api, self.ca_pem = api, ca_pem
         self.claims = set(claims)
+        self.add_ons = list(add_ons)  # syncs of controllers installed beside these (LWS)
 
     async def run(self) -> None:
         listener = self.api.listen()
@@ -119,6 +135,8 @@ class ControllerManager:
                 self.sync_namespaces,
                 self.sync_deployments,
                 self.sync_replicasets,
+                *self.add_ons,
+                self.sync_statefulsets,
                 self.sync_endpoints,
                 self.sync_claims,
                 self.collect_garbage,
@@ -126,7 +144,7 @@ class ControllerManager:
                 try:
                     await sync()
                 except kmock.KubernetesError as e:  # a race with another writer: next round
-                    log.debug("%s: %s", sync.__name__, e)
+                    log.debug("%s: %s", getattr(sync, "__name__", sync), e)
             with contextlib.suppress(TimeoutError):
                 await within(listener.wait(), RESYNC_S)
 
@@ -252,16 +270,7 @@ class ControllerManager:
         await self._write_status(DEPLOYMENTS, d, status)
 
     async def _write_status(self, res: Res, obj: dict, status: dict) -> None:
-        """Replace the status (zero counts are left out, as the real controllers do)."""
-        if (obj.get("status") or {}) != status:
-            meta = obj["metadata"]
-            await self.api.update(
-                res,
-                meta["namespace"],
-                meta["name"],
-                lambda old: {**old, "status": status},
-                "status",
-            )
+        await write_status(self.api, res, obj, status)
 
     # -- ReplicaSets
 
@@ -305,6 +314,81 @@ class ControllerManager:
             },
             "spec": template["spec"],
         }
+
+    # -- StatefulSets
+
+    async def sync_statefulsets(self) -> None:
+        for sts in self.api.list(STATEFULSETS):
+            if not sts["metadata"].get("deletionTimestamp"):
+                await self.sync_statefulset(sts)
+
+    async def sync_statefulset(self, sts: dict) -> None:
+        meta, spec = sts["metadata"], sts["spec"]
+        ns = meta["namespace"]
+        revision = f"{meta['name']}-{template_hash(spec['template'])}"
+        owned = {
+            p["metadata"]["name"]: p
+            for p in self.api.list(PODS, ns)
+            if controller_of(p) == meta["uid"]
+        }
+        wanted = ordinal_names(sts)
+        parallel = spec.get("podManagementPolicy") == "Parallel"
+        for name in wanted:
+            pod = owned.get(name) or self.api.get(PODS, ns, name)
+            if pod is None:
+                await self.api.create(PODS, ns, statefulset_pod(sts, name, revision))
+            elif not is_active(pod) and not pod["metadata"].get("deletionTimestamp"):
+                await self.api.delete(PODS, ns, name)  # Failed or Succeeded: replaced
+            elif parallel or (is_active(pod) and is_ready(pod)):
+                continue
+            if not parallel:
+                break  # OrderedReady: the next ordinal waits for this one to be Ready
+        surplus = sorted(
+            (p for n, p in owned.items() if n not in wanted and is_active(p)),
+            key=pod_ordinal,
+            reverse=True,
+        )
+        for pod in surplus if parallel else surplus[:1]:
+            await self.api.delete(PODS, ns, pod["metadata"]["name"])
+        present = [owned[n] for n in wanted if n in owned]
+        if len(present) == len(wanted):
+            await self._roll_statefulset(sts, present, revision)
+        await self._statefulset_status(sts, revision)
+
+    async def _roll_statefulset(self, sts: dict, pods: list[dict], revision: str) -> None:
+        """RollingUpdate: one pod of an old revision at a time, from the highest ordinal, once
+        every pod is there and Ready."""
+        strategy = sts["spec"].get("updateStrategy") or {}
+        if strategy.get("type", "RollingUpdate") != "RollingUpdate":
+            return
+        if not all(is_active(p) and is_ready(p) for p in pods):
+            return
+        old = [p for p in pods if p["metadata"]["labels"].get(REVISION_HASH) != revision]
+        if old:
+            victim = max(old, key=pod_ordinal)
+            await self.api.delete(PODS, sts["metadata"]["namespace"], victim["metadata"]["name"])
+
+    async def _statefulset_status(self, sts: dict, revision: str) -> None:
+        meta = sts["metadata"]
+        pods = [
+            p
+            for p in self.api.list(PODS, meta["namespace"])
+            if controller_of(p) == meta["uid"] and is_active(p)
+        ]
+        updated = [p for p in pods if p["metadata"]["labels"].get(REVISION_HASH) == revision]
+        ready = sum(map(is_ready, pods))
+        status = {
+            "observedGeneration": meta["generation"],
+            "replicas": len(pods),
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+            "currentReplicas": len(updated),
+            "updatedReplicas": len(updated),
+            "currentRevision": revision,
+            "updateRevision": revision,
+        }
+        status = {k: v for k, v in status.items() if v or k in {"observedGeneration", "replicas"}}
+        await self._write_status(STATEFULSETS, sts, status)
 
     # -- Services
 
@@ -413,6 +497,53 @@ class ControllerManager:
             )
 
 
+async def write_status(api: LabApi, res: Res, obj: dict, status: dict) -> None:
+    """Replace the status (zero counts are left out, as the real controllers do)."""
+    if (obj.get("status") or {}) != status:
+        meta = obj["metadata"]
+        await api.update(
+            res, meta["namespace"], meta["name"], lambda old: {**old, "status": status}, "status"
+        )
+
+
+def ordinal_names(sts: dict) -> list[str]:
+    """The names of a StatefulSet's pods: `<set>-<ordinal>` from `ordinals.start`."""
+    start = (sts["spec"].get("ordinals") or {}).get("start", 0)
+    name = sts["metadata"]["name"]
+    return [f"{name}-{i}" for i in range(start, start + sts["spec"]["replicas"])]
+
+
+def pod_ordinal(pod: dict) -> int:
+    return int(pod["metadata"]["name"].rsplit("-", 1)[1])
+
+
+def statefulset_pod(sts: dict, name: str, revision: str) -> dict:
+    """A StatefulSet's pod: the template's labels plus its identity, its hostname and the
+    set's governing Service as subdomain."""
+    template = sts["spec"]["template"]
+    labels = {
+        **(template.get("metadata") or {}).get("labels", {}),
+        POD_NAME_LABEL: name,
+        POD_INDEX_LABEL: name.rsplit("-", 1)[1],
+        REVISION_HASH: revision,
+    }
+    spec = {**template["spec"], "hostname": name}
+    if sts["spec"].get("serviceName"):
+        spec["subdomain"] = sts["spec"]["serviceName"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            **(template.get("metadata") or {}),
+            "name": name,
+            "namespace": sts["metadata"]["namespace"],
+            "labels": labels,
+            "ownerReferences": [owner_reference(sts)],
+        },
+        "spec": spec,
+    }
+
+
 def _finalizers(obj: dict) -> list[str]:
     return list(obj["metadata"].get("finalizers") or [])
 
@@ -431,16 +562,17 @@ def endpoints_of(service: dict, pods: list[dict]) -> dict:
         if any(port is None for _, port, _ in ports):
             continue
         subset = by_ports.setdefault(ports, {"addresses": [], "notReadyAddresses": []})
-        address = {
-            "ip": pod["status"]["podIP"],
-            "targetRef": {
-                "kind": "Pod",
-                "name": pod["metadata"]["name"],
-                "namespace": pod["metadata"]["namespace"],
-                "uid": pod["metadata"]["uid"],
-            },
+        address: dict = {"ip": pod["status"]["podIP"]}
+        if pod["spec"].get("hostname") and pod["spec"].get("subdomain") == meta["name"]:
+            address["hostname"] = pod["spec"]["hostname"]  # what cluster DNS names
+        address["targetRef"] = {
+            "kind": "Pod",
+            "name": pod["metadata"]["name"],
+            "namespace": pod["metadata"]["namespace"],
+            "uid": pod["metadata"]["uid"],
         }
-        subset["addresses" if is_ready(pod) else "notReadyAddresses"].append(address)
+        published = is_ready(pod) or service["spec"].get("publishNotReadyAddresses")
+        subset["addresses" if published else "notReadyAddresses"].append(address)
     for ports, subset in by_ports.items():
         subset = {k: v for k, v in subset.items() if v}
         subset["ports"] = [

@@ -1,12 +1,15 @@
 """The lab's kubelet: runs every pod of the API on this machine, from its spec.
 
-Per pod: a network namespace with its own IP on the lab bridge (net.py), its volumes (emptyDir,
+Per pod: a network namespace with its own IP on the lab bridge (net.py) and the pod's safe
+sysctls applied to it, its volumes (emptyDir,
 Memory emptyDir as a tmpfs, configMap, secret, projected service-account token and CA, downward
-API, persistentVolumeClaim and hostPath mapped to directories the test gives), /etc/hosts, init
+API, persistentVolumeClaim and hostPath mapped to directories the test gives), /etc/hosts and,
+for dnsPolicy ClusterFirst, an /etc/resolv.conf naming the lab's cluster DNS (dns.py), init
 containers to completion, then each container as a real process through shim.py (own mount and
 UTS namespace, the spec's user, read-only root where asked). Probes (startup, readiness,
 liveness) from the node as the spec states them, restarts with back-off (restartCount), and on
-deletion SIGTERM, then SIGKILL after the grace period. Pod status (phase, podIP, conditions,
+deletion SIGTERM, then SIGKILL after the grace period (and to whatever is left in the pod's
+network namespace, as removing its cgroup would). Pod status (phase, podIP, conditions,
 container statuses with each ended container's termination message) is written back through the
 status subresource.
 """
@@ -28,7 +31,8 @@ from pathlib import Path
 import kmock
 
 from .api import LabApi, Res
-from .net import LabNetwork
+from .dns import hosts_file, pod_hostname, resolv_conf
+from .net import LabNetwork, kill_processes
 from .podspec import (
     ConfigError,
     Image,
@@ -44,6 +48,21 @@ from .probes import Thresholds, TimeScale, check, within
 log = logging.getLogger("cluster.kubelet")
 
 PODS = Res("v1/pods")
+# The kubelet's default safe sysctls (namespaced to the pod's network namespace); any other is
+# refused unless the kubelet allows it (--allowed-unsafe-sysctls), which the lab's does not.
+SAFE_SYSCTLS = frozenset(
+    {
+        "net.ipv4.ip_local_port_range",
+        "net.ipv4.ip_unprivileged_port_start",
+        "net.ipv4.ping_group_range",
+        "net.ipv4.tcp_syncookies",
+        "net.ipv4.ip_local_reserved_ports",
+        "net.ipv4.tcp_keepalive_time",
+        "net.ipv4.tcp_fin_timeout",
+        "net.ipv4.tcp_keepalive_intvl",
+        "net.ipv4.tcp_keepalive_probes",
+    }
+)
 SHIM = Path(__file__).with_name("shim.py")
 BACKOFF_S, BACKOFF_MAX_S = 10.0, 300.0
 TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -190,6 +209,7 @@ class PodWorker:
         self.task: asyncio.Task | None = None
         self._publishing: asyncio.Task | None = None
         self._dirty = False
+        self.volumes: dict[str, tuple[str, bool]] | None = None  # once mounted
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self.run(), name=f"pod {self.name}")
@@ -212,7 +232,9 @@ class PodWorker:
             await self._bind()
             self.netns, self.ip = await asyncio.to_thread(self.kubelet.network.add_pod, self.uid)
             self.changed()
-            volumes = await self._mount_volumes()
+            if not await self._apply_sysctls():
+                return
+            volumes = self.volumes = await self._mount_volumes()
             if volumes is None:
                 return
             spec = self.pod["spec"]
@@ -240,6 +262,47 @@ class PodWorker:
         finally:
             await self._tear_down()
 
+    async def _apply_sysctls(self) -> bool:
+        """The pod's sysctls in its network namespace; False (the pod waits to be deleted, as
+        SysctlForbidden leaves it) when one is not safe."""
+        sysctls = (self.pod["spec"].get("securityContext") or {}).get("sysctls") or []
+        forbidden = sorted(s["name"] for s in sysctls if s["name"] not in SAFE_SYSCTLS)
+        if forbidden:
+            self._waiting_all("SysctlForbidden", f"forbidden sysctl: {', '.join(forbidden)}")
+            await self.stopping.wait()
+            return False
+        for sysctl in sysctls:
+            await asyncio.to_thread(
+                subprocess.run,
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    self.netns,
+                    "sysctl",
+                    "-qw",
+                    f"{sysctl['name']}={sysctl['value']}",
+                ],
+                check=True,
+                capture_output=True,
+            )
+        return True
+
+    def name_files(self) -> list[dict]:
+        """The mounts of /etc/hosts and, under dnsPolicy ClusterFirst, /etc/resolv.conf."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        hosts = self.dir / "etc-hosts"
+        hosts.write_text(hosts_file(self.pod, self.ip))
+        mounts = [{"source": str(hosts), "target": "/etc/hosts", "read_only": False}]
+        if self.pod["spec"].get("dnsPolicy", "ClusterFirst") in {
+            "ClusterFirst",
+            "ClusterFirstWithHostNet",
+        }:
+            resolv = self.dir / "etc-resolv.conf"
+            resolv.write_text(resolv_conf(self.ns, self.config.node_ip))
+            mounts.append({"source": str(resolv), "target": "/etc/resolv.conf", "read_only": True})
+        return mounts
+
     async def _bind(self) -> None:
         """The scheduler's job in the lab: every pod goes to the one node."""
 
@@ -255,6 +318,8 @@ class PodWorker:
             await asyncio.gather(self._publishing, return_exceptions=True)
         if self._dirty:
             await self._publish()
+        if self.netns is not None:
+            await asyncio.to_thread(kill_processes, self.netns)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(self.kubelet.network.remove_pod, self.uid)
         for mount in sorted(self.kubelet.tmpfs_mounts):
@@ -369,6 +434,31 @@ class PodWorker:
                     if item["key"] in data:
                         files[item["path"]] = (data[item["key"]], item.get("mode", mode))
         return files
+
+    async def exec(self, container: str, argv: list[str], timeout: float) -> tuple[int, str]:
+        """`kubectl exec`: `argv` in the container's namespaces, mounts, user and environment;
+        (exit code, output). Killed at the timeout."""
+        if self.volumes is None:
+            raise ConfigError(f"pod {self.name} has no running containers yet")
+        found = next(c for c in self.pod["spec"]["containers"] if c["name"] == container)
+        spec = {**self.launch(found, self.volumes), "argv": argv}
+        spec_path = self.dir / f"{container}.exec.json"
+        spec_path.write_text(json.dumps(spec))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(SHIM),
+            str(spec_path),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            out, _ = await within(proc.communicate(), timeout)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the shim made it a group of its own
+            await proc.wait()
+        return proc.returncode, out.decode(errors="replace")
 
     # -- status
 
@@ -490,12 +580,10 @@ class PodWorker:
         target = container.get("terminationMessagePath")
         if termination_file is not None and target:
             mounts.append({"source": str(termination_file), "target": target, "read_only": False})
-        hosts = self.dir / "etc-hosts"
-        hosts.write_text(f"127.0.0.1\tlocalhost\n::1\tlocalhost\n{self.ip}\t{self.name}\n")
-        mounts.append({"source": str(hosts), "target": "/etc/hosts", "read_only": False})
+        mounts.extend(self.name_files())
         return {
             "netns": f"/run/netns/{self.netns}",
-            "hostname": self.name[:63],
+            "hostname": pod_hostname(self.pod),
             "argv": argv,
             "env": process_env(image, env),
             "workdir": container.get("workingDir") or image.workdir,

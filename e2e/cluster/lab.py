@@ -9,7 +9,8 @@ namespace, processes started there (the operator), and a clean-up that leaves no
         lab.wait_for(lambda: lab.kube.ready_pods("serving", "app=x"), 60, "pods")
         lab.in_lab(httpx.get, f"http://{ip}:8000/health")
 
-The API listens on the node's address: TLS with bearer tokens on API_TLS_PORT (what pods use,
+Cluster DNS (dns.py) answers on the node's address, port 53. The API listens on the node's
+address: TLS with bearer tokens on API_TLS_PORT (what pods use,
 through KUBERNETES_SERVICE_HOST and their projected service-account token), plain HTTP on
 API_PORT (what the test and an operator run with `--kubernetes-api` use).
 """
@@ -31,9 +32,11 @@ from typing import Any, TypeVar
 
 from .api import LabApi, Res, serve
 from .controllers import ControllerManager, is_ready
+from .dns import DnsServer, records
 from .images import project_images
 from .kubelet import CREATED_MOUNT_POINTS, SHIM, Kubelet, NodeConfig
 from .labels import parse_selector
+from .lws import LeaderWorkerSetController
 from .net import LabNetwork, enter_netns, leftover_namespaces, other_labs
 from .podspec import Image
 from .probes import TimeScale
@@ -190,6 +193,7 @@ class Lab:
         self._thread: threading.Thread | None = None
         self._tasks: list[asyncio.Task] = []
         self._runners: list = []
+        self._dns: asyncio.DatagramTransport | None = None
         self._executor = None
         self.api: LabApi | None = None
         self.kubelet: Kubelet | None = None
@@ -245,6 +249,9 @@ class Lab:
             await serve(self.api, self.node_ip, API_PORT),
             await serve(self.api, self.node_ip, API_TLS_PORT, tls),
         ]
+        self._dns, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+            lambda: DnsServer(self._resolve), local_addr=(self.node_ip, 53)
+        )
         for name in ("default", "kube-system"):
             await self.api.create(Res("v1/namespaces"), None, {"metadata": {"name": name}})
         config = NodeConfig(
@@ -259,11 +266,26 @@ class Lab:
             time=self.time,
         )
         self.kubelet = Kubelet(self.api, self.network, config)
-        manager = ControllerManager(self.api, config.ca_pem, self.claims)
+        # LeaderWorkerSet's controller and webhook run as if installed; they act once a test
+        # installs its CRD (lws.CRD), as on a cluster where the LWS release is applied.
+        leader_worker_sets = LeaderWorkerSetController(self.api)
+        self.api.pod_webhooks.append(leader_worker_sets.webhook)
+        manager = ControllerManager(
+            self.api, config.ca_pem, self.claims, add_ons=[leader_worker_sets.sync]
+        )
         self._tasks = [
             asyncio.create_task(manager.run(), name="controller-manager"),
             asyncio.create_task(self.kubelet.run(), name="kubelet"),
         ]
+
+    def _resolve(self, name: str) -> list[str] | None:
+        """Cluster DNS: the names of headless Services and their pods."""
+        headless = {
+            (s["metadata"]["namespace"], s["metadata"]["name"])
+            for s in self.api.list(Res("v1/services"))
+            if s["spec"].get("clusterIP") == "None"
+        }
+        return records(self.api.list(Res("v1/endpoints")), headless).get(name)
 
     async def _shut_down(self) -> None:
         if self._tasks:
@@ -274,6 +296,8 @@ class Lab:
             await self.kubelet.shutdown(grace_s=2.0)
         for runner in self._runners:
             await runner.cleanup()
+        if self._dns is not None:
+            self._dns.close()
         if self.api is not None:
             await self.api.__aexit__(None, None, None)
         # Watches and probes still open end here, before their loop closes.
@@ -394,6 +418,14 @@ class Lab:
         code = self._stop_process(proc, grace_s)
         self.processes.remove(proc)
         return code
+
+    def exec(
+        self, pod: dict, argv: list[str], container: str | None = None, timeout: float = 60
+    ) -> tuple[int, str]:
+        """`kubectl exec POD -- ARGV`: (exit code, output)."""
+        worker = self.kubelet.workers[pod["metadata"]["uid"]]
+        name = container or pod["spec"]["containers"][0]["name"]
+        return self.run(worker.exec(name, argv, timeout), timeout + 10)
 
     # -- looking
 

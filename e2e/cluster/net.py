@@ -13,8 +13,10 @@ import ctypes
 import ipaddress
 import os
 import re
+import signal
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +129,29 @@ class LabNetwork:
         return ThreadPoolExecutor(
             workers, "lab-net", initializer=enter_netns, initargs=(self.name,)
         )
+
+
+def kill_processes(netns: str, timeout_s: float = 10.0) -> None:
+    """SIGKILL every process in network namespace `netns` and wait until they are gone: what
+    removing a pod's cgroup does to processes that left their container's process group (Ray's
+    workers, daemons)."""
+    done = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
+    pids = [int(pid) for pid in done.stdout.split()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(running(pid) for pid in pids):
+        time.sleep(0.05)
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie holds no resources; its parent reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def leftover_namespaces(prefix: str) -> list[str]:
