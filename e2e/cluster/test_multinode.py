@@ -5,6 +5,7 @@ NetworkPolicies let through what Ray uses between them."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -18,11 +19,17 @@ from pagefleet.operator.reconcile import (
 from .conftest import open_lab
 from .fleet import (
     CPU_ENGINE_ARGS,
+    assert_serves_as_offline,
     crash_loop,
     in_pod,
+    md_pods,
     policy_check,
     prepare_namespace,
+    ready,
+    router_pods,
+    router_url,
     simulated_deployment,
+    start_operator,
 )
 from .lws import CRD as LWS_CRD
 from .net import running
@@ -127,3 +134,46 @@ def test_the_leader_and_worker_commands_form_one_ray_cluster_across_two_pods(tmp
         assert len(ray_processes) > 4, ray_processes  # the heads, raylets, agents, sleep
     assert not lab.leftovers(), lab.leftovers()
     assert not alive(ray_processes), alive(ray_processes)
+
+
+def test_one_engine_across_two_pods_serves_through_the_router(tmp_path, model_store, offline):
+    """The operator's multi-node pool as a user runs it: the LeaderWorkerSet's leader starts
+    the Ray head and `pagefleet serve --tensor-parallel-size 2 --distributed-executor-backend
+    ray`, whose rank 1 runs as a Ray actor on the worker pod (another pod IP); the router knows
+    the leader only and answers the offline engine's greedy text; every connection between the
+    pods (Ray, torch.distributed's store, gloo) is one the operator's policies allow."""
+    with open_lab(tmp_path / "lab", claims={"models": str(model_store)}) as lab:
+        prepare_namespace(lab, NAMESPACE)
+        lab.kube.create(LWS_CRD)
+        start_operator(lab)
+        md = multi_node_deployment()
+        md["spec"]["model"] = {"name": "tiny", "pvc": {"claimName": "models", "path": "tiny"}}
+        lab.kube.create(md)
+
+        def leader_ready():
+            pods = group_pods(lab)
+            for pod in pods.values():
+                crash_loop(lab, pod)
+            leader = pods.get(LEADER)
+            return leader if leader and ready([leader]) and WORKER in pods else None
+
+        leader = lab.wait_for(leader_ready, 300, "the multi-node engine ready")
+        worker = group_pods(lab)[WORKER]
+        log = lab.pod_log(leader)
+        worker_ip = worker["status"]["podIP"]
+        assert "tensor-parallel rank 1 runs on Ray node" in log, log[-3000:]
+        (placed,) = re.findall(r"tensor-parallel rank 1 runs on Ray node \w+ \(([\d.]+),", log)
+        assert placed == worker_ip != leader["status"]["podIP"]
+        # Both pods of the group are engine pods (component engine); one engine serves.
+        lab.wait_for(
+            lambda: ready(md_pods(lab, NAMESPACE, NAME, "router")), 120, "the router ready"
+        )
+        url = router_url(lab, NAMESPACE, NAME)
+        lab.wait_for(lambda: router_pods(lab, url) == {LEADER}, 60, "the router to know the leader")
+        assert_serves_as_offline(lab, url, "tiny", offline)
+        assert router_pods(lab, url) == {LEADER}  # never the worker pod
+        connections, dropped = policy_check(lab, NAMESPACE)
+        assert not dropped, (dropped, connections)
+        between = {c.port for c in connections if {c.client, c.server} == {WORKER, LEADER}}
+        assert RAY_GCS_PORT in between, connections
+    assert not lab.leftovers(), lab.leftovers()

@@ -398,6 +398,9 @@ def ray_start_argv(pool: Pool, head: bool) -> list[str]:
         f"--max-worker-port={RAY_WORKER_PORTS[1]}",
         # One rank per GPU; a CPU pool's ranks take no GPU.
         f"--num-gpus={pool.gpus}",
+        # A CPU pool's ranks take one logical CPU each: each pod holds exactly its share of
+        # them (counting the pod's cores, Ray would pack every rank into the leader).
+        *([] if pool.gpus else [f"--num-cpus={pool.tensor_parallel_size // pool.nodes}"]),
         f"--object-store-memory={RAY_OBJECT_STORE_BYTES}",
         "--disable-usage-stats",
     ]
