@@ -17,6 +17,7 @@ from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.distributed.step_codec import decode_step, encode_step
 from pagefleet.engine.model.parallel import TPLayout
 from pagefleet.engine.model.transformer import ModelConfig
+from ray_nodes import RAY_ENV
 from server_utils import metric_value, running_server
 
 # Small enough to preempt (9 blocks of 16 for 8 prompts of up to 57 tokens: measured 4
@@ -74,6 +75,25 @@ def test_tp2_greedy_equals_tp1_and_hf(tiny_checkpoints, arch):
     assert two["cached"] == 32, "the second run of the prompt was not a full prefix hit"
     assert two["varied"] == one["varied"]
     assert two["prefix"] == one["prefix"]
+
+
+def test_tp2_over_ray_actors_equals_tp1_on_every_scheduling_path(tiny_checkpoints, monkeypatch):
+    """The same paths with rank 1 as a Ray actor (the engine's private local cluster): the
+    executor changes where ranks run, never what they compute. Mistral's one KV head is
+    replicated on both ranks."""
+    for name, value in RAY_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    path = tiny_checkpoints["mistral"]
+    one = _run_paths(LLM(path, **TIGHT), None)
+    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", **TIGHT)
+    try:
+        assert type(llm.engine.runner.executor).__name__ == "RayExecutor"
+        two = _run_paths(llm, path)
+    finally:
+        llm.engine.close()
+    assert two["preemptions"] > 0 and two["cached"] == 32
+    assert (two["varied"], two["prefix"]) == (one["varied"], one["prefix"])
 
 
 def test_tp2_biased_model_logprobs_equal_tp1(tmp_path):
