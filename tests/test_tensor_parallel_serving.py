@@ -5,6 +5,7 @@ that dies fails the server loudly instead of hanging it."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import re
@@ -140,3 +141,47 @@ def test_a_dead_rank_fails_the_server_instead_of_hanging_it(tiny_checkpoints, si
         assert 503 in codes and set(codes) <= {200, 503}
         log = Path(proc.log_path).read_text()
         assert "tensor-parallel rank 1" in log and "SIGKILL" in log
+
+
+def _listening(pids: set[int]) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket these processes listen on."""
+    inodes: set[str] = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                address, port = fields[1].rsplit(":", 1)
+                found.append((_ip(address), int(port, 16)))
+    return found
+
+
+def _ip(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """/proc/net/tcp's address: 32-bit words in host (little-endian) order."""
+    raw = bytes.fromhex(hex_address)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(words)
+
+
+def test_tensor_parallel_ranks_of_one_node_open_no_port_beyond_loopback(tiny_checkpoints):
+    """Attack: torch.distributed's TCP store and gloo's pairs take no credentials, and a
+    TCPStore listens on every interface whatever host it is given: anyone who can reach the
+    machine could join or stall the ranks' rendezvous. Ranks on one node (mp) must talk over
+    loopback only: the server's processes listen on nothing but the HTTP port elsewhere."""
+    path = tiny_checkpoints["llama"]
+    with running_server(path, "--tensor-parallel-size", "2", timeout=180) as (base, proc):
+        http_port = int(base.rsplit(":", 1)[1])
+        pids = {proc.pid, *_worker_pids(proc.pid)}
+        assert len(pids) == 2
+        exposed = [
+            (address, port)
+            for address, port in _listening(pids)
+            if port != http_port and not address.is_loopback
+        ]
+        assert not exposed, exposed

@@ -8,7 +8,12 @@ NCCL on CUDA (one device per rank).
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import shutil
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -21,11 +26,54 @@ JOIN_TIMEOUT = timedelta(minutes=10)
 OP_TIMEOUT = timedelta(minutes=30)
 
 
-def open_store(host: str, world_size: int) -> dist.TCPStore:
-    """Rank 0's store on a free port of `host` (its `.port` goes into the workers' RankSpec)."""
-    return dist.TCPStore(
+# Ranks of one node meet through a store file (its path in this variable) instead of a TCP
+# store: a TCPStore listens on every interface, whatever host it is given, and takes no
+# credentials, so anyone who reaches the machine could join or stall the rendezvous.
+STORE_FILE_ENV = "PAGEFLEET_TP_STORE_FILE"
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+@dataclass
+class RankZeroStore:
+    """Rank 0's store and how workers reach it: a TCP port (ranks on other nodes) or a file
+    in a directory only this user reads (ranks of one node)."""
+
+    store: dist.Store
+    port: int = 0
+    file: str | None = None
+
+    def close(self) -> None:
+        if self.file is not None:
+            shutil.rmtree(os.path.dirname(self.file), ignore_errors=True)
+
+
+def open_store(host: str, world_size: int) -> RankZeroStore:
+    """Rank 0's store: a file for ranks of one node (`host` loopback), else a TCP store on a
+    free port of `host` (reachable by the other nodes' ranks: keep it inside the group's
+    network, as the operator's NetworkPolicies do)."""
+    if is_loopback(host):
+        path = os.path.join(tempfile.mkdtemp(prefix="pf-tp-"), "store")  # mode 0700
+        return RankZeroStore(dist.FileStore(path, world_size), file=path)
+    store = dist.TCPStore(
         host, 0, world_size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False
     )
+    return RankZeroStore(store, port=store.port)
+
+
+def _gloo(store: dist.Store, rank: int, size: int, host: str | None) -> dist.ProcessGroup:
+    """Gloo, bound to loopback for ranks of one node (its pairs listen on no other address)."""
+    if host is None or not is_loopback(host):
+        return dist.ProcessGroupGloo(store, rank, size, OP_TIMEOUT)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = OP_TIMEOUT
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 def local_device(rank: int, device_type: str) -> torch.device:
@@ -61,11 +109,12 @@ class RankGroup:
         size: int,
         backend: str,
         device: torch.device,
+        host: str | None = None,
     ) -> None:
         self.rank, self.size, self.backend, self.device = rank, size, backend, device
         self.store = store  # rank 0's store must outlive the group
         if backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(store, rank, size, OP_TIMEOUT)
+            self.pg = _gloo(store, rank, size, host)
         elif backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = OP_TIMEOUT
@@ -73,14 +122,19 @@ class RankGroup:
         else:
             raise ValueError(f"torch.distributed backend {backend!r}: gloo or nccl")
         self.timer: CollectiveTimer | None = None  # set to measure time in collectives
+        self.on_close: Callable[[], None] | None = None  # rank 0: remove its store's file
 
     @classmethod
     def join(
         cls, host: str, port: int, rank: int, size: int, backend: str, device: torch.device
     ) -> RankGroup:
-        """A worker rank joins rank 0's store and the group."""
-        store = dist.TCPStore(host, port, size, is_master=False, timeout=JOIN_TIMEOUT)
-        return cls(store, rank, size, backend, device)
+        """A worker rank joins rank 0's store (its file, when rank 0 named one) and the group."""
+        path = os.environ.get(STORE_FILE_ENV)
+        if path:
+            store: dist.Store = dist.FileStore(path, size)
+        else:
+            store = dist.TCPStore(host, port, size, is_master=False, timeout=JOIN_TIMEOUT)
+        return cls(store, rank, size, backend, device, host)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter() if self.timer else 0.0
@@ -127,3 +181,5 @@ class RankGroup:
         shutdown = getattr(self.pg, "shutdown", None)
         if shutdown is not None:
             shutdown()
+        if self.on_close is not None:
+            self.on_close()

@@ -11,6 +11,7 @@ calls in ranks 1..N-1.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -23,7 +24,12 @@ import torch
 from pagefleet.engine.attention.backend import AttentionBackend, select_backend
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.distributed.executor import Executor, RankSpec, worker_device
-from pagefleet.engine.distributed.group import RankGroup, local_device, open_store
+from pagefleet.engine.distributed.group import (
+    STORE_FILE_ENV,
+    RankGroup,
+    local_device,
+    open_store,
+)
 from pagefleet.engine.distributed.step_codec import (
     HEAD_LEN,
     OP_STOP,
@@ -91,11 +97,15 @@ def start_rank_zero(
     world = job.args.tensor_parallel_size
     store = open_store(master_addr, world)
     spec = rank_spec(job, master_addr, store.port)
+    if store.file is not None:
+        spec = dataclasses.replace(spec, env={**spec.env, STORE_FILE_ENV: store.file})
     executor.start(spec)
     if on_started is not None:
         on_started(executor)
     device = torch.device(executor.rank0_device(spec.backend))
-    return RankGroup(store, 0, world, spec.backend, device)
+    group = RankGroup(store.store, 0, world, spec.backend, device, master_addr)
+    group.on_close = store.close
+    return group
 
 
 def load_shard(job: ShardJob, group: RankGroup) -> CausalLM:
