@@ -66,9 +66,12 @@ def test_tp2_prefill_to_tp2_decode_equals_colocated_tp1(tiny_checkpoints, arch):
     path = tiny_checkpoints[arch]
     expected = colocated_tp1(path)
     per_block = 2 * rank_block_bytes(path, 2)  # both ranks' shards
-    with serve(path, "kv_producer", *TP2) as (prefill, _), serve(path, "kv_consumer", *TP2) as (
-        decode,
-        _,
+    with (
+        serve(path, "kv_producer", *TP2) as (prefill, _),
+        serve(path, "kv_consumer", *TP2) as (
+            decode,
+            _,
+        ),
     ):
         params = prefill_directly(prefill, PROMPT)
         assert len(params["remote_block_ids"]) == 13
@@ -96,9 +99,12 @@ def test_a_tp1_decode_engine_is_refused_by_a_tp2_prefill_engine(tiny_checkpoints
     of each block: wrong output, no fallback), or a refusal that does not say why."""
     path = tiny_checkpoints["llama"]
     expected = colocated_tp1(path)[0]
-    with serve(path, "kv_producer", *TP2) as (prefill, _), serve(path, "kv_consumer") as (
-        decode,
-        decode_proc,
+    with (
+        serve(path, "kv_producer", *TP2) as (prefill, _),
+        serve(path, "kv_consumer") as (
+            decode,
+            decode_proc,
+        ),
     ):
         params = prefill_directly(prefill, PROMPT)
         assert decode_directly(decode, PROMPT, params) == expected
