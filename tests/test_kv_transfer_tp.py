@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from test_kv_transfer_service import DictHeld, compat_of, make_pool, serving
+from test_security_kv_transfer import _StuckNixl
 
 from pagefleet.common.kv_errors import IncompatiblePeer, TransferError
 from pagefleet.engine.distributed.group import RankGroup
@@ -195,7 +196,7 @@ def test_rank_zero_drives_the_worker_ranks_reads_through_the_step_channel():
     assert not loop.is_alive()
 
 
-class _ReadyNixl:
+class _ReadyNixl(_StuckNixl):
     """Rank 0's NIXL transport whose READ is done at once."""
 
     def start_read(self, peer, pairs):
@@ -206,12 +207,6 @@ class _ReadyNixl:
 
     def release(self, handle) -> bool:
         return True
-
-    def remove_peer(self, peer) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class _Ranks:
