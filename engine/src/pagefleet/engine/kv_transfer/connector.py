@@ -395,9 +395,12 @@ class KVConnector:
         ranks = None if self.ranks is None else self.ranks.start_read(rank_peer, pairs)
         deadline = time.monotonic() + timeout
         try:
-            while (state := self.nixl.poll(handle)) == "pending" or (
-                ranks is not None and ranks.state == "pending"
-            ):
+            # Until every rank's READ is done, or one failed (the others are cancelled below).
+            while True:
+                state = self.nixl.poll(handle)
+                states = {state, ranks.state if ranks is not None else "done"}
+                if states == {"done"} or "failed" in states:
+                    break
                 if time.monotonic() > deadline:
                     raise TransferTimeout(f"NIXL READ from {peer.engine_id} timed out")
                 time.sleep(0.0002)
