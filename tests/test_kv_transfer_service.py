@@ -59,7 +59,8 @@ class DictHeld:
 @contextmanager
 def serving(held, pool, **kwargs):
     kwargs.setdefault("secret", fleet_secret())
-    server = KVTransferServer(held, pool, compat_of(pool), "prefill-0", **kwargs)
+    compat = kwargs.pop("compat", None) or compat_of(pool)
+    server = KVTransferServer(held, pool, compat, "prefill-0", **kwargs)
     port = server.start()
     client = KVTransferClient("127.0.0.1", port, timeout=10, secret=fleet_secret())
     try:

@@ -224,7 +224,7 @@ def test_a_read_nixl_cannot_cancel_is_given_up_and_its_blocks_quarantined():
     config = KVTransferConfig(kv_connector="tcp", kv_role="kv_consumer", transfer_timeout=0.2)
     connector = KVConnector(config, pool, compat_of(pool), "decode-x", fleet_secret())
     connector.nixl, connector.release_give_up_s = _StuckNixl(), 0.5
-    connector._peer = lambda source: (None, SimpleNamespace(engine_id="p"), object())
+    connector._peer = lambda source: (None, SimpleNamespace(engine_id="p"), object(), 0)
     connector._release_remote = lambda source: None
     try:
         connector.start_load("req", RemoteSource("p", "127.0.0.1", 1, (0, 1), "g"), [3, 4], 0)

@@ -185,14 +185,18 @@ class LLMEngine:
         )
         if self.args.simulate is not None:
             raise ValueError("--kv-transfer-config needs real weights (not --simulate)")
-        pool = self.runner.kv_pool
+        pool = self.runner.kv_pool  # rank 0's shard under tensor parallelism
+        tp = self.args.tensor_parallel_size
         compat = CompatRecord.from_pool_shape(
             self.args.served_model_name or hf_config.get("_name_or_path") or self.args.model,
             str(self.dtype).removeprefix("torch."),
             self.runner.kv_cache_dtype,
             pool.shape,
+            tensor_parallel_size=tp,
         )
-        connector = KVConnector(config, pool, compat, uuid.uuid4().hex[:12], fleet_secret)
+        ranks = self.runner.kv_ranks() if tp > 1 else None
+        engine_id = uuid.uuid4().hex[:12]
+        connector = KVConnector(config, pool, compat, engine_id, fleet_secret, ranks)
         logger.info(
             "KV transfer: %s %s, engine id %s%s",
             config.kv_connector,
@@ -476,6 +480,7 @@ class LLMEngine:
         """Apply finished pulls and due releases (engine thread, before scheduling); returns
         the outputs of requests it aborted."""
         connector, sched = self.connector, self.scheduler
+        connector.drive_ranks()
         aborted = []
         for result in connector.finished_loads():
             if result.quarantined:  # NIXL may still write its blocks: never reuse them

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pagefleet/proto/kv_transfer.proto\x12\x15pagefleet.kv_transfer\"\xb5\x01\n\x0c\x43ompatRecord\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x14\n\x0c\x63\x61\x63he_layout\x18\x08 \x01(\t\x12\x0f\n\x07version\x18\t \x01(\t\"\x83\x01\n\x08PoolInfo\x12\x14\n\x0c\x62\x61se_address\x18\x01 \x01(\x04\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x14\n\x0c\x65lement_size\x18\x04 \x01(\r\x12\x10\n\x08mem_type\x18\x05 \x01(\t\x12\x11\n\tdevice_id\x18\x06 \x01(\r\"X\n\x10\x43hallengeRequest\x12\x14\n\x0c\x63lient_nonce\x18\x01 \x01(\x0c\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\"O\n\x0e\x43hallengeReply\x12\x14\n\x0cserver_nonce\x18\x01 \x01(\x0c\x12\x11\n\tserver_id\x18\x02 \x01(\t\x12\x14\n\x0cserver_proof\x18\x03 \x01(\x0c\"\xbb\x01\n\x10HandshakeRequest\x12\x33\n\x06\x63ompat\x18\x01 \x01(\x0b\x32#.pagefleet.kv_transfer.CompatRecord\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x14\n\x0c\x63lient_nonce\x18\x03 \x01(\x0c\x12\x14\n\x0cserver_nonce\x18\x04 \x01(\x0c\x12\x14\n\x0c\x63lient_proof\x18\x05 \x01(\x0c\x12\x0c\n\x04role\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\"\x84\x02\n\x0eHandshakeReply\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x33\n\x06\x63ompat\x18\x02 \x01(\x0b\x32#.pagefleet.kv_transfer.CompatRecord\x12\x17\n\x0fnixl_agent_name\x18\x03 \x01(\t\x12\x1b\n\x13nixl_agent_metadata\x18\x04 \x01(\x0c\x12-\n\x04pool\x18\x05 \x01(\x0b\x32\x1f.pagefleet.kv_transfer.PoolInfo\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x06 \x01(\x08\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x12\n\nmismatches\x18\x08 \x03(\t\x12\x0f\n\x07session\x18\t \x01(\x0c\"K\n\x11ReadBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x0f\n\x07session\x18\x03 \x01(\x0c\"l\n\nBlockChunk\x12\x13\n\x0b\x66irst_block\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_plane\x18\x03 \x01(\r\x12\x12\n\nnum_planes\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"5\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\x0c\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xfa\x02\n\nKVTransfer\x12[\n\tChallenge\x12\'.pagefleet.kv_transfer.ChallengeRequest\x1a%.pagefleet.kv_transfer.ChallengeReply\x12[\n\tHandshake\x12\'.pagefleet.kv_transfer.HandshakeRequest\x1a%.pagefleet.kv_transfer.HandshakeReply\x12[\n\nReadBlocks\x12(.pagefleet.kv_transfer.ReadBlocksRequest\x1a!.pagefleet.kv_transfer.BlockChunk0\x01\x12U\n\x07Release\x12%.pagefleet.kv_transfer.ReleaseRequest\x1a#.pagefleet.kv_transfer.ReleaseReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pagefleet/proto/kv_transfer.proto\x12\x15pagefleet.kv_transfer\"\xd3\x01\n\x0c\x43ompatRecord\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x14\n\x0c\x63\x61\x63he_layout\x18\x08 \x01(\t\x12\x0f\n\x07version\x18\t \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\"\x83\x01\n\x08PoolInfo\x12\x14\n\x0c\x62\x61se_address\x18\x01 \x01(\x04\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x14\n\x0c\x65lement_size\x18\x04 \x01(\r\x12\x10\n\x08mem_type\x18\x05 \x01(\t\x12\x11\n\tdevice_id\x18\x06 \x01(\r\"\xab\x01\n\tRankAgent\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x17\n\x0fnixl_agent_name\x18\x02 \x01(\t\x12\x1b\n\x13nixl_agent_metadata\x18\x03 \x01(\x0c\x12-\n\x04pool\x18\x04 \x01(\x0b\x32\x1f.pagefleet.kv_transfer.PoolInfo\x12\x15\n\rfirst_kv_head\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\"X\n\x10\x43hallengeRequest\x12\x14\n\x0c\x63lient_nonce\x18\x01 \x01(\x0c\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\"O\n\x0e\x43hallengeReply\x12\x14\n\x0cserver_nonce\x18\x01 \x01(\x0c\x12\x11\n\tserver_id\x18\x02 \x01(\t\x12\x14\n\x0cserver_proof\x18\x03 \x01(\x0c\"\xbb\x01\n\x10HandshakeRequest\x12\x33\n\x06\x63ompat\x18\x01 \x01(\x0b\x32#.pagefleet.kv_transfer.CompatRecord\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x14\n\x0c\x63lient_nonce\x18\x03 \x01(\x0c\x12\x14\n\x0cserver_nonce\x18\x04 \x01(\x0c\x12\x14\n\x0c\x63lient_proof\x18\x05 \x01(\x0c\x12\x0c\n\x04role\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\"\xb5\x02\n\x0eHandshakeReply\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x33\n\x06\x63ompat\x18\x02 \x01(\x0b\x32#.pagefleet.kv_transfer.CompatRecord\x12\x17\n\x0fnixl_agent_name\x18\x03 \x01(\t\x12\x1b\n\x13nixl_agent_metadata\x18\x04 \x01(\x0c\x12-\n\x04pool\x18\x05 \x01(\x0b\x32\x1f.pagefleet.kv_transfer.PoolInfo\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x06 \x01(\x08\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x12\n\nmismatches\x18\x08 \x03(\t\x12\x0f\n\x07session\x18\t \x01(\x0c\x12/\n\x05ranks\x18\n \x03(\x0b\x32 .pagefleet.kv_transfer.RankAgent\"K\n\x11ReadBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x0f\n\x07session\x18\x03 \x01(\x0c\"l\n\nBlockChunk\x12\x13\n\x0b\x66irst_block\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_plane\x18\x03 \x01(\r\x12\x12\n\nnum_planes\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"5\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\x0c\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xfa\x02\n\nKVTransfer\x12[\n\tChallenge\x12\'.pagefleet.kv_transfer.ChallengeRequest\x1a%.pagefleet.kv_transfer.ChallengeReply\x12[\n\tHandshake\x12\'.pagefleet.kv_transfer.HandshakeRequest\x1a%.pagefleet.kv_transfer.HandshakeReply\x12[\n\nReadBlocks\x12(.pagefleet.kv_transfer.ReadBlocksRequest\x1a!.pagefleet.kv_transfer.BlockChunk0\x01\x12U\n\x07Release\x12%.pagefleet.kv_transfer.ReleaseRequest\x1a#.pagefleet.kv_transfer.ReleaseReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,25 +32,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagefleet.proto.kv_transfer
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COMPATRECORD']._serialized_start=61
-  _globals['_COMPATRECORD']._serialized_end=242
-  _globals['_POOLINFO']._serialized_start=245
-  _globals['_POOLINFO']._serialized_end=376
-  _globals['_CHALLENGEREQUEST']._serialized_start=378
-  _globals['_CHALLENGEREQUEST']._serialized_end=466
-  _globals['_CHALLENGEREPLY']._serialized_start=468
-  _globals['_CHALLENGEREPLY']._serialized_end=547
-  _globals['_HANDSHAKEREQUEST']._serialized_start=550
-  _globals['_HANDSHAKEREQUEST']._serialized_end=737
-  _globals['_HANDSHAKEREPLY']._serialized_start=740
-  _globals['_HANDSHAKEREPLY']._serialized_end=1000
-  _globals['_READBLOCKSREQUEST']._serialized_start=1002
-  _globals['_READBLOCKSREQUEST']._serialized_end=1077
-  _globals['_BLOCKCHUNK']._serialized_start=1079
-  _globals['_BLOCKCHUNK']._serialized_end=1187
-  _globals['_RELEASEREQUEST']._serialized_start=1189
-  _globals['_RELEASEREQUEST']._serialized_end=1242
-  _globals['_RELEASEREPLY']._serialized_start=1244
-  _globals['_RELEASEREPLY']._serialized_end=1276
-  _globals['_KVTRANSFER']._serialized_start=1279
-  _globals['_KVTRANSFER']._serialized_end=1657
+  _globals['_COMPATRECORD']._serialized_end=272
+  _globals['_POOLINFO']._serialized_start=275
+  _globals['_POOLINFO']._serialized_end=406
+  _globals['_RANKAGENT']._serialized_start=409
+  _globals['_RANKAGENT']._serialized_end=580
+  _globals['_CHALLENGEREQUEST']._serialized_start=582
+  _globals['_CHALLENGEREQUEST']._serialized_end=670
+  _globals['_CHALLENGEREPLY']._serialized_start=672
+  _globals['_CHALLENGEREPLY']._serialized_end=751
+  _globals['_HANDSHAKEREQUEST']._serialized_start=754
+  _globals['_HANDSHAKEREQUEST']._serialized_end=941
+  _globals['_HANDSHAKEREPLY']._serialized_start=944
+  _globals['_HANDSHAKEREPLY']._serialized_end=1253
+  _globals['_READBLOCKSREQUEST']._serialized_start=1255
+  _globals['_READBLOCKSREQUEST']._serialized_end=1330
+  _globals['_BLOCKCHUNK']._serialized_start=1332
+  _globals['_BLOCKCHUNK']._serialized_end=1440
+  _globals['_RELEASEREQUEST']._serialized_start=1442
+  _globals['_RELEASEREQUEST']._serialized_end=1495
+  _globals['_RELEASEREPLY']._serialized_start=1497
+  _globals['_RELEASEREPLY']._serialized_end=1529
+  _globals['_KVTRANSFER']._serialized_start=1532
+  _globals['_KVTRANSFER']._serialized_end=1910
 # @@protoc_insertion_point(module_scope)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 # rank that died is caught sooner by the executor's supervision).
 JOIN_TIMEOUT = timedelta(minutes=10)
 OP_TIMEOUT = timedelta(minutes=30)
+LENGTH_BYTES = 8  # gather_bytes: each rank's length, ahead of its padded bytes
 
 
 # Ranks of one node meet through a store file (its path in this variable) instead of a TCP
@@ -165,11 +166,36 @@ class RankGroup:
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's `value` (e.g. KV blocks each rank's memory allows)."""
-        x = torch.tensor([value], dtype=torch.int64, device=self.device)
+        return self.min_each([value])[0]
+
+    def min_each(self, values: list[int]) -> list[int]:
+        """Position by position, the smallest of every rank's `values` (same length on all)."""
+        if not values:
+            return []
+        x = torch.tensor(values, dtype=torch.int64, device=self.device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
         self.pg.allreduce([x], opts).wait()
-        return int(x.item())
+        return x.tolist()
+
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        """Every rank's `data` (any length) on rank 0, in rank order; None elsewhere."""
+        longest = -self.min_over_ranks(-len(data))
+        buf = torch.zeros(LENGTH_BYTES + longest, dtype=torch.uint8)
+        buf[:LENGTH_BYTES] = torch.tensor(list(len(data).to_bytes(LENGTH_BYTES, "little")))
+        if data:
+            buf[LENGTH_BYTES : LENGTH_BYTES + len(data)] = torch.frombuffer(
+                bytearray(data), dtype=torch.uint8
+            )
+        parts = self.gather_to_first(buf.to(self.device))
+        if parts is None:
+            return None
+        out = []
+        for part in parts:
+            raw = part.cpu().numpy().tobytes()
+            size = int.from_bytes(raw[:LENGTH_BYTES], "little")
+            out.append(raw[LENGTH_BYTES : LENGTH_BYTES + size])
+        return out
 
     def _note(self, kind: str, start: float, x: torch.Tensor) -> None:
         if x.is_cuda:

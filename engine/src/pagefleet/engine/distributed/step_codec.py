@@ -1,5 +1,6 @@
 """One step's forward inputs as one flat int64 tensor, for rank 0 to broadcast to the worker
-ranks (two broadcasts a step: a 3-int head, then the body; no pickling).
+ranks (two broadcasts a step: a 3-int head, then the body; no pickling). The same head also
+says stop, or announces a KV-transfer command (distributed/kv_ranks.py).
 
 Body: descriptors (counts, then (start, end, width) per single-row group and (start, tokens,
 computed, blocks) per prompt chunk), then the data: input ids, positions, slots, write rows,
@@ -15,6 +16,7 @@ from pagefleet.engine.attention.backend import AttentionMetadata, PrefillChunk, 
 
 OP_STOP = 0
 OP_STEP = 1
+OP_KV = 2  # a KV-transfer command for the ranks' NIXL agents: a uint8 body (kv_ranks.py)
 HEAD_LEN = 3  # (op, body length, descriptor length)
 _COUNTS = 7  # rows, slots, write rows (-1: all), num_single, groups, chunks, logit rows
 
@@ -62,6 +64,10 @@ def encode_step(
 
 def stop_head(device: torch.device) -> torch.Tensor:
     return torch.tensor([OP_STOP, 0, 0], dtype=torch.int64, device=device)
+
+
+def kv_head(num_bytes: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([OP_KV, num_bytes, 0], dtype=torch.int64, device=device)
 
 
 def decode_step(

@@ -30,8 +30,10 @@ from pagefleet.engine.distributed.group import (
     local_device,
     open_store,
 )
+from pagefleet.engine.distributed.kv_ranks import RankKVChannel, WorkerKV
 from pagefleet.engine.distributed.step_codec import (
     HEAD_LEN,
+    OP_KV,
     OP_STOP,
     decode_step,
     encode_step,
@@ -78,10 +80,15 @@ def rank_spec(job: ShardJob, master_addr: str, master_port: int) -> RankSpec:
 def check_tensor_parallel(args: EngineArgs, hf_config: dict) -> None:
     """Refuse, before any rank starts, what tensor parallelism cannot run."""
     if args.kv_transfer_config:
-        raise ValueError(
-            "--kv-transfer-config with --tensor-parallel-size > 1 is not supported yet "
-            "(P/D moves one rank's KV pool)"
-        )
+        from pagefleet.engine.kv_transfer.connector import KVTransferConfig
+
+        connector = KVTransferConfig.parse(args.kv_transfer_config).kv_connector
+        if connector != "nixl":
+            # Every rank moves its own shard with its own agent; the TCP path serves one pool.
+            raise ValueError(
+                f'--tensor-parallel-size > 1 moves KV over NIXL only: "kv_connector": '
+                f'"nixl" in --kv-transfer-config, not {connector!r}'
+            )
     TPLayout.of(ModelConfig.from_hf(hf_config), 0, args.tensor_parallel_size)
 
 
@@ -162,6 +169,10 @@ class ParallelModelRunner(ModelRunner):
             at += count
         return logits[:num_sampled], inputs.sample_requests, prompt_logprobs
 
+    def kv_ranks(self) -> RankKVChannel:
+        """The worker ranks' side of KV transfer, for the engine's connector."""
+        return RankKVChannel(self.group, self.model.tp.layout)
+
     def close(self) -> None:
         """Stop the workers' loop, leave the group and stop the executor's ranks."""
         if self.closed:
@@ -175,9 +186,9 @@ class ParallelModelRunner(ModelRunner):
             self.group.close()
 
 
-def serve_steps(runner: ModelRunner, group: RankGroup) -> int:
-    """A worker rank's loop: run each step rank 0 broadcasts until the stop message; returns
-    the number of steps run."""
+def serve_steps(runner: ModelRunner, group: RankGroup, kv: WorkerKV | None = None) -> int:
+    """A worker rank's loop: run each step rank 0 broadcasts (and each KV-transfer command,
+    with `kv`) until the stop message; returns the number of steps run."""
     head = torch.empty(HEAD_LEN, dtype=torch.int64, device=group.device)
     steps = 0
     while True:
@@ -185,6 +196,13 @@ def serve_steps(runner: ModelRunner, group: RankGroup) -> int:
         op, length, desc_len = head.tolist()
         if op == OP_STOP:
             return steps
+        if op == OP_KV:
+            command = torch.empty(length, dtype=torch.uint8, device=group.device)
+            group.broadcast(command)
+            if kv is None:
+                raise RuntimeError("a KV-transfer command reached a rank without KV transfer")
+            kv.handle(group, command.cpu().numpy().tobytes())
+            continue
         body = torch.empty(length, dtype=torch.int64, device=group.device)
         group.broadcast(body)
         input_ids, positions, meta, logit_rows = decode_step(body, desc_len, runner.block_size)
@@ -227,7 +245,13 @@ def worker_main(rank: int, spec: RankSpec) -> None:
     group = RankGroup.join(
         spec.master_addr, spec.master_port, rank, spec.world_size, spec.backend, device
     )
+    kv = None
     try:
-        serve_steps(build_worker(job, group), group)
+        runner = build_worker(job, group)
+        if job.args.kv_transfer_config:
+            kv = WorkerKV(runner.kv_pool, rank, runner.model.tp.layout)
+        serve_steps(runner, group, kv)
     finally:
+        if kv is not None:
+            kv.close()
         group.close()

@@ -6,6 +6,11 @@ a worker thread (handshake, NIXL READ or TCP stream, release of the prefill side
 transfer never stalls a step. Every pull ends in exactly one `LoadResult`, success or not: the
 engine then either continues from the pulled blocks or computes the prompt itself.
 
+Under tensor parallelism each rank has its own NIXL agent over its shard of every block (the
+same block ids on every rank). The handshake gives every rank's agent; a pull READs rank 0's
+shard here and asks the other ranks (`RankReads`) for theirs, and ends only when every rank's
+READ has. Holds and releases are rank 0's bookkeeping: the KV manager is single.
+
 A hold is a grant: 128 random bits (never derived from the client's request id), bound to the
 first engine that reads it, void after the hold timeout. Peers authenticate with the fleet
 secret both ways before any byte moves.
@@ -13,6 +18,7 @@ secret both ways before any byte moves.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import queue
@@ -21,13 +27,19 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
 
 import torch
 
 from pagefleet.common.fleet_auth import FleetSecret
-from pagefleet.common.kv_errors import TransferError, TransferTimeout, UnknownRequest
-from pagefleet.engine.kv_transfer.layout import CompatRecord, geometry_of
+from pagefleet.common.kv_errors import (
+    IncompatiblePeer,
+    TransferError,
+    TransferTimeout,
+    UnknownRequest,
+)
+from pagefleet.engine.kv_transfer.layout import CompatRecord, PoolInfo, RankAgent, geometry_of
 from pagefleet.engine.kv_transfer.service import (
     KVTransferClient,
     KVTransferServer,
@@ -140,6 +152,50 @@ class _Hold:
 
 
 @dataclass
+class RankRead:
+    """One pull's READs on the worker ranks, as rank 0 knows them."""
+
+    read_id: int
+    # pending until every worker rank's READ is done, or until one of them failed
+    state: Literal["pending", "done", "failed"] = "pending"
+    released: bool = False  # no worker rank can still write into its blocks
+    settled: threading.Event = field(default_factory=threading.Event)  # state left pending
+    freed: threading.Event = field(default_factory=threading.Event)  # released became True
+
+
+class RankReads(Protocol):
+    """The engine's worker ranks, each with a NIXL agent over its shard of the pool. Pull
+    threads ask; the engine thread carries the requests out to the ranks in `drive` (their
+    channel is the one the steps go through: see distributed/kv_ranks.py)."""
+
+    wake: Callable[[], None]  # rings the engine loop: a request is waiting for `drive`
+
+    def open(self, agent_name: str, metadata: bytes, pool: PoolInfo) -> tuple[RankAgent, ...]:
+        """Engine thread, once: every rank opens its agent; returns them all, rank 0 first."""
+        ...
+
+    def add_peer(self, peer_id: int, agents: Sequence[RankAgent], compat: CompatRecord) -> None:
+        """Each worker rank r loads the metadata of the peer's rank r."""
+        ...
+
+    def forget_peer(self, peer_id: int) -> None: ...
+
+    def start_read(self, peer_id: int, pairs: Sequence[tuple[int, int]]) -> RankRead:
+        """Each worker rank READs the peer rank's shard of the blocks into its own."""
+        ...
+
+    def finish(self, read: RankRead, timeout: float) -> bool:
+        """Cancel the READs still running; True once none can write, False after `timeout`."""
+        ...
+
+    def drive(self) -> None:
+        """Engine thread: send what was asked to the ranks; poll their READs in flight."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
 class TransferStats:
     """Totals for the pagefleet:kv_transfer_* metrics."""
 
@@ -157,7 +213,9 @@ class KVConnector:
         compat: CompatRecord,
         engine_id: str,
         secret: FleetSecret,
+        ranks: RankReads | None = None,
     ) -> None:
+        """`ranks`: the worker ranks of a tensor-parallel engine (`pool` is rank 0's shard)."""
         self.config, self.pool, self.compat, self.engine_id = config, pool, compat, engine_id
         self.secret = secret
         self.stats = TransferStats()
@@ -169,14 +227,25 @@ class KVConnector:
         self._releases: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
         self._result_ready = threading.Event()
-        self._peers: dict[tuple[str, int], tuple[KVTransferClient, PeerInfo, object]] = {}
+        # (host, port) -> (client, handshake, rank 0's NIXL peer, the worker ranks' peer id)
+        self._peers: dict[tuple[str, int], tuple[KVTransferClient, PeerInfo, object, int]] = {}
         self._peers_lock = threading.Lock()
+        self._peer_ids = itertools.count(1)
         self._workers = ThreadPoolExecutor(8, thread_name_prefix="kv-pull")
         self.nixl = None
         if config.kv_connector == "nixl":
             from pagefleet.engine.kv_transfer.nixl_transport import NixlTransport
 
             self.nixl = NixlTransport(pool, f"pagefleet-{engine_id}")
+        self.ranks = ranks
+        self.rank_agents: tuple[RankAgent, ...] = ()
+        if ranks is not None:
+            if self.nixl is None:
+                raise ValueError("a tensor-parallel engine moves KV over NIXL only")
+            ranks.wake = self._ring
+            self.rank_agents = ranks.open(
+                self.nixl.agent_name, self.nixl.metadata(), self.nixl.pool_info
+            )
         self.server = None
         self.port = 0
         if config.produces:
@@ -191,6 +260,7 @@ class KVConnector:
                 advertised_host=config.kv_ip,
                 nixl_agent_name=self.nixl.agent_name if self.nixl else "",
                 nixl_metadata=self.nixl.metadata() if self.nixl else b"",
+                rank_agents=self.rank_agents,
             )
             self.port = self.server.start()
 
@@ -273,8 +343,18 @@ class KVConnector:
                 return done
 
     def wait_for_results(self, timeout: float) -> None:
-        """Sleep until a pull ends (or `timeout`): the engine has nothing else to do."""
+        """Sleep until a pull ends or needs the ranks (or `timeout`): the engine has nothing
+        else to do."""
         self._result_ready.wait(timeout)
+
+    def drive_ranks(self) -> None:
+        """Engine thread, each step: carry the pulls' requests out to the worker ranks."""
+        if self.ranks is not None:
+            self.ranks.drive()
+
+    def _ring(self) -> None:
+        self._result_ready.set()  # ends wait_for_results: the engine thread drives the ranks
+        self.wake()
 
     def _load(self, request_id: str, source: RemoteSource, pairs: list[tuple[int, int]]) -> None:
         started = time.monotonic()
@@ -306,20 +386,28 @@ class KVConnector:
         self.wake()
 
     def _pull(self, source: RemoteSource, pairs: list[tuple[int, int]]) -> tuple[int, str]:
-        client, peer, nixl_peer = self._peer(source)
+        client, peer, nixl_peer, rank_peer = self._peer(source)
         timeout = self.config.transfer_timeout
         if self.nixl is None or nixl_peer is None:
             tcp = client.read_blocks_tcp(source.request_id, pairs, self.pool, timeout=timeout)
             return tcp, "tcp"
         handle = self.nixl.start_read(nixl_peer, pairs)
+        ranks = None if self.ranks is None else self.ranks.start_read(rank_peer, pairs)
         deadline = time.monotonic() + timeout
         try:
-            while (state := self.nixl.poll(handle)) == "pending":
+            # Until every rank's READ is done, or one failed (the others are cancelled below).
+            while True:
+                state = self.nixl.poll(handle)
+                states = {state, ranks.state if ranks is not None else "done"}
+                if states == {"done"} or "failed" in states:
+                    break
                 if time.monotonic() > deadline:
                     raise TransferTimeout(f"NIXL READ from {peer.engine_id} timed out")
                 time.sleep(0.0002)
             if state == "failed":
                 raise TransferError(f"NIXL READ from {peer.engine_id} failed")
+            if ranks is not None and ranks.state == "failed":
+                raise TransferError(f"NIXL READ from {peer.engine_id} failed on a worker rank")
             # Held blocks are never reused, and a hold never comes back once released: if the
             # peer still held the request when the READ was over, what we read was its KV all
             # along. Releasing it now both frees it and tells us whether it was still held.
@@ -330,9 +418,14 @@ class KVConnector:
                 raise UnknownRequest(
                     f"{peer.engine_id} no longer held the grant after the NIXL READ"
                 )
-            return handle.num_bytes, "nixl"
+            # Every rank moved its shard of the same blocks: as many bytes as rank 0.
+            return handle.num_bytes * max(1, len(self.rank_agents)), "nixl"
         finally:
-            self._release_read(handle)
+            try:
+                self._release_read(handle)
+            finally:
+                if ranks is not None:
+                    self._release_rank_reads(ranks)
 
     def _release_read(self, handle) -> None:
         """Free a READ, retrying while NIXL cannot cancel it (our blocks may still be written,
@@ -345,6 +438,13 @@ class KVConnector:
                     f"in {self.release_give_up_s:.0f} s"
                 )
             time.sleep(0.01)
+
+    def _release_rank_reads(self, read: RankRead) -> None:
+        """The worker ranks' side of `_release_read`."""
+        if not self.ranks.finish(read, self.release_give_up_s):
+            raise ReadNotReleased(
+                f"NIXL could not cancel a worker rank's READ in {self.release_give_up_s:.0f} s"
+            )
 
     def _peer(self, source: RemoteSource):
         key = (source.host, source.port)
@@ -368,21 +468,42 @@ class KVConnector:
                 nixl_peer = self.nixl.add_peer(
                     peer.nixl_metadata, peer.pool, peer.compat, agent_name=peer.nixl_agent_name
                 )
+            rank_peer = 0
+            if self.ranks is not None:
+                rank_peer = self._add_rank_peer(peer, nixl_peer)
         except BaseException:
             client.close()
             raise
+        link = (client, peer, nixl_peer, rank_peer)
         with self._peers_lock:
-            self._peers[key] = (client, peer, nixl_peer)
-        return client, peer, nixl_peer
+            self._peers[key] = link
+        return link
+
+    def _add_rank_peer(self, peer: PeerInfo, nixl_peer) -> int:
+        """Tell the worker ranks about an accepted tensor-parallel peer (the compatibility
+        record already matched its size); returns the id they know it by."""
+        if nixl_peer is None:
+            raise IncompatiblePeer(peer.engine_id, ["a tensor-parallel peer without NIXL"])
+        theirs = [(a.first_kv_head, a.num_kv_heads) for a in peer.ranks]
+        ours = [(a.first_kv_head, a.num_kv_heads) for a in self.rank_agents]
+        if theirs != ours:
+            raise IncompatiblePeer(
+                peer.engine_id, [f"KV heads per rank differ: {ours} here, {theirs} on the peer"]
+            )
+        peer_id = next(self._peer_ids)
+        self.ranks.add_peer(peer_id, peer.ranks, peer.compat)
+        return peer_id
 
     def _forget_peer(self, source: RemoteSource) -> None:
         with self._peers_lock:
             known = self._peers.pop((source.host, source.port), None)
         if known is not None:
-            client, _, nixl_peer = known
+            client, _, nixl_peer, rank_peer = known
             client.close()
             if nixl_peer is not None and self.nixl is not None:
                 self.nixl.remove_peer(nixl_peer)
+            if rank_peer and self.ranks is not None:
+                self.ranks.forget_peer(rank_peer)
 
     def _release_remote(self, source: RemoteSource) -> None:
         """Tell the prefill pod to free its blocks; if it can't hear us, its timeout will."""
@@ -402,12 +523,14 @@ class KVConnector:
             logger.info("release of a grant on %s failed: %s", source.host, e)
 
     def close(self) -> None:
+        if self.ranks is not None:  # first: a pull waiting for the ranks must not wait on
+            self.ranks.close()  # an engine thread that no longer drives them
         self._workers.shutdown(wait=True, cancel_futures=False)
         if self.server is not None:
             self.server.stop(grace=0.5)
         with self._peers_lock:
             peers, self._peers = list(self._peers.values()), {}
-        for client, _, _ in peers:
+        for client, *_ in peers:
             client.close()
         if self.nixl is not None:
             self.nixl.close()

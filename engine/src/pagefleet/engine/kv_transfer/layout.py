@@ -32,12 +32,20 @@ class CompatRecord:
     block_size: int
     cache_layout: str = CACHE_LAYOUT
     version: str = __version__
+    # Ranks of the engine; num_kv_heads is then each rank's (a shard of every block per rank).
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_pool_shape(
-        cls, model: str, dtype: str, kv_dtype: str, shape: Sequence[int]
+        cls,
+        model: str,
+        dtype: str,
+        kv_dtype: str,
+        shape: Sequence[int],
+        tensor_parallel_size: int = 1,
     ) -> CompatRecord:
-        """The record of a pool tensor shaped [layers, 2, kv_heads, blocks, block_size, dim]."""
+        """The record of a pool tensor shaped [layers, 2, kv_heads, blocks, block_size, dim]
+        (rank 0's pool under tensor parallelism)."""
         geometry = PoolGeometry.from_shape(shape, element_size=1)
         return cls(
             model=model,
@@ -47,15 +55,44 @@ class CompatRecord:
             num_kv_heads=geometry.num_kv_heads,
             head_dim=geometry.head_dim,
             block_size=geometry.block_size,
+            tensor_parallel_size=tensor_parallel_size,
         )
 
-    def mismatches(self, other: CompatRecord) -> list[str]:
-        """Human-readable reasons why `other` (the peer) is incompatible; empty if none."""
+    def mismatches(self, other: CompatRecord, roles: tuple[str, str] | None = None) -> list[str]:
+        """Human-readable reasons why `other` (the peer) is incompatible; empty if none.
+        `roles` names this engine and the peer (e.g. ("prefill", "decode")) where it helps."""
         return [
-            f"{f.name} differs: {mine!r} here, {theirs!r} on the peer"
+            _mismatch(f.name, mine, theirs, roles)
             for f, mine, theirs in zip(fields(self), astuple(self), astuple(other), strict=True)
             if mine != theirs
         ]
+
+
+def _mismatch(name: str, mine, theirs, roles: tuple[str, str] | None) -> str:
+    if name == "tensor_parallel_size":
+        # Rank r reads rank r's shard: shards of another split would need re-slicing.
+        sizes = (
+            f"the {roles[0]} engine has tensor-parallel size {mine}, the {roles[1]} engine {theirs}"
+            if roles
+            else f"tensor-parallel size {mine} here, {theirs} on the peer"
+        )
+        return (
+            f"heterogeneous TP is not supported: {sizes} (both need the same "
+            "--tensor-parallel-size)"
+        )
+    return f"{name} differs: {mine!r} here, {theirs!r} on the peer"
+
+
+@dataclass(frozen=True)
+class RankAgent:
+    """One tensor-parallel rank's NIXL agent over its shard of the pool (handshake data)."""
+
+    rank: int
+    agent_name: str
+    metadata: bytes
+    pool: PoolInfo
+    first_kv_head: int
+    num_kv_heads: int
 
 
 @dataclass(frozen=True)

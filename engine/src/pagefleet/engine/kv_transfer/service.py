@@ -32,6 +32,7 @@ from pagefleet.engine.kv_transfer.layout import (
     CompatRecord,
     PoolGeometry,
     PoolInfo,
+    RankAgent,
     WireChunk,
     block_runs,
     check_pairs,
@@ -50,6 +51,7 @@ DEFAULT_MAX_CHUNK_BYTES = 4 * 1024 * 1024 - ENVELOPE_BYTES
 # (a varint of <= 5 bytes each).
 REQUEST_BASE_BYTES = 16 * 1024
 BYTES_PER_BLOCK_ID = 5
+PRODUCER_ROLES = ("prefill", "decode")  # the server's role, then its reader's
 
 
 def chunk_message_limit(geometry: PoolGeometry, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES):
@@ -85,6 +87,7 @@ class PeerInfo:
     nixl_agent_name: str  # empty: the peer serves the TCP path only
     nixl_metadata: bytes
     pool: PoolInfo
+    ranks: tuple[RankAgent, ...] = ()  # every rank's agent, rank 0 first, under TP > 1
 
 
 def compat_to_proto(record: CompatRecord) -> pb.CompatRecord:
@@ -102,6 +105,7 @@ def compat_from_proto(message: pb.CompatRecord) -> CompatRecord:
         block_size=message.block_size,
         cache_layout=message.cache_layout,
         version=message.version,
+        tensor_parallel_size=message.tensor_parallel_size or 1,
     )
 
 
@@ -113,6 +117,28 @@ def pool_info_from_proto(message: pb.PoolInfo) -> PoolInfo:
         element_size=message.element_size,
         mem_type=message.mem_type,
         device_id=message.device_id,
+    )
+
+
+def rank_agent_to_proto(agent: RankAgent) -> pb.RankAgent:
+    return pb.RankAgent(
+        rank=agent.rank,
+        nixl_agent_name=agent.agent_name,
+        nixl_agent_metadata=agent.metadata,
+        pool=pb.PoolInfo(**vars(agent.pool)),
+        first_kv_head=agent.first_kv_head,
+        num_kv_heads=agent.num_kv_heads,
+    )
+
+
+def rank_agent_from_proto(message: pb.RankAgent) -> RankAgent:
+    return RankAgent(
+        rank=message.rank,
+        agent_name=message.nixl_agent_name,
+        metadata=message.nixl_agent_metadata,
+        pool=pool_info_from_proto(message.pool),
+        first_kv_head=message.first_kv_head,
+        num_kv_heads=message.num_kv_heads,
     )
 
 
@@ -193,7 +219,8 @@ class _Servicer(pb_grpc.KVTransferServicer):
             reply.accepted = True
             reply.session = s.auth.open_session(peer, time.time())
             return reply
-        mismatches = s.compat.mismatches(compat_from_proto(request.compat))
+        # The server holds blocks for the peer that reads them: prefill for decode.
+        mismatches = s.compat.mismatches(compat_from_proto(request.compat), PRODUCER_ROLES)
         reply.compat.CopyFrom(compat_to_proto(s.compat))
         if mismatches:
             reply.mismatches.extend(mismatches)
@@ -204,6 +231,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
         reply.nixl_agent_name = s.nixl_agent_name
         reply.nixl_agent_metadata = s.nixl_metadata
         reply.pool.CopyFrom(pb.PoolInfo(**vars(s.pool_info)))
+        reply.ranks.extend(rank_agent_to_proto(agent) for agent in s.rank_agents)
         return reply
 
     def _peer(self, session: bytes, context):
@@ -217,6 +245,12 @@ class _Servicer(pb_grpc.KVTransferServicer):
         peer = self._peer(request.session, context)
         if peer.role != "reader":
             context.abort(grpc.StatusCode.PERMISSION_DENIED, "this session may only release")
+        if s.compat.tensor_parallel_size > 1:
+            # This pool is rank 0's shard only: a TCP reader would get a part of each block.
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "a tensor-parallel engine serves its blocks over NIXL only",
+            )
         grant = request.request_id
         held = s.held.blocks_of(grant, peer.reader)
         if held is None:
@@ -249,7 +283,9 @@ class KVTransferServer:
     """Serves Challenge, Handshake, ReadBlocks and Release for one engine on its own threads.
 
     `advertised_host` is the address peers dial (default: `host`); handshakes dialled to any
-    other address are refused, so one cannot be relayed through another listener."""
+    other address are refused, so one cannot be relayed through another listener.
+    `rank_agents`: under tensor parallelism, every rank's NIXL agent (rank 0 first), sent only
+    to an accepted peer."""
 
     def __init__(
         self,
@@ -264,6 +300,7 @@ class KVTransferServer:
         advertised_host: str | None = None,
         nixl_agent_name: str = "",
         nixl_metadata: bytes = b"",
+        rank_agents: Sequence[RankAgent] = (),
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         max_workers: int = 4,
     ) -> None:
@@ -273,12 +310,14 @@ class KVTransferServer:
         self.engine_id = engine_id
         self.nixl_agent_name = nixl_agent_name
         self.nixl_metadata = nixl_metadata
+        self.rank_agents = tuple(rank_agents)
         self.max_chunk_bytes = max_chunk_bytes
         self.geometry = geometry_of(pool)
         self.pool_info = describe_pool(pool)
         self.host = host
+        handshake_bytes = len(nixl_metadata) + sum(len(a.metadata) for a in self.rank_agents)
         send_limit = max(
-            chunk_message_limit(self.geometry, max_chunk_bytes), len(nixl_metadata) + ENVELOPE_BYTES
+            chunk_message_limit(self.geometry, max_chunk_bytes), handshake_bytes + ENVELOPE_BYTES
         )
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-transfer"),
@@ -327,15 +366,22 @@ class KVTransferClient(PeerSession):
             raise IncompatiblePeer(peer, list(reply.mismatches) or [reply.reason])
         compat = compat_from_proto(reply.compat)
         # The server checked too; checking here guards against a peer that accepts anything.
-        mismatches = local_compat.mismatches(compat)
+        mismatches = local_compat.mismatches(compat, PRODUCER_ROLES[::-1])
         if mismatches:
             raise IncompatiblePeer(peer, mismatches)
+        ranks = tuple(rank_agent_from_proto(r) for r in reply.ranks)
+        tp = compat.tensor_parallel_size
+        if tp > 1 and [r.rank for r in ranks] != list(range(tp)):
+            raise IncompatiblePeer(
+                peer, [f"a tensor-parallel size of {tp} needs one NIXL agent per rank"]
+            )
         return PeerInfo(
             engine_id=reply.engine_id,
             compat=compat,
             nixl_agent_name=reply.nixl_agent_name,
             nixl_metadata=reply.nixl_agent_metadata,
             pool=pool_info_from_proto(reply.pool),
+            ranks=ranks,
         )
 
     def read_blocks_tcp(
