@@ -614,12 +614,11 @@ def _decide_replicas(
     for pool in spec.pools:
         mode = pool.autoscaling.mode
         if mode == "builtin":
-            before = remembered(state, md, pool, now).replicas
-            _notice_manual_scale(state, md, pool, before)
-            if autoscale:
-                memories[pool.name] = autoscale_pool(state, md, spec, pool, now)
-            else:
-                memories[pool.name] = remembered(state, md, pool, now)
+            memory = remembered(state, md, pool, now)
+            _notice_manual_scale(state, md, pool, memory.replicas)
+            memories[pool.name] = (
+                autoscale_pool(state, md, spec, pool, now) if autoscale else memory
+            )
             if memories[pool.name].replicas is not None:
                 replicas[pool.name] = memories[pool.name].replicas
         elif mode == "none":
