@@ -307,3 +307,29 @@ def test_both_distributions_register_the_plan_command():
         project = tomllib.loads(pyproject.read_text())["project"]
         commands = project["entry-points"]["pagefleet.commands"]
         assert commands["plan"] == "pagefleet.common.plan_command:add_plan_parser", pyproject
+
+
+def test_the_engine_pool_arithmetic_per_rank_matches_its_tensor_parallel_shards():
+    """runner.kv_bytes_per_block (the engine's pool sizing) goes through the capacity module:
+    under TP each rank's KV heads are those TPLayout shards it (split, or one replicated head
+    when fewer heads than ranks), and a 1-byte dtype (fp8) halves a 2-byte one."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pagefleet.engine.model.parallel import TPLayout
+    from pagefleet.engine.model.transformer import ModelConfig
+    from pagefleet.engine.runner import kv_bytes_per_block
+
+    for kv_heads in (1, 2, 4, 8):
+        config = ModelConfig.from_hf({**LLAMA3_8B, "num_key_value_heads": kv_heads})
+        for size in (1, 2, 4, 8):
+            if kv_heads % size and size % kv_heads:
+                continue
+            layout = TPLayout.of(config, 0, size)
+            assert kv_heads_per_rank(kv_heads, size) == layout.num_kv_heads
+            tp = SimpleNamespace(layout=layout) if size > 1 else None
+            model = SimpleNamespace(config=config, tp=tp)
+            per_block = kv_bytes_per_block(model, 16, torch.bfloat16)
+            assert per_block == 2 * 32 * layout.num_kv_heads * 128 * 2 * 16
+            assert kv_bytes_per_block(model, 16, torch.float8_e4m3fn) == per_block // 2
