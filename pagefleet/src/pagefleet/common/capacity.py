@@ -320,10 +320,6 @@ class CapacityPlan:
         """Sequences of `context` tokens that fit in the pool at once."""
         return self.kv_blocks // self.blocks_for(context)
 
-    def concurrency_at(self, context: int) -> float:
-        """The pool's tokens over one request's (vLLM's "maximum concurrency" figure)."""
-        return self.block_tokens / context
-
     def holds_one(self, context: int) -> bool:
         return self.sequences_at(context) >= 1
 
@@ -341,6 +337,8 @@ def kv_pool_plan(
     """The capacity of a KV pool of `kv_bytes` (per GPU) at `per_token` bytes per token."""
     if block_size < 1:
         raise ValueError(f"block size must be >= 1, not {block_size}")
+    if per_token < 1:
+        raise ValueError("the model keeps no KV per token (no attention layer)")
     kv_bytes = max(kv_bytes, 0)
     return CapacityPlan(
         weights_format=weights_format,
