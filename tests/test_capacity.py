@@ -236,6 +236,17 @@ def test_tensor_parallel_splits_kv_heads_and_weights():
     assert two.weights_bytes == one.weights_bytes // 2 and two.kv_tokens > 2 * one.kv_tokens
 
 
+def test_the_checkpoint_dtype_is_read_under_either_key_and_is_the_auto_format(tmp_path, capsys):
+    """transformers >= 4.56 writes `dtype`, older ones `torch_dtype`; `auto` (the engine's
+    default) plans at the checkpoint's dtype."""
+    renamed = {k: v for k, v in QWEN25_7B.items() if k != "torch_dtype"} | {"dtype": "float32"}
+    assert ModelShape.from_hf_config(renamed).dtype == "float32"
+    report = _plan_json(
+        capsys, _write(tmp_path, renamed), "--kv-cache-dtype", "auto", "--num-gpu-blocks", "1"
+    )
+    assert report["plans"][0]["bytes_per_token"] == 2 * 57_344
+
+
 def test_a_one_byte_kv_format_holds_twice_the_tokens_of_a_two_byte_one():
     """fp8 by name and a 1-byte element size (what the engine passes) are the same arithmetic."""
     shape = ModelShape.from_hf_config(QWEN25_7B)

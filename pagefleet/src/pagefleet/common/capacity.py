@@ -147,7 +147,13 @@ class ModelShape:
         heads = int(cfg["num_attention_heads"])
         kinds = _layer_kinds(cfg, layers)
         attention = sum(1 for k in kinds if k != "linear_attention")
-        dtype = str(cfg.get("torch_dtype") or config.get("torch_dtype") or "bfloat16")
+        # Newer transformers write `dtype` where older ones wrote `torch_dtype`.
+        dtype = str(
+            next(
+                (c[k] for c in (cfg, config) for k in ("torch_dtype", "dtype") if c.get(k)),
+                "bfloat16",
+            )
+        )
         max_positions = cfg.get("max_position_embeddings")
         return cls(
             num_layers=layers,

@@ -94,8 +94,8 @@ def build_plans(args: argparse.Namespace, shape: ModelShape) -> list[CapacityPla
         raise ValueError(f"--block-size {args.block_size} must be a power of two")
     if any(c < 1 for c in args.contexts):
         raise ValueError("--contexts must be >= 1 token each")
-    weights = args.weights or [shape.dtype]
-    kv_formats = args.kv_cache_dtype or [shape.dtype]
+    weights = [shape.dtype if w == "auto" else w for w in args.weights or ["auto"]]
+    kv_formats = [shape.dtype if k == "auto" else k for k in args.kv_cache_dtype or ["auto"]]
     budget = None if args.num_gpu_blocks is not None else _budget(args)
     params = int(args.params) if args.params is not None else None
     plans = []
