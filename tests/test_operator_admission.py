@@ -19,12 +19,14 @@ from operator_harness import (
     get,
     md_status,
     model_deployment,
+    next_pass,
     operator,
     wait_degraded,
     wait_for,
 )
 from test_capacity import HYBRID_27B
-from test_helm_chart import validate_model_deployment
+from test_capacity import QWEN25_7B as QWEN_7B
+from test_helm_chart import helm, one, template, validate_model_deployment  # noqa: F401
 
 from hf_stand_in import HfStandIn
 from pagefleet.operator.admission import MAX_CONFIG_BYTES, ModelConfigs, check_capacity
@@ -136,6 +138,20 @@ def test_the_crd_schema_takes_spec_capacity():
         capacity={**CAPACITY, "admitAnyway": True, "gpuMemoryGB": 96, "weightsFormat": "fp8"},
     )
     validate_model_deployment(md)
+
+
+def test_the_chart_passes_modeldeployment_capacity_to_the_spec(helm, tmp_path):  # noqa: F811
+    """The chart's default ModelDeployment (a GPU pool with max-model-len) with
+    modelDeployment.capacity set: the operator checks it as given, and it fits."""
+    values = tmp_path / "values.yaml"
+    capacity = {"gpu": "L4", "modelConfig": QWEN_7B, "overheadGB": 1}
+    values.write_text(json.dumps({"modelDeployment": {"capacity": capacity}}))
+    md = one(template(helm, "-f", str(values)), "ModelDeployment")
+    assert md["spec"]["capacity"] == capacity
+    validate_model_deployment(md)
+    verdict = _verdict(parse_spec(md["spec"]))
+    assert (verdict.status, verdict.reason) == ("True", "CapacityOK"), verdict.message
+    assert "max-model-len 8,192" in verdict.message
 
 
 # --- an hf:// model's config.json, from the stand-in Hub ------------------------------------
@@ -259,5 +275,25 @@ def test_operator_deploys_when_the_check_cannot_run_and_says_so():
             admitted = wait_for(lambda: condition(md_status(client), "CapacityAdmitted"))
             assert (admitted["status"], admitted["reason"]) == ("Unknown", "CapacityUnknown")
             assert "could not be fetched" in admitted["message"]
-            wait_for(lambda: [e for e in _events(client) if e["reason"] == "CapacityUnknown"])
+            assert condition(md_status(client), "Degraded")["status"] == "False"
+
+
+def test_operator_deploys_anyway_on_the_override_and_warns_once():
+    with emulator() as url:
+        client = KubeClient(url)
+        with operator(url, client, autoscale_interval=0.3) as state:
+            client.create(
+                model_deployment(
+                    engineArgs={"max-model-len": 262144},
+                    pools={"colocated": ONE_GPU},
+                    capacity={**CAPACITY, "admitAnyway": True},
+                )
+            )
+            wait_for(lambda: get(client, "apps/v1", "Deployment", "llama-colocated"))
+            admitted = wait_for(lambda: condition(md_status(client), "CapacityAdmitted"))
+            assert (admitted["status"], admitted["reason"]) == ("False", "PoolTooSmall")
+            assert "deployed anyway" in admitted["message"]
+            wait_for(lambda: [e for e in _events(client) if e["reason"] == "PoolTooSmall"])
+            next_pass(state)
+            assert len([e for e in _events(client) if e["reason"] == "PoolTooSmall"]) == 1
             assert condition(md_status(client), "Degraded")["status"] == "False"

@@ -594,11 +594,12 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
         announce(client, md, *error)  # one event per new problem, not one per pass
     if (
         capacity is not None
-        and capacity.status != "True"
+        and capacity.status == "False"
         and not capacity.refused  # a refusal is Degraded's event
         and _capacity_message(previous) != capacity.message
     ):
-        # Deployed without a verdict, or anyway: say so once.
+        # Deployed anyway (admitAnyway): say so once. A check that could not run is only a
+        # condition (every pool on an unlabelled GPU node would warn otherwise).
         announce(client, md, capacity.reason, capacity.message)
     verdict = (capacity.status, capacity.reason, capacity.message) if capacity else None
     observed = Observed(tuple(pools), router[0], router[1], error, images_status(images), verdict)
