@@ -108,6 +108,10 @@ def test_the_gpu_type_comes_from_the_pools_gpu_product_label():
     unknown = _verdict(_spec({"max-model-len": 8192}, shape_only, odd))
     assert (unknown.status, unknown.refused) == ("Unknown", False)
     assert "gpuMemoryGB" in unknown.message
+    # An L4 cannot even hold the bf16 weights: the fix is smaller weights, not a shorter context.
+    l4_verdict = _verdict(_spec({"max-model-len": 8192}, shape_only, l4))
+    assert "holds 0 tokens" in l4_verdict.message and "fp8, int4" in l4_verdict.message
+    assert "max-model-len <=" not in l4_verdict.message
     nothing = _verdict(_spec({"max-model-len": 8192}, shape_only))
     assert nothing.status == "Unknown" and "nvidia.com/gpu.product" in nothing.message
 
@@ -127,6 +131,9 @@ def test_capacity_spec_errors_name_the_field():
     ):
         with pytest.raises(SpecError, match=field):
             _spec({"max-model-len": 8192}, {**CAPACITY, **bad})
+    for length in (0, "many"):
+        with pytest.raises(SpecError, match="max-model-len"):
+            _verdict(_spec({"max-model-len": length}))
     missing_shape = _verdict(_spec({"max-model-len": 8192}, {**CAPACITY, "modelConfig": None}))
     assert missing_shape.status == "Unknown" and "modelConfig" in missing_shape.message
 

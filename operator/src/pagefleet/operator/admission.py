@@ -96,7 +96,10 @@ def _number_arg(spec: Spec, pool: Pool, name: str, kind: type, default: Any) -> 
 
 
 def max_model_len(spec: Spec, pool: Pool) -> int | None:
-    return _number_arg(spec, pool, "max-model-len", int, None)
+    length = _number_arg(spec, pool, "max-model-len", int, None)
+    if length is not None and length < 1:
+        raise SpecError(f"spec.pools.{pool.name}: max-model-len must be >= 1, not {length}")
+    return length
 
 
 def gpu_budget(pool: Pool, capacity: CapacitySpec) -> GpuBudget:

@@ -525,8 +525,13 @@ def admit(shape: ModelShape, plan: CapacityPlan, max_model_len: int | None) -> A
             plan.block_tokens,
             max_model_len,
         )
-    fixes = [f"engineArgs.max-model-len <= {plan.block_tokens:,}"]
-    if value_bytes(plan.kv_format) > 1:
+    fixes = []
+    if plan.kv_blocks == 0:
+        # The weights and overhead alone fill the GPU: no context length helps.
+        fixes.append(f"smaller weights than {plan.weights_format} (fp8, int4)")
+    else:
+        fixes.append(f"engineArgs.max-model-len <= {plan.block_tokens:,}")
+    if value_bytes(plan.kv_format) > 1 and plan.kv_blocks:
         fp8 = kv_pool_plan(
             shape.kv_bytes_per_token("fp8", plan.tensor_parallel_size),
             plan.kv_bytes,
