@@ -106,9 +106,26 @@ def test_kv_pool_is_sized_from_memory_and_reported(tiny_checkpoints, caplog):
     logs = caplog.text
     assert "KV cache size: 2048 tokens" in logs
     assert "Maximum concurrency for 512 tokens per request: 4.00x" in logs
+    assert "KV cache: 512 bytes per token, 8192 per block (float32)" in logs
     assert "model weights take" in logs
     with pytest.raises(ValueError, match=r"--max-model-len.*--kv-cache-memory.*--kv-cache-dtype"):
         LLM(tiny_checkpoints["llama"], kv_cache_memory=1 / 1024, max_model_len=4096)
+
+
+def test_engine_and_plan_size_the_pool_with_the_same_arithmetic(tiny_checkpoints, capsys):
+    """The engine's pool and `pagefleet plan` for the same checkpoint agree to the block
+    (catches the engine and the planner drifting apart: one capacity module sizes both)."""
+    from pagefleet.common.cli import main
+
+    llm = LLM(tiny_checkpoints["llama"], kv_cache_memory=1 / 1024, max_model_len=512)
+    command = ["plan", tiny_checkpoints["llama"], "--kv-cache-dtype", "float32", "--json"]
+    assert main([*command, "--num-gpu-blocks", "128", "--contexts", "512"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["plans"]
+    one_block = llm.engine.runner.kv_pool[:, :, :, 0]  # every layer's K and V of block 0
+    assert row["bytes_per_block"] == one_block.nbytes == 8192
+    assert row["bytes_per_token"] == 512
+    assert row["kv_blocks"] == llm.engine.scheduler.kv_cache.num_blocks == 128
+    assert row["sequences"]["512"] == 4
 
 
 def test_engine_args_are_validated():

@@ -50,7 +50,7 @@ USER_FLAGS = {
         "--no-enable-chunked-prefill",
     ],
     "llama-pd-decode": ["--max-model-len", "--max-num-seqs"],
-    "qwen-colocated": [],
+    "qwen-colocated": ["--max-model-len"],
 }
 # Bound to the pod's own IP (the kubelet expands $(POD_IP)), not to every interface.
 KV_EVENTS = {

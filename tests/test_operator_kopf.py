@@ -885,7 +885,13 @@ def test_what_a_later_spec_no_longer_sets_is_removed_from_the_deployments():
         client, probe = KubeClient(url), KubeClient(url)
         with operator(url, client, autoscale_interval=0.3):
             probe.create(
-                model_deployment(model=hf, mode="disaggregated", pools=pd_pools, kvTransfer=rdma)
+                model_deployment(
+                    model=hf,
+                    mode="disaggregated",
+                    pools=pd_pools,
+                    kvTransfer=rdma,
+                    engineArgs={"max-model-len": 4096},  # GPU pools state it (admission)
+                )
             )
 
             def pod(name: str = "llama-decode") -> dict:
@@ -954,7 +960,10 @@ def test_a_pool_switching_to_several_nodes_and_back_moves_its_replicas_between_k
         client = KubeClient(url)
         with operator(url, client, autoscale_interval=0.3) as state:
             client.create(
-                model_deployment(pools={"colocated": {**one_node, "tensorParallelSize": 2}})
+                model_deployment(
+                    pools={"colocated": {**one_node, "tensorParallelSize": 2}},
+                    engineArgs={"max-model-len": 4096},  # GPU pools state it (admission)
+                )
             )
             wait_for(lambda: get(client, "apps/v1", "Deployment", "llama-colocated"))
             wait_for(

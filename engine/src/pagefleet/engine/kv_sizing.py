@@ -1,7 +1,9 @@
 """How many KV blocks one rank's memory holds: its weights (a shard of them under tensor
 parallelism) and a dry-run activation peak come off the GPU's budget; on CPU the pool gets
 --kv-cache-memory. Every rank of a tensor-parallel engine runs this together (the dry run's
-forward has collectives) and the engine takes the smallest answer."""
+forward has collectives) and the engine takes the smallest answer. The arithmetic (bytes per
+token and block, blocks in a budget) is pagefleet.common.capacity's, shared with `pagefleet
+plan` and the operator's admission check."""
 
 from __future__ import annotations
 
@@ -9,11 +11,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagefleet.common.capacity import CapacityPlan, kv_pool_plan
 from pagefleet.engine.attention.backend import select_backend
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.model.transformer import CausalLM
 from pagefleet.engine.request import Request
-from pagefleet.engine.runner import ModelRunner, kv_bytes_per_block
+from pagefleet.engine.runner import ModelRunner, kv_bytes_per_token
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import SchedulerOutput
 
@@ -33,14 +36,29 @@ def kv_pool_blocks(
 ) -> int:
     """Blocks the pool holds (--num-gpu-blocks-override wins): with a rank group, every rank
     calls this and all get the smallest rank's figure (block ids are the same on every rank)."""
-    per_block = kv_bytes_per_block(model, args.block_size, kv_dtype)
     if args.num_gpu_blocks_override:
         blocks = args.num_gpu_blocks_override
-    elif device.type == "cuda":
-        blocks = cuda_kv_budget(args, model, device, max_model_len) // per_block
     else:
-        blocks = int(args.kv_cache_memory * GiB) // per_block
+        if device.type == "cuda":
+            budget = cuda_kv_budget(args, model, device, max_model_len)
+        else:
+            budget = int(args.kv_cache_memory * GiB)
+        blocks = kv_pool_plan_of(args, model, kv_dtype, budget).kv_blocks
     return blocks if group is None else group.min_over_ranks(blocks)
+
+
+def kv_pool_plan_of(
+    args: EngineArgs, model: CausalLM, kv_dtype: torch.dtype, kv_bytes: int
+) -> CapacityPlan:
+    """This rank's pool of `kv_bytes` as the capacity module sees it (tokens, blocks, bytes per
+    token and per block, sequences at a context)."""
+    return kv_pool_plan(
+        kv_bytes_per_token(model, kv_dtype),
+        kv_bytes,
+        kv_format=str(kv_dtype).removeprefix("torch."),
+        block_size=args.block_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
 
 
 def cuda_kv_budget(

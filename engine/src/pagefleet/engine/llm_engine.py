@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from pagefleet.common.capacity import CapacityPlan
 from pagefleet.common.fleet_auth import FleetSecret, load_fleet_secret
 from pagefleet.common.kv_events import KVEventListener
 from pagefleet.common.tokenizer import load_tokenizer
@@ -31,7 +32,7 @@ from pagefleet.engine.client import (
 )
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.detokenizer import Detokenizer
-from pagefleet.engine.kv_sizing import kv_pool_blocks
+from pagefleet.engine.kv_sizing import kv_pool_blocks, kv_pool_plan_of
 from pagefleet.engine.model.loader import load_model, read_config, resolve_dtype
 from pagefleet.engine.model.transformer import ModelConfig
 from pagefleet.engine.outputs import (
@@ -328,30 +329,39 @@ class LLMEngine:
 
     def _size_kv_pool(self, model, kv_dtype: torch.dtype, group=None) -> int:
         args = self.args
-        per_block = kv_bytes_per_block(model, args.block_size, kv_dtype)
         num_blocks = kv_pool_blocks(args, model, kv_dtype, self.device, self.max_model_len, group)
-        self._log_kv_size(num_blocks, per_block, model.num_kv_heads)
-        tokens = num_blocks * args.block_size
-        if tokens < self.max_model_len:
+        per_block = kv_bytes_per_block(model, args.block_size, kv_dtype)
+        plan = kv_pool_plan_of(args, model, kv_dtype, num_blocks * per_block)
+        self._log_kv_size(plan.kv_blocks, plan, model.num_kv_heads)
+        if not plan.holds_one(self.max_model_len):
             memory_flag = (
                 "--gpu-memory-utilization" if self.device.type == "cuda" else ("--kv-cache-memory")
             )
             raise ValueError(
-                f"the KV cache holds {tokens} tokens, less than one request of max_model_len="
-                f"{self.max_model_len}: lower --max-model-len, raise {memory_flag} or "
-                f"--num-gpu-blocks-override, or use a smaller --kv-cache-dtype"
+                f"the KV cache holds {plan.block_tokens} tokens, less than one request of "
+                f"max_model_len={self.max_model_len}: lower --max-model-len, raise {memory_flag} "
+                f"or --num-gpu-blocks-override, or use a smaller --kv-cache-dtype "
+                f"(`pagefleet plan` shows the options)"
             )
         return num_blocks
 
     def _log_kv_size(
-        self, num_blocks: int, bytes_per_block: int | None, kv_heads: int | None = None
+        self, num_blocks: int, plan: CapacityPlan | None, kv_heads: int | None = None
     ) -> None:
+        """The pool's figures at startup (`plan` None: a simulated engine, no bytes)."""
         tokens = num_blocks * self.args.block_size
         tp = self.args.tensor_parallel_size
+        per_rank = " per rank" if tp > 1 else ""
         size = ""
-        if bytes_per_block:
-            per_rank = " per rank" if tp > 1 else ""
-            size = f", {num_blocks * bytes_per_block / GiB:.2f} GiB{per_rank}"
+        if plan is not None:
+            size = f", {plan.kv_bytes / GiB:.2f} GiB{per_rank}"
+            logger.info(
+                "KV cache: %d bytes per token, %d per block%s (%s)",
+                plan.bytes_per_token,
+                plan.bytes_per_block,
+                per_rank,
+                plan.kv_format,
+            )
         if tp > 1 and kv_heads is not None:
             size += f", {kv_heads} KV heads per rank, tensor-parallel size {tp}"
         logger.info("KV cache size: %d tokens (%d blocks%s)", tokens, num_blocks, size)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagefleet.common import capacity
 from pagefleet.engine.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
@@ -39,11 +40,23 @@ class StepInputs:
     prompt_logprob_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
 
 
+def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
+    """Bytes of one token's K and V in this model's (or rank's) pool, by the capacity module's
+    arithmetic (`pagefleet plan` and the operator use the same); the dtype's element size is
+    its bytes per value (1 for fp8)."""
+    cfg = model.config
+    return capacity.kv_bytes_per_token(
+        cfg.num_layers,
+        cfg.num_kv_heads,  # the checkpoint's: split (or replicated) over the TP ranks
+        cfg.head_dim,
+        torch.empty((), dtype=dtype).element_size(),
+        model.tp.layout.size if model.tp else 1,
+    )
+
+
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block in this model's (or rank's) pool."""
-    cfg = model.config
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * model.num_kv_heads * cfg.head_dim * elem
+    return block_size * kv_bytes_per_token(model, dtype)
 
 
 class ModelRunner:

@@ -449,6 +449,43 @@ def secret_key_ref_schema(description: str) -> dict:
     )
 
 
+def capacity_schema() -> dict:
+    """spec.capacity: what the admission check (operator/admission.py) cannot read from the
+    cluster; every field optional."""
+    number = {"type": "number", "minimum": 0}
+    return _obj(
+        {
+            "modelConfig": {
+                "type": "object",
+                "description": "the checkpoint's config.json (layers, KV heads, head dim...); "
+                "hf:// models: fetched from the model's endpoint when not given",
+                "x-kubernetes-preserve-unknown-fields": True,
+            },
+            "gpu": {
+                "type": "string",
+                "maxLength": 63,
+                "description": "GPU type: L4, A10G, A100-40GB, A100-80GB, H100-80GB, H200, B200 "
+                "(default: the pool's nodeSelector nvidia.com/gpu.product)",
+            },
+            "gpuMemoryGB": {**number, "description": "memory per GPU in GB (instead of gpu)"},
+            "weightsFormat": {
+                "type": "string",
+                "maxLength": 32,
+                "description": "bf16, fp8, int4 (default: the engine's dtype)",
+            },
+            "numParameters": {**number, "description": "parameters (estimated from the config)"},
+            "overheadGB": {**number, "description": "activations, CUDA graphs, runtime (0)"},
+            "admitAnyway": {
+                "type": "boolean",
+                "description": "deploy even when the KV pool cannot hold one request of "
+                "max-model-len, or no max-model-len is set",
+            },
+        },
+        description="Admission: before any pod starts, a GPU pool whose KV cache cannot hold one "
+        "request of its max-model-len (or that sets none) is refused, with the numbers",
+    )
+
+
 def spec_schema() -> dict:
     pools = _obj({name: pool_schema() for name in POOL_NAMES}, default={"colocated": {}})
     colocated_ok = (
@@ -488,6 +525,7 @@ def spec_schema() -> dict:
                 "Secret key holding the API key clients must send the router (Bearer); the "
                 "engines always require a key of their own, generated in <name>-fleet-secret"
             ),
+            "capacity": capacity_schema(),
         },
         ["model"],
         **{

@@ -18,6 +18,12 @@ import kopf
 
 from pagefleet.common.fleet_auth import generate_fleet_secret
 from pagefleet.common.names import GROUP, KIND, PLURAL, VERSION
+from pagefleet.operator.admission import (
+    CapacityRefused,
+    CapacityVerdict,
+    ModelConfigs,
+    check_capacity,
+)
 from pagefleet.operator.autoscale import (
     Observation,
     PoolReplicas,
@@ -379,6 +385,7 @@ class OperatorState:
     passes: dict[str, int] = field(default_factory=dict)
     guard: threading.Lock = field(default_factory=threading.Lock)
     loop: asyncio.Task | None = None
+    model_configs: ModelConfigs = field(default_factory=ModelConfigs)  # capacity admission
 
     def lock(self, uid: str) -> threading.Lock:
         with self.guard:
@@ -531,8 +538,10 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
     error: tuple[str, str] | None = None
     pools: list[PoolObserved] = []
     router = (0, 0)
+    capacity: CapacityVerdict | None = None
     try:
         spec = parse_spec(md.get("spec"))
+        capacity = admit_capacity(state, namespace, spec)
         replicas, memories, own = _decide_replicas(state, md, spec, autoscale)
         options = RenderOptions(
             images,
@@ -575,17 +584,59 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
             error = ("FleetSecretIncomplete", incomplete_message(incomplete))
         elif missing:
             error = ("SecretMissing", f"{missing}: the pods that read it wait for it")
+    except CapacityRefused as e:
+        error, capacity = (e.reason, str(e)), e.verdict
     except SpecError as e:
         error = (e.reason, str(e))
     except ApiError as e:
         error = ("ApplyFailed", str(e))
     if error and _degraded_message(previous) != error[1]:
         announce(client, md, *error)  # one event per new problem, not one per pass
-    observed = Observed(tuple(pools), router[0], router[1], error, images_status(images))
+    if (
+        capacity is not None
+        and capacity.status == "False"
+        and not capacity.refused  # a refusal is Degraded's event
+        and _capacity_message(previous) != capacity.message
+    ):
+        # Deployed anyway (admitAnyway): say so once. A check that could not run is only a
+        # condition (every pool on an unlabelled GPU node would warn otherwise).
+        announce(client, md, capacity.reason, capacity.message)
+    verdict = (capacity.status, capacity.reason, capacity.message) if capacity else None
+    observed = Observed(tuple(pools), router[0], router[1], error, images_status(images), verdict)
     status = build_status(name, meta.get("generation"), observed, previous, _now_iso())
     patch = merge_diff(previous, status)
     if patch:
         client.merge_patch(md, {"status": patch}, "/status")
+
+
+def admit_capacity(state: OperatorState, namespace: str, spec: Spec) -> CapacityVerdict | None:
+    """The capacity admission's verdict; raises CapacityRefused (nothing gets applied) for a
+    GPU pool that cannot hold one request of its max-model-len, unless admitAnyway."""
+    token_ref = spec.model.token_secret
+
+    def token() -> str | None:
+        return secret_value(state.client, namespace, token_ref) if token_ref else None
+
+    verdict = check_capacity(spec, state.model_configs, token)
+    if verdict is not None and verdict.refused:
+        raise CapacityRefused(verdict)
+    return verdict
+
+
+def secret_value(client: KubeClient, namespace: str, ref: SecretKeyRef) -> str | None:
+    """One key of a Secret, decoded (None when the Secret or the key is missing)."""
+    found = client.get("v1", "Secret", namespace, ref.name) or {}
+    value = (found.get("data") or {}).get(ref.key)
+    if value is None:
+        return (found.get("stringData") or {}).get(ref.key)
+    return base64.b64decode(value).decode(errors="replace").strip()
+
+
+def _capacity_message(status: dict) -> str | None:
+    for c in status.get("conditions") or []:
+        if c.get("type") == "CapacityAdmitted":
+            return c.get("message")
+    return None
 
 
 def pinned_images(status: dict, current: EngineImages) -> EngineImages:

@@ -12,6 +12,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from pagefleet.common import __version__
+from pagefleet.common.capacity import FORMAT_BYTES, GPU_MEMORY_GB, gpu_key
 from pagefleet.common.model_download import HfSource, parse_hf_uri
 from pagefleet.common.serve_command import JSON_ENGINE_ARGS, EngineArg
 from pagefleet.operator.crd import (
@@ -190,6 +191,21 @@ class SecretKeyRef:
 
 
 @dataclass(frozen=True)
+class CapacitySpec:
+    """spec.capacity: what the admission check (operator/admission.py) cannot read from the
+    cluster. Every field optional: the GPU may come from a pool's nodeSelector, the model's
+    shape from an hf:// model's config.json."""
+
+    model_config: dict[str, Any] | None = None  # the checkpoint's config.json
+    gpu: str | None = None  # a GPU type of pagefleet.common.capacity's table
+    gpu_memory_gb: float | None = None  # instead of gpu
+    weights_format: str | None = None  # default: the engine's dtype
+    num_parameters: int | None = None  # default: estimated from the config
+    overhead_gb: float = 0.0
+    admit_anyway: bool = False  # the expert's override: deploy even if it does not fit
+
+
+@dataclass(frozen=True)
 class Spec:
     model: Model
     image: str | None  # the user's engine image for every pool (None: by device)
@@ -201,6 +217,7 @@ class Spec:
     api_key_secret: SecretKeyRef | None = None  # the key clients must send the router
     rdma: Rdma = field(default_factory=Rdma)
     placement: Placement | None = None
+    capacity: CapacitySpec = field(default_factory=CapacitySpec)
 
     def pool(self, name: str) -> Pool:
         return next(p for p in self.pools if p.name == name)
@@ -623,6 +640,7 @@ def parse_spec(raw: Any) -> Spec:
         "router",
         "kvTransfer",
         "apiKeySecret",
+        "capacity",
     }
     _reject_unknown(s, known, "spec")
     if "model" not in s:
@@ -656,6 +674,7 @@ def parse_spec(raw: Any) -> Spec:
         api_key_secret=parse_secret_key_ref(s.get("apiKeySecret"), "spec.apiKeySecret"),
         rdma=parse_rdma(kv.get("rdma")),
         placement=parse_placement(kv.get("placement")),
+        capacity=parse_capacity(s.get("capacity")),
     )
     if spec.rdma.enabled and (mode != "disaggregated" or spec.kv_connector != "nixl"):
         raise SpecError("spec.kvTransfer.rdma needs mode disaggregated and the nixl connector")
@@ -663,6 +682,48 @@ def parse_spec(raw: Any) -> Spec:
         # Only prefill and decode pods move KV between them: nothing to place together.
         raise SpecError("spec.kvTransfer.placement needs mode disaggregated")
     return spec
+
+
+CAPACITY_FIELDS = {
+    "modelConfig",
+    "gpu",
+    "gpuMemoryGB",
+    "weightsFormat",
+    "numParameters",
+    "overheadGB",
+    "admitAnyway",
+}
+
+
+def parse_capacity(raw: Any) -> CapacitySpec:
+    where = "spec.capacity"
+    c = _mapping(raw, where)
+    _reject_unknown(c, CAPACITY_FIELDS, where)
+    config = c.get("modelConfig")
+    if config is not None and (not isinstance(config, dict) or not config):
+        raise SpecError(f"{where}.modelConfig must be the checkpoint's config.json (an object)")
+    gpu = c.get("gpu")
+    if gpu is not None and (not isinstance(gpu, str) or gpu_key(gpu) is None):
+        raise SpecError(
+            f"{where}.gpu {gpu!r} is not a GPU type the operator knows: "
+            f"{', '.join(GPU_MEMORY_GB)} (or give gpuMemoryGB)"
+        )
+    weights = c.get("weightsFormat")
+    if weights is not None and str(weights).lower() not in FORMAT_BYTES:
+        raise SpecError(f"{where}.weightsFormat must be one of {', '.join(FORMAT_BYTES)}")
+    if not isinstance(c.get("admitAnyway", False), bool):
+        raise SpecError(f"{where}.admitAnyway must be true or false")
+    params = c.get("numParameters")
+    memory = c.get("gpuMemoryGB")
+    return CapacitySpec(
+        model_config=config,
+        gpu=gpu,
+        gpu_memory_gb=_number(memory, f"{where}.gpuMemoryGB", 1) if memory is not None else None,
+        weights_format=weights,
+        num_parameters=int(_number(params, f"{where}.numParameters", 1)) if params else None,
+        overhead_gb=_number(c.get("overheadGB", 0), f"{where}.overheadGB"),
+        admit_anyway=c.get("admitAnyway", False),
+    )
 
 
 def parse_rdma(raw: Any) -> Rdma:

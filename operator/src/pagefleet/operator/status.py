@@ -32,19 +32,23 @@ class Observed:
     router_ready: int
     error: tuple[str, str] | None = None  # (reason, message) when the spec or the API failed
     images: dict[str, str] | None = None  # the engine images pinned to this ModelDeployment
+    # The capacity admission's CapacityAdmitted condition: (status True/False/Unknown,
+    # reason, message); None when no pool was checked (operator/admission.py).
+    capacity: tuple[str, str, str] | None = None
 
 
 def condition(
     kind: str,
-    ok: bool,
+    ok: bool | None,
     reason: str,
     message: str,
     previous: list[dict],
     now: str,
     generation: int | None = None,
 ) -> dict[str, Any]:
-    """A condition whose lastTransitionTime only moves when its status changes."""
-    status = "True" if ok else "False"
+    """A condition whose lastTransitionTime only moves when its status changes (`ok` None:
+    Unknown)."""
+    status = "Unknown" if ok is None else ("True" if ok else "False")
     before = next((c for c in previous if c.get("type") == kind), None)
     since = before.get("lastTransitionTime") if before and before.get("status") == status else now
     result: dict[str, Any] = {
@@ -128,6 +132,12 @@ def build_status(
             generation,
         ),
     ]
+    if observed.capacity is not None:
+        state, reason, message = observed.capacity
+        ok = None if state == "Unknown" else state == "True"
+        conditions.append(
+            condition("CapacityAdmitted", ok, reason, message, conditions_before, now, generation)
+        )
     status: dict[str, Any] = {
         "pools": pools,
         "ready": " ".join(f"{p.name} {p.ready}/{p.desired}" for p in observed.pools)

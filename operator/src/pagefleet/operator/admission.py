@@ -1,0 +1,318 @@
+"""Capacity admission: before any object is applied, a GPU pool whose engine's KV pool cannot
+hold one request of its max-model-len on its GPUs (or that sets no max-model-len) is refused,
+with the numbers and the knobs that fix it; spec.capacity.admitAnyway deploys it anyway.
+
+The sums are pagefleet.common.capacity's (the engine and `pagefleet plan` use the same). The
+GPU type comes from spec.capacity or the pool's nodeSelector (GPU feature discovery's
+nvidia.com/gpu.product label), the model's shape from spec.capacity.modelConfig or, for an
+hf:// model, its config.json fetched from the model's endpoint (ModelConfigs, the one I/O
+here). A check that cannot run says why in the condition and deploys; CPU pools are not
+checked against GPU memory.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from pagefleet.common.capacity import (
+    GB,
+    Admission,
+    GpuBudget,
+    ModelShape,
+    admit,
+    gpu_key,
+    gpu_memory_bytes,
+    plan_on_gpu,
+)
+from pagefleet.operator.spec import CapacitySpec, Model, Pool, Spec, SpecError
+
+CONDITION = "CapacityAdmitted"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+DEFAULT_HF_ENDPOINT = "https://huggingface.co"
+# The engine's defaults (pagefleet.engine.config.EngineArgs; the operator does not import the
+# engine): what a pool that sets neither flag runs with.
+ENGINE_GPU_MEMORY_UTILIZATION = 0.92
+ENGINE_BLOCK_SIZE = 16
+ENGINE_CUDA_DTYPE = "bfloat16"  # --dtype auto on a GPU
+# Fetching an hf:// model's config.json: a small file, a short wait, and a failure retried
+# after a while rather than on every pass.
+CONFIG_TIMEOUT_S = 5.0
+MAX_CONFIG_BYTES = 1 << 20
+RETRY_FAILED_S = 300.0
+OVERRIDE = "set spec.capacity.admitAnyway: true to deploy anyway"
+
+
+class CapacityUnknown(Exception):
+    """The check cannot run (the GPU type or the model's shape is not known); says why."""
+
+
+@dataclass(frozen=True)
+class CapacityVerdict:
+    """The CapacityAdmitted condition of a ModelDeployment: "True" (every GPU pool fits),
+    "False" (one does not: refused unless admitAnyway), or "Unknown" (the check could not
+    run; the objects are applied)."""
+
+    status: str
+    reason: str
+    message: str
+    refused: bool = False
+
+
+class CapacityRefused(SpecError):
+    """A GPU pool cannot hold one request of max-model-len (or none is set): nothing is
+    applied; the Degraded condition and a Warning event carry the verdict."""
+
+    def __init__(self, verdict: CapacityVerdict) -> None:
+        super().__init__(verdict.message)
+        self.reason = verdict.reason
+        self.verdict = verdict
+
+
+# ---------------------------------------------------------------------------- one pool
+
+
+def _engine_arg(spec: Spec, pool: Pool, name: str) -> Any:
+    return {**spec.engine_args, **pool.engine_args}.get(name)
+
+
+def _number_arg(spec: Spec, pool: Pool, name: str, kind: type, default: Any) -> Any:
+    value = _engine_arg(spec, pool, name)
+    if value is None:
+        return default
+    try:
+        return kind(str(value))
+    except ValueError:
+        raise SpecError(
+            f"spec.pools.{pool.name}: engine arg {name} {value!r} is not a number"
+        ) from None
+
+
+def max_model_len(spec: Spec, pool: Pool) -> int | None:
+    length = _number_arg(spec, pool, "max-model-len", int, None)
+    if length is not None and length < 1:
+        raise SpecError(f"spec.pools.{pool.name}: max-model-len must be >= 1, not {length}")
+    return length
+
+
+def gpu_budget(pool: Pool, capacity: CapacitySpec) -> GpuBudget:
+    """Memory per GPU of the pool's nodes: spec.capacity's, else the GPU product its
+    nodeSelector asks for (CapacityUnknown when neither says)."""
+    if capacity.gpu_memory_gb is not None:
+        memory = int(capacity.gpu_memory_gb * GB)
+    elif capacity.gpu is not None:
+        memory = gpu_memory_bytes(capacity.gpu)
+    else:
+        product = pool.node_selector.get(GPU_PRODUCT_LABEL)
+        if product is None:
+            raise CapacityUnknown(
+                f"the GPU type is not known: set spec.capacity.gpu (or gpuMemoryGB), or "
+                f"nodeSelector {GPU_PRODUCT_LABEL} on pool {pool.name}"
+            )
+        if gpu_key(product) is None:
+            raise CapacityUnknown(
+                f"{GPU_PRODUCT_LABEL} {product!r} is not a GPU the operator knows: set "
+                "spec.capacity.gpuMemoryGB"
+            )
+        memory = gpu_memory_bytes(product)
+    return GpuBudget(memory, overhead_bytes=int(capacity.overhead_gb * GB))
+
+
+def check_pool(spec: Spec, pool: Pool, shape: ModelShape, budget: GpuBudget) -> Admission:
+    """Does one engine of `pool` hold one request of its max-model-len? (Pure.)"""
+    dtype = _engine_arg(spec, pool, "dtype")
+    engine_dtype = str(dtype) if dtype not in (None, "auto") else ENGINE_CUDA_DTYPE
+    kv = _engine_arg(spec, pool, "kv-cache-dtype")
+    utilization = _number_arg(
+        spec, pool, "gpu-memory-utilization", float, ENGINE_GPU_MEMORY_UTILIZATION
+    )
+    try:
+        plan = plan_on_gpu(
+            shape,
+            GpuBudget(budget.gpu_memory, utilization, budget.overhead_bytes),
+            weights_format=spec.capacity.weights_format or engine_dtype,
+            kv_format=str(kv) if kv not in (None, "auto") else engine_dtype,
+            tensor_parallel_size=pool.tensor_parallel_size,
+            block_size=_number_arg(spec, pool, "block-size", int, ENGINE_BLOCK_SIZE),
+            num_parameters=spec.capacity.num_parameters,
+        )
+    except ValueError as e:
+        raise CapacityUnknown(f"the capacity cannot be computed: {e}") from e
+    return admit(shape, plan, max_model_len(spec, pool))
+
+
+# ---------------------------------------------------------------------------- every pool
+
+
+def judge(spec: Spec, shape_of: Callable[[], ModelShape], gpu_pools: list[Pool]) -> CapacityVerdict:
+    """Every GPU pool's verdict in one condition. `shape_of` gives the model's shape or raises
+    CapacityUnknown; it is only called for pools whose GPU is known."""
+    refusals: list[tuple[str, str]] = []
+    unknown: list[str] = []
+    fits: list[str] = []
+    for pool in gpu_pools:
+        where = f"pool {pool.name}"
+        try:
+            budget = gpu_budget(pool, spec.capacity)  # before the shape: no fetch without it
+            verdict = check_pool(spec, pool, shape_of(), budget)
+        except CapacityUnknown as e:
+            if max_model_len(spec, pool) is None:
+                refusals.append(("NoMaxModelLen", f"{where}: {no_max_model_len(pool)}"))
+            else:
+                unknown.append(f"{where}: {e}")
+            continue
+        if verdict.admitted:
+            fits.append(f"{where}: {verdict.message}")
+        else:
+            refusals.append((verdict.reason, f"{where}: {verdict.message}"))
+    return _combine(spec.capacity, refusals, unknown, fits)
+
+
+def no_max_model_len(pool: Pool) -> str:
+    return (
+        "no max-model-len is set, so the engine takes the model's native context, usually far "
+        "more than one replica's KV pool holds. Set engineArgs.max-model-len (`pagefleet plan` "
+        f"gives what fits on {pool.tensor_parallel_size} GPU(s))"
+    )
+
+
+def _combine(
+    capacity: CapacitySpec, refusals: list[tuple[str, str]], unknown: list[str], fits: list[str]
+) -> CapacityVerdict:
+    if refusals:
+        message = "; ".join(m for _, m in refusals)
+        if capacity.admit_anyway:
+            return CapacityVerdict(
+                "False", refusals[0][0], f"{message} (deployed anyway: spec.capacity.admitAnyway)"
+            )
+        return CapacityVerdict("False", refusals[0][0], f"{message} ({OVERRIDE})", refused=True)
+    if unknown:
+        return CapacityVerdict(
+            "Unknown", "CapacityUnknown", "the check could not run: " + "; ".join(unknown)
+        )
+    return CapacityVerdict("True", "CapacityOK", "; ".join(fits))
+
+
+def check_capacity(
+    spec: Spec, configs: ModelConfigs, token: Callable[[], str | None]
+) -> CapacityVerdict | None:
+    """The CapacityAdmitted verdict (None: no GPU pool, nothing checked). An hf:// model's
+    config.json is fetched (with `token()` when the model names a token Secret) only when a
+    pool's GPU is known and spec.capacity gives no modelConfig."""
+    gpu_pools = [p for p in spec.pools if p.gpus > 0]
+    if not gpu_pools:
+        return None
+    shapes: list[ModelShape] = []
+
+    def shape_of() -> ModelShape:
+        if not shapes:
+            shapes.append(model_shape(spec.capacity, spec.model, configs, token))
+        return shapes[0]
+
+    return judge(spec, shape_of, gpu_pools)
+
+
+def model_shape(
+    capacity: CapacitySpec, model: Model, configs: ModelConfigs, token: Callable[[], str | None]
+) -> ModelShape:
+    if capacity.model_config is not None:
+        config = capacity.model_config
+    elif model.source == "hf" and model.hf is not None:
+        config = configs.get(config_url(model), token())
+    else:
+        raise CapacityUnknown(
+            f"the model's shape is not known ({model.source} source): set "
+            "spec.capacity.modelConfig to its config.json"
+        )
+    try:
+        return ModelShape.from_hf_config(config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CapacityUnknown(f"the model's config.json lacks a shape field ({e})") from e
+
+
+# ---------------------------------------------------------------------------- config.json
+
+
+def config_url(model: Model) -> str:
+    assert model.hf is not None
+    endpoint = (model.endpoint or DEFAULT_HF_ENDPOINT).rstrip("/")
+    revision = quote(model.hf.revision, safe="")
+    return f"{endpoint}/{model.hf.repo}/resolve/{revision}/config.json"
+
+
+class _SameHostAuthorization(urllib.request.HTTPRedirectHandler):
+    """Follow redirects, but send the token only to the host it was meant for."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and urlsplit(newurl).netloc != urlsplit(req.full_url).netloc:
+            new.remove_header("Authorization")
+        return new
+
+
+def fetch_config(url: str, token: str | None, timeout_s: float = CONFIG_TIMEOUT_S) -> dict:
+    """GET a config.json of at most MAX_CONFIG_BYTES within timeout_s (CapacityUnknown
+    otherwise). What a failure says names the status, never the body."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    opener = urllib.request.build_opener(_SameHostAuthorization)
+    deadline = time.monotonic() + timeout_s
+    body = bytearray()
+    try:
+        with opener.open(urllib.request.Request(url, headers=headers), timeout=timeout_s) as r:
+            while chunk := r.read(64 * 1024):
+                body += chunk
+                if len(body) > MAX_CONFIG_BYTES:
+                    raise CapacityUnknown(f"{url} is larger than {MAX_CONFIG_BYTES} bytes")
+                if time.monotonic() > deadline:
+                    raise CapacityUnknown(f"{url} took more than {timeout_s:g} s")
+    except urllib.error.HTTPError as e:
+        hint = " (a gated model needs spec.model.hf.tokenSecret)" if e.code in (401, 403) else ""
+        raise CapacityUnknown(f"{url} answered HTTP {e.code}{hint}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise CapacityUnknown(f"{url} could not be fetched ({reason})") from None
+    try:
+        config = json.loads(bytes(body))
+    except ValueError:
+        raise CapacityUnknown(f"{url} is not JSON") from None
+    if not isinstance(config, dict):
+        raise CapacityUnknown(f"{url} is not a JSON object")
+    return config
+
+
+@dataclass
+class ModelConfigs:
+    """config.json of hf:// models by URL, per operator: fetched once, a failure retried after
+    RETRY_FAILED_S (a model's shape does not change under a revision, and a pass every few
+    seconds must not wait on an unreachable endpoint each time)."""
+
+    fetch: Callable[[str, str | None], dict] = fetch_config
+    clock: Callable[[], float] = time.monotonic
+    found: dict[str, dict] = field(default_factory=dict)
+    failed: dict[str, tuple[float, str]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def get(self, url: str, token: str | None) -> dict:
+        with self.lock:
+            if url in self.found:
+                return self.found[url]
+            failure = self.failed.get(url)
+            if failure is not None and self.clock() - failure[0] < RETRY_FAILED_S:
+                raise CapacityUnknown(failure[1])
+        try:
+            config = self.fetch(url, token)
+        except CapacityUnknown as e:
+            with self.lock:
+                self.failed[url] = (self.clock(), str(e))
+            raise
+        with self.lock:
+            self.found[url] = config
+            self.failed.pop(url, None)
+        return config

@@ -1,0 +1,550 @@
+"""KV capacity arithmetic shared by the engine's pool sizing and startup log, `pagefleet plan`
+and the operator's admission check: pure Python over an HF config dict (no torch; reading a
+local config.json or safetensors header is the only I/O).
+
+KV bytes per token = 2 (K and V) x attention layers x KV heads per GPU x head dim x bytes per
+value. Only layers that keep KV per token count; a hybrid model's linear-attention layers hold a
+fixed state per sequence, reported apart. GB is 10^9 bytes (GPU makers' unit), KiB 2^10.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+GB = 10**9
+GiB = 1 << 30
+KiB = 1 << 10
+
+# Bytes per value of a weight or KV format (int4: two values per byte).
+FORMAT_BYTES: dict[str, float] = {
+    "fp32": 4,
+    "float32": 4,
+    "float": 4,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp16": 2,
+    "float16": 2,
+    "half": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "float8_e4m3fn": 1,
+    "int8": 1,
+    "int4": 0.5,
+}
+# A bytes-per-value given as a number (the engine passes its torch dtype's element size).
+ValueFormat = str | float
+
+# Nominal memory of common GPUs in GB (the maker's sheet; a GB figure given by the user wins).
+GPU_MEMORY_GB: dict[str, float] = {
+    "L4": 24,
+    "A10G": 24,
+    "A100-40GB": 40,
+    "A100-80GB": 80,
+    "H100-80GB": 80,
+    "H200": 141,
+    "B200": 180,
+}
+# Other spellings: users' and GPU feature discovery's (the nvidia.com/gpu.product node label,
+# e.g. NVIDIA-H100-80GB-HBM3), after the NVIDIA- prefix is dropped and the rest upper-cased.
+_GPU_ALIASES = {
+    "A100": "A100-80GB",
+    "A100-40": "A100-40GB",
+    "A100-80": "A100-80GB",
+    "A100-SXM4-40GB": "A100-40GB",
+    "A100-SXM4-80GB": "A100-80GB",
+    "A100-PCIE-40GB": "A100-40GB",
+    "A100-80GB-PCIE": "A100-80GB",
+    "H100": "H100-80GB",
+    "H100-80": "H100-80GB",
+    "H100-SXM5-80GB": "H100-80GB",
+    "H100-80GB-HBM3": "H100-80GB",
+    "H100-PCIE": "H100-80GB",
+    "H200-141GB": "H200",
+    "H200-141GB-HBM3E": "H200",
+    "B200-180GB": "B200",
+    "A10G-24GB": "A10G",
+}
+
+
+def value_bytes(fmt: ValueFormat) -> float:
+    """Bytes per value of a format name (bf16, fp8, int4...) or of a number given as is."""
+    if isinstance(fmt, int | float) and not isinstance(fmt, bool):
+        if fmt <= 0:
+            raise ValueError(f"bytes per value must be > 0, not {fmt}")
+        return float(fmt)
+    key = str(fmt).lower().removeprefix("torch.")
+    if key not in FORMAT_BYTES:
+        raise ValueError(f"unknown format {fmt!r}: {', '.join(FORMAT_BYTES)}")
+    return FORMAT_BYTES[key]
+
+
+def gpu_key(gpu: str) -> str | None:
+    """The table's name for a GPU type (None when unknown)."""
+    key = gpu.strip().upper().removeprefix("NVIDIA-").removeprefix("NVIDIA ").replace(" ", "-")
+    key = _GPU_ALIASES.get(key, key)
+    known = {k.upper(): k for k in GPU_MEMORY_GB}
+    return known.get(key)
+
+
+def gpu_memory_bytes(gpu: str) -> int:
+    """A GPU type's memory in bytes, from its name (L4, A10G, A100-40GB, H100-80GB, H200...)."""
+    key = gpu_key(gpu)
+    if key is None:
+        raise ValueError(
+            f"unknown GPU {gpu!r}: {', '.join(GPU_MEMORY_GB)} (or give its memory in GB)"
+        )
+    return int(GPU_MEMORY_GB[key] * GB)
+
+
+def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int = 1) -> int:
+    """KV heads each rank keeps: split over the ranks, or one replicated head per rank when
+    there are fewer heads than ranks (as model/parallel.py's TPLayout shards them)."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor parallel size must be >= 1, not {tensor_parallel_size}")
+    return max(1, math.ceil(num_kv_heads / tensor_parallel_size))
+
+
+def kv_bytes_per_token(
+    attention_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_format: ValueFormat,
+    tensor_parallel_size: int = 1,
+) -> int:
+    """Bytes one token's K and V take on each GPU (rank)."""
+    heads = kv_heads_per_rank(num_kv_heads, tensor_parallel_size)
+    return int(2 * attention_layers * heads * head_dim * value_bytes(kv_format))
+
+
+# ---------------------------------------------------------------------------- model shape
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What capacity depends on in a model's config."""
+
+    num_layers: int
+    num_attention_layers: int  # layers that keep K and V per token
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # the checkpoint's torch_dtype
+    max_position_embeddings: int | None = None
+    # Estimated from the config (exact from safetensors headers when a checkpoint dir has them).
+    num_parameters: int | None = None
+    # Linear-attention layers: fixed state per sequence (conv + recurrent), at the model dtype.
+    linear_state_bytes_per_sequence: int = 0
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
+        """KeyError / TypeError / ValueError when the config lacks a shape field."""
+        cfg = _text_config(config)
+        layers = int(cfg["num_hidden_layers"])
+        heads = int(cfg["num_attention_heads"])
+        kinds = _layer_kinds(cfg, layers)
+        attention = sum(1 for k in kinds if k != "linear_attention")
+        # Newer transformers write `dtype` where older ones wrote `torch_dtype`.
+        dtype = str(
+            next(
+                (c[k] for c in (cfg, config) for k in ("torch_dtype", "dtype") if c.get(k)),
+                "bfloat16",
+            )
+        )
+        max_positions = cfg.get("max_position_embeddings")
+        return cls(
+            num_layers=layers,
+            num_attention_layers=attention,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+            dtype=dtype,
+            max_position_embeddings=int(max_positions) if max_positions else None,
+            num_parameters=_estimate_parameters(cfg, kinds),
+            linear_state_bytes_per_sequence=int(
+                (layers - attention) * _linear_state_values(cfg) * FORMAT_BYTES.get(dtype, 2)
+            ),
+        )
+
+    def kv_bytes_per_token(self, kv_format: ValueFormat, tensor_parallel_size: int = 1) -> int:
+        return kv_bytes_per_token(
+            self.num_attention_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            kv_format,
+            tensor_parallel_size,
+        )
+
+    def kv_bytes_per_block(
+        self, block_size: int, kv_format: ValueFormat, tensor_parallel_size: int = 1
+    ) -> int:
+        return block_size * self.kv_bytes_per_token(kv_format, tensor_parallel_size)
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal configs (Qwen3.5, Llama 4...) nest the language model's under text_config."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) and "num_hidden_layers" in text else config
+
+
+def _layer_kinds(cfg: dict[str, Any], layers: int) -> list[str]:
+    kinds = cfg.get("layer_types")
+    if isinstance(kinds, list) and len(kinds) == layers:
+        return [str(k) for k in kinds]
+    interval = cfg.get("full_attention_interval")
+    if interval:  # Qwen3-Next: every interval-th layer is full attention, the rest linear
+        return [
+            "full_attention" if (i + 1) % int(interval) == 0 else "linear_attention"
+            for i in range(layers)
+        ]
+    return ["full_attention"] * layers
+
+
+def _linear_dims(cfg: dict[str, Any]) -> tuple[int, int, int, int]:
+    """Gated DeltaNet's key heads, value heads, key head dim, value head dim (0 without)."""
+    return (
+        int(cfg.get("linear_num_key_heads") or 0),
+        int(cfg.get("linear_num_value_heads") or 0),
+        int(cfg.get("linear_key_head_dim") or 0),
+        int(cfg.get("linear_value_head_dim") or 0),
+    )
+
+
+def _linear_state_values(cfg: dict[str, Any]) -> int:
+    """Values of one Gated DeltaNet layer's state per sequence: the causal conv's last
+    (kernel - 1) inputs over q, k and v, plus the value heads' key x value matrices."""
+    k_heads, v_heads, k_dim, v_dim = _linear_dims(cfg)
+    kernel = int(cfg.get("linear_conv_kernel_dim") or 0)
+    conv = (2 * k_heads * k_dim + v_heads * v_dim) * max(kernel - 1, 0)
+    return conv + v_heads * k_dim * v_dim
+
+
+def _estimate_parameters(cfg: dict[str, Any], kinds: list[str]) -> int | None:
+    """Parameters of a llama-style decoder from its config (norms and biases left out)."""
+    try:
+        hidden = int(cfg["hidden_size"])
+        vocab = int(cfg["vocab_size"])
+        heads = int(cfg["num_attention_heads"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    inter = int(cfg.get("intermediate_size") or 4 * hidden)
+    experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+    if experts:
+        mlp = experts * 3 * hidden * int(cfg.get("moe_intermediate_size") or inter)
+    else:
+        mlp = 3 * hidden * inter
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    k_heads, v_heads, k_dim, v_dim = _linear_dims(cfg)
+    linear = hidden * (2 * k_heads * k_dim + 2 * v_heads * v_dim) + v_heads * v_dim * hidden
+    total = sum(mlp + (linear if kind == "linear_attention" else attention) for kind in kinds)
+    return total + vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """An HF config from a checkpoint dir or a config.json file."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"{path}: no config.json there")
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: not JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    return config
+
+
+# A safetensors header larger than this is not a header (the format caps it at 100 MB).
+MAX_SAFETENSORS_HEADER = 100 * 10**6
+
+
+def safetensors_parameters(path: str | Path) -> int | None:
+    """Exact parameter count from a checkpoint dir's safetensors headers (None without any)."""
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with file.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > MAX_SAFETENSORS_HEADER:
+                raise ValueError(f"{file}: a header of {size} bytes is not safetensors")
+            header = json.loads(f.read(size))
+        total += sum(
+            math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__"
+        )
+    return total
+
+
+def model_shape(config: dict[str, Any] | str | Path) -> ModelShape:
+    """The shape of an HF config dict, a local checkpoint dir or a config.json (parameters
+    counted exactly when the dir holds safetensors)."""
+    if isinstance(config, dict):
+        return ModelShape.from_hf_config(config)
+    try:
+        shape = ModelShape.from_hf_config(read_hf_config(config))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{config}: the config lacks a shape field ({e})") from e
+    exact = safetensors_parameters(config)
+    if exact is not None:
+        shape = ModelShape(**{**asdict(shape), "num_parameters": exact})
+    return shape
+
+
+# ---------------------------------------------------------------------------- pool capacity
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """One configuration's capacity, per GPU (each rank holds its shard of every block)."""
+
+    weights_format: str
+    kv_format: str
+    tensor_parallel_size: int
+    block_size: int
+    weights_bytes: int  # per GPU
+    kv_bytes: int  # the KV pool per GPU
+    bytes_per_token: int
+    bytes_per_block: int
+    kv_tokens: int  # whole tokens the pool's bytes hold
+    kv_blocks: int
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens in whole blocks: what the engine's pool can actually hand out."""
+        return self.kv_blocks * self.block_size
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def sequences_at(self, context: int) -> int:
+        """Sequences of `context` tokens that fit in the pool at once."""
+        return self.kv_blocks // self.blocks_for(context)
+
+    def holds_one(self, context: int) -> bool:
+        return self.sequences_at(context) >= 1
+
+
+def kv_pool_plan(
+    per_token: int,
+    kv_bytes: int,
+    *,
+    kv_format: ValueFormat,
+    block_size: int = 16,
+    tensor_parallel_size: int = 1,
+    weights_format: str = "",
+    weights_bytes: int = 0,
+) -> CapacityPlan:
+    """The capacity of a KV pool of `kv_bytes` (per GPU) at `per_token` bytes per token."""
+    if block_size < 1:
+        raise ValueError(f"block size must be >= 1, not {block_size}")
+    if per_token < 1:
+        raise ValueError("the model keeps no KV per token (no attention layer)")
+    kv_bytes = max(kv_bytes, 0)
+    return CapacityPlan(
+        weights_format=weights_format,
+        kv_format=str(kv_format),
+        tensor_parallel_size=tensor_parallel_size,
+        block_size=block_size,
+        weights_bytes=weights_bytes,
+        kv_bytes=kv_bytes,
+        bytes_per_token=per_token,
+        bytes_per_block=per_token * block_size,
+        kv_tokens=kv_bytes // per_token,
+        kv_blocks=kv_bytes // (per_token * block_size),
+    )
+
+
+def pool_of_blocks(
+    shape: ModelShape,
+    num_blocks: int,
+    *,
+    kv_format: ValueFormat,
+    block_size: int = 16,
+    tensor_parallel_size: int = 1,
+    weights_format: str = "",
+) -> CapacityPlan:
+    """A pool of a given number of blocks (the engine's --num-gpu-blocks-override)."""
+    per_token = shape.kv_bytes_per_token(kv_format, tensor_parallel_size)
+    return kv_pool_plan(
+        per_token,
+        num_blocks * per_token * block_size,
+        kv_format=kv_format,
+        block_size=block_size,
+        tensor_parallel_size=tensor_parallel_size,
+        weights_format=weights_format or shape.dtype,
+    )
+
+
+def weights_bytes_per_gpu(
+    num_parameters: int, weights_format: ValueFormat, tensor_parallel_size: int = 1
+) -> int:
+    return int(num_parameters * value_bytes(weights_format) / tensor_parallel_size)
+
+
+@dataclass(frozen=True)
+class GpuBudget:
+    """How one replica uses its GPUs: memory per GPU, the share the engine takes, and what
+    besides weights and KV it needs (activations, CUDA graphs, the runtime)."""
+
+    gpu_memory: int  # bytes per GPU
+    gpu_memory_utilization: float = 0.92
+    overhead_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu memory utilization must be in (0, 1]")
+        if self.gpu_memory <= 0 or self.overhead_bytes < 0:
+            raise ValueError("GPU memory must be > 0 and the overhead >= 0")
+
+
+def plan_on_gpu(
+    shape: ModelShape,
+    budget: GpuBudget,
+    *,
+    weights_format: str,
+    kv_format: ValueFormat,
+    tensor_parallel_size: int = 1,
+    block_size: int = 16,
+    num_parameters: int | None = None,
+) -> CapacityPlan:
+    """Capacity of one replica over `tensor_parallel_size` GPUs: memory x utilisation, less
+    this rank's weights and the overhead, goes to the KV pool."""
+    params = num_parameters if num_parameters is not None else shape.num_parameters
+    if params is None:
+        raise ValueError("the parameter count is unknown: give it (--params)")
+    weights = weights_bytes_per_gpu(params, weights_format, tensor_parallel_size)
+    kv = int(budget.gpu_memory * budget.gpu_memory_utilization) - weights - budget.overhead_bytes
+    return kv_pool_plan(
+        shape.kv_bytes_per_token(kv_format, tensor_parallel_size),
+        kv,
+        kv_format=kv_format,
+        block_size=block_size,
+        tensor_parallel_size=tensor_parallel_size,
+        weights_format=weights_format,
+        weights_bytes=weights,
+    )
+
+
+# ---------------------------------------------------------------------------- workloads
+
+
+@dataclass(frozen=True)
+class Workload:
+    """N requests of P prompt + O output tokens whose first S prompt tokens are identical."""
+
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    shared_prefix_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1 or self.prompt_tokens < 1 or self.output_tokens < 0:
+            raise ValueError("a workload needs >= 1 request of >= 1 prompt token")
+        if not 0 <= self.shared_prefix_tokens <= self.prompt_tokens:
+            raise ValueError("the shared prefix must be within the prompt")
+
+
+@dataclass(frozen=True)
+class WorkloadFit:
+    blocks_per_request: int
+    blocks_needed: int  # every request's own blocks
+    fit_at_once: int  # requests that run at once in the pool, nothing shared
+    shared_blocks: int  # full blocks of the shared prefix, held once
+    blocks_per_request_shared: int  # a request's blocks after the shared ones
+    blocks_needed_shared: int
+    fit_at_once_shared: int
+
+
+def fit_workload(workload: Workload, num_blocks: int, block_size: int = 16) -> WorkloadFit:
+    """Blocks a workload needs and how many of its requests a pool of `num_blocks` runs at once,
+    without and with prefix sharing (only full blocks are shared, as the prefix cache does)."""
+    tokens = workload.prompt_tokens + workload.output_tokens
+    per_request = -(-tokens // block_size)
+    shared = workload.shared_prefix_tokens // block_size
+    rest = per_request - shared
+    n = workload.num_requests
+    room = num_blocks - shared
+    # A request wholly inside the shared prefix needs no blocks of its own.
+    at_once_shared = 0 if room < 0 else (room // rest if rest else n)
+    return WorkloadFit(
+        blocks_per_request=per_request,
+        blocks_needed=n * per_request,
+        fit_at_once=min(n, num_blocks // per_request),
+        shared_blocks=shared,
+        blocks_per_request_shared=rest,
+        blocks_needed_shared=shared + n * rest,
+        fit_at_once_shared=min(n, at_once_shared),
+    )
+
+
+# ---------------------------------------------------------------------------- admission
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Whether one replica's pool holds one request of max_model_len, and what would fix it."""
+
+    admitted: bool
+    reason: str  # CapacityOK | NoMaxModelLen | PoolTooSmall
+    message: str
+    kv_tokens: int = 0
+    max_model_len: int | None = None
+
+
+def admit(shape: ModelShape, plan: CapacityPlan, max_model_len: int | None) -> Admission:
+    """Does `plan`'s pool (see plan_on_gpu) hold one request of max_model_len? The message gives
+    the numbers and, when it does not, the knobs that fix it."""
+    pool = (
+        f"the KV pool holds {plan.block_tokens:,} tokens ({plan.kv_bytes / GB:.1f} GB per GPU at "
+        f"{plan.bytes_per_token:,} bytes per token, {plan.kv_format} KV, {plan.weights_format} "
+        f"weights {plan.weights_bytes / GB:.1f} GB per GPU, tensor parallel "
+        f"{plan.tensor_parallel_size})"
+    )
+    if max_model_len is None:
+        native = shape.max_position_embeddings
+        return Admission(
+            False,
+            "NoMaxModelLen",
+            f"no max-model-len is set, so the engine takes the model's native context "
+            f"({native if native is not None else 'unknown'} tokens); {pool}. Set "
+            f"engineArgs.max-model-len to at most {plan.block_tokens:,}",
+            plan.block_tokens,
+        )
+    if plan.holds_one(max_model_len):
+        return Admission(
+            True,
+            "CapacityOK",
+            f"{pool}: {plan.sequences_at(max_model_len)} requests of max-model-len "
+            f"{max_model_len:,} at once",
+            plan.block_tokens,
+            max_model_len,
+        )
+    fixes = []
+    if plan.kv_blocks == 0:
+        # The weights and overhead alone fill the GPU: no context length helps.
+        fixes.append(f"smaller weights than {plan.weights_format} (fp8, int4)")
+    else:
+        fixes.append(f"engineArgs.max-model-len <= {plan.block_tokens:,}")
+    if value_bytes(plan.kv_format) > 1 and plan.kv_blocks:
+        fp8 = kv_pool_plan(
+            shape.kv_bytes_per_token("fp8", plan.tensor_parallel_size),
+            plan.kv_bytes,
+            kv_format="fp8",
+            block_size=plan.block_size,
+        )
+        fixes.append(f"kv-cache-dtype fp8 ({fp8.block_tokens:,} tokens)")
+    fixes.append("more GPUs per replica (tensor-parallel-size and nvidia.com/gpu)")
+    return Admission(
+        False,
+        "PoolTooSmall",
+        f"{pool}: less than one request of max-model-len {max_model_len:,}. Fix: "
+        + "; or ".join(fixes),
+        plan.block_tokens,
+        max_model_len,
+    )
