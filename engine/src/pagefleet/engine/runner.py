@@ -15,6 +15,7 @@ import torch
 from pagefleet.engine.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
+    LayerKV,
     PrefillChunk,
     SingleGroup,
 )
@@ -55,7 +56,9 @@ class ModelRunner:
         backend: AttentionBackend,
         device: torch.device,
         dtype: torch.dtype,
+        kv_scales: list[tuple[float, float]] | None = None,
     ) -> None:
+        """`kv_scales`: per layer (k_scale, v_scale) of an fp8 pool (kv_cache/fp8.py)."""
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -71,7 +74,11 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
-        self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(cfg.num_layers)]
+        self.kv_scales = kv_scales
+        self.kv_caches = [
+            LayerKV(self.kv_pool[i, 0], self.kv_pool[i, 1], kv_scales[i] if kv_scales else None)
+            for i in range(cfg.num_layers)
+        ]
         self.kv_cache_dtype = str(dtype).removeprefix("torch.")
         self.decode_graphs: DecodeGraphs | None = None  # see capture_decode_graphs
 
