@@ -25,6 +25,7 @@ from pagefleet.common.kv_errors import IncompatiblePeer
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.kv_cache.fp8 import (
     FP8_KV_DTYPE,
+    check_fp8_backend,
     dequantize,
     quantize,
     scales_from_entries,
@@ -184,6 +185,18 @@ def test_bad_kv_cache_dtype_values_are_refused():
     for value in ("fp8", "fp8_e4m3"):
         args = parser.parse_args(["serve", "m", "--kv-cache-dtype", value])
         assert engine_args_from(args).kv_cache_dtype == value
+
+
+def test_triton_fp8_is_refused_on_gpus_it_cannot_compile_for():
+    """Triton compiles e4m3 for compute capability 8.9+ only: an A100 (8.0) or A10G (8.6)
+    is refused at start-up with the way out, not at its first step; H100/L4 and the torch
+    backend (and CPU) pass."""
+    for capability in [(8, 0), (8, 6)]:
+        with pytest.raises(ValueError, match=r"capability 8\.9 .*--attention-backend torch"):
+            check_fp8_backend("triton", capability)
+    for backend, capability in [("triton", (8, 9)), ("triton", (9, 0)), ("torch", (8, 0))]:
+        check_fp8_backend(backend, capability)
+    check_fp8_backend("triton", None)  # the interpreter on CPU
 
 
 # ---------------------------------------------------------------- P/D

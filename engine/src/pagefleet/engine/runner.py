@@ -20,6 +20,7 @@ from pagefleet.engine.attention.backend import (
     SingleGroup,
 )
 from pagefleet.engine.cuda_graph import DecodeGraphs
+from pagefleet.engine.kv_cache.fp8 import check_fp8_backend
 from pagefleet.engine.model.transformer import CausalLM
 from pagefleet.engine.outputs import TokenLogprobs
 from pagefleet.engine.request import Request
@@ -60,6 +61,11 @@ class ModelRunner:
     ) -> None:
         """`kv_scales`: per layer (k_scale, v_scale) of an fp8 pool (kv_cache/fp8.py)."""
         cfg = model.config
+        if kv_scales is not None:
+            on_cuda = device.type == "cuda"
+            check_fp8_backend(
+                backend.name, torch.cuda.get_device_capability(device) if on_cuda else None
+            )
         self.model = model
         self.block_size = block_size
         self.backend = backend

@@ -38,6 +38,19 @@ def is_fp8(kv_cache_dtype: str) -> bool:
     return kv_cache_dtype in FP8_KV_CACHE_DTYPES
 
 
+def check_fp8_backend(backend: str, capability: tuple[int, int] | None) -> None:
+    """Refuse, at start-up, an fp8 cache the attention kernels cannot run: Triton compiles
+    e4m3 (its fp8e4nv) only for compute capability 8.9 and up (Ada, Hopper, Blackwell), so an
+    A100 or A10G would fail at its first step. `capability`: the CUDA device's, None on CPU."""
+    if backend == "triton" and capability is not None and capability < (8, 9):
+        major, minor = capability
+        raise ValueError(
+            f"--kv-cache-dtype fp8 on the Triton attention backend needs a GPU of compute "
+            f"capability 8.9 or more (this one is {major}.{minor}): use --attention-backend "
+            "torch, or a 16-bit KV cache"
+        )
+
+
 def is_kv_scale(name: str) -> bool:
     """Whether a checkpoint tensor is a KV-cache scale (the cache's, not a model weight)."""
     return _SCALE_NAME.search(name) is not None
