@@ -70,11 +70,11 @@ def assert_within_bound(agreement: float, delta: float) -> None:
     assert 0 < delta <= MAX_MEAN_ABS_DELTA_LOGPROB, delta  # > 0: the values were quantised
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_fp8_cache_stays_close_to_the_float32_cache(tiny_checkpoints, arch):
+def test_fp8_cache_stays_close_to_the_float32_cache(tiny_checkpoints):
     """300 greedy tokens (3 prompts x 100) on the torch backend; llama has the lowest
-    agreement of the four tiny checkpoints, qwen3 has q/k norms and head_dim 32."""
-    path = tiny_checkpoints[arch]
+    agreement of the four tiny checkpoints (benchmarks/fp8_kv.py and docs/benchmarks.md give
+    all four)."""
+    path = tiny_checkpoints["llama"]
     fp8 = LLM(path, kv_cache_dtype="fp8", **ENGINE)
     assert fp8.engine.runner.kv_pool.dtype == FP8_KV_DTYPE
     assert fp8.engine.runner.kv_cache_dtype == "float8_e4m3fn"
@@ -172,6 +172,16 @@ def test_quantize_saturates_instead_of_making_nan():
     q = quantize(x, 1.0)
     assert not torch.isnan(q.float()).any()
     assert dequantize(q, 2.0, torch.float32).tolist()[:2] == [896.0, -896.0]
+
+
+def test_dequantize_reads_every_finite_e4m3_code_exactly():
+    """The CPU read path moves e4m3 bits into a float16 instead of casting: each of the 254
+    finite codes (NaN, 0x7f and 0xff, is never stored) reads back as torch's cast, scaled."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].view(FP8_KV_DTYPE)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(dequantize(codes, 1.0, dtype), codes.to(dtype))
+    assert torch.equal(dequantize(codes, 0.25, torch.float32), codes.float() * 0.25)
 
 
 def test_bad_kv_cache_dtype_values_are_refused():
