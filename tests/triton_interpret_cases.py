@@ -8,6 +8,7 @@ ids; the assertions stay in the test module.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 from dataclasses import dataclass, field
@@ -19,6 +20,27 @@ def enable_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
+    _round_float8_as_gpus_do()
+
+
+def _round_float8_as_gpus_do() -> None:
+    """Triton's interpreter (3.9, interpreter._convert_float) casts float32 to e4m3 without the
+    carry of a rounded-up mantissa into the exponent (0.49 becomes 0.25 where a GPU's
+    cvt.rn.satfinite gives 0.5: ~0.1% of values), which would test the interpreter, not the
+    kernels. float32 -> e4m3 casts go through torch's round-to-nearest-even instead."""
+    from triton.runtime import interpreter
+
+    interpreter._convert_float = functools.partial(_convert_exactly, interpreter._convert_float)
+
+
+def _convert_exactly(convert, data, input_dtype, output_dtype, rounding_mode):
+    import numpy as np
+    import triton.language as tl
+
+    if input_dtype == tl.float32 and output_dtype == tl.float8e4nv:
+        values = torch.from_numpy(np.ascontiguousarray(data).view(np.float32))
+        return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    return convert(data, input_dtype, output_dtype, rounding_mode)
 
 
 @dataclass(frozen=True)
@@ -35,6 +57,8 @@ class StepSpec:
     prefix_hit: list[int] = field(default_factory=list)
     kv_dtype: torch.dtype = torch.float32
     seed: int = 0
+    # An fp8 pool's (k_scale, v_scale) for the layer (kv_dtype float8_e4m3fn).
+    kv_scale: tuple[float, float] | None = None
 
 
 def _runner(spec: StepSpec):
@@ -113,13 +137,16 @@ def attention_case(spec: StepSpec, num_splits: int | None = None) -> dict[str, t
     v = torch.randn(rows, spec.num_kv_heads, spec.head_dim, generator=gen)
     # New keys/values exactly representable in the pool's dtype: the interpreter rounds
     # float32 -> bfloat16 toward zero where GPUs (and torch) round to nearest even.
-    k, v = k.to(spec.kv_dtype).float(), v.to(spec.kv_dtype).float()
+    if spec.kv_scale is None:
+        k, v = k.to(spec.kv_dtype).float(), v.to(spec.kv_dtype).float()
     pool = torch.randn(runner.kv_pool.shape, generator=gen).to(spec.kv_dtype)
     ref_pool, ours_pool = pool.clone(), pool.clone()
     scale = spec.head_dim**-0.5
-    ref = TorchAttentionBackend().forward(q, k, v, ref_pool[0, 0], ref_pool[0, 1], meta, scale)
+    ref = TorchAttentionBackend().forward(
+        q, k, v, ref_pool[0, 0], ref_pool[0, 1], meta, scale, spec.kv_scale
+    )
     backend = TritonAttentionBackend(num_sms=1, num_splits=num_splits)
-    ours = backend.forward(q, k, v, ours_pool[0, 0], ours_pool[0, 1], meta, scale)
+    ours = backend.forward(q, k, v, ours_pool[0, 0], ours_pool[0, 1], meta, scale, spec.kv_scale)
     return {"ours": ours, "ref": ref, "ours_pool": ours_pool, "ref_pool": ref_pool}
 
 
@@ -149,3 +176,27 @@ def greedy_case(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs], sum(served)
+
+
+def fp8_agreement_case(
+    path: str, prompts: int, tokens: int, static_decode: bool = False, **engine_args
+) -> tuple[float, float, str, bool]:
+    """(top-1 agreement, mean |delta logprob|, pool dtype, whether the static decode path
+    served steps) of an fp8 engine on the Triton
+    backend against a float32 cache on the torch backend (test_fp8_kv_cache.fp8_agreement);
+    static_decode: decode steps through the CUDA-graph path's static buffers, run eagerly."""
+    from test_fp8_kv_cache import fp8_agreement
+
+    from pagefleet.engine import LLM
+
+    fp8 = LLM(path, attention_backend="triton", kv_cache_dtype="fp8", **engine_args)
+    runner = fp8.engine.runner
+    if static_decode:
+        runner.capture_decode_graphs(
+            engine_args["max_num_seqs"], engine_args["max_model_len"], use_graphs=False
+        )
+    reference = LLM(path, attention_backend="torch", **engine_args)
+    agreement, delta = fp8_agreement(fp8, reference, prompts, tokens)
+    # The static buffers keep the last decode they served (zeros if they served none).
+    static_served = static_decode and bool(runner.decode_graphs.buffers.seq_lens.any())
+    return agreement, delta, str(runner.kv_pool.dtype), static_served

@@ -22,6 +22,12 @@ def _require(ok: bool, name: str, value: object, rule: str) -> None:
         raise ValueError(f"{name}={value!r} is invalid ({_flag(name)}): {rule}")
 
 
+# --kv-cache-dtype: auto = the model's dtype; fp8 = e4m3 with per-layer scales (fp8_e4m3 is
+# vLLM's other name for it; e5m2 is not stored). See kv_cache/fp8.py.
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", *FP8_KV_CACHE_DTYPES, "float32", "bfloat16", "float16")
+
+
 @dataclass
 class EngineArgs:
     """Engine arguments, named as vLLM's (`LLM(model=..., **engine_args)`)."""
@@ -60,6 +66,12 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "must be > 0")
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            self.kv_cache_dtype,
+            f"must be one of {', '.join(KV_CACHE_DTYPES)} (fp8 is e4m3; e5m2 is not supported)",
+        )
         _require(
             self.attention_backend in ("auto", "torch", "triton"),
             "attention_backend",

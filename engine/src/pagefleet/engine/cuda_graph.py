@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pagefleet.engine.attention.backend import AttentionBackend, AttentionMetadata, PagedBatch
+from pagefleet.engine.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerKV,
+    PagedBatch,
+)
 
 logger = logging.getLogger("pagefleet.engine")
 
@@ -100,7 +105,7 @@ class DecodeGraphs:
         self,
         model: torch.nn.Module,
         backend: AttentionBackend,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKV],
         max_num_seqs: int,
         max_model_len: int,
         block_size: int,

@@ -33,7 +33,12 @@ from pagefleet.engine.client import (
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.detokenizer import Detokenizer
 from pagefleet.engine.kv_sizing import kv_pool_blocks, kv_pool_plan_of
-from pagefleet.engine.model.loader import load_model, read_config, resolve_dtype
+from pagefleet.engine.model.loader import (
+    kv_cache_format,
+    load_model,
+    read_config,
+    resolve_dtype,
+)
 from pagefleet.engine.model.transformer import ModelConfig
 from pagefleet.engine.outputs import (
     CompletionOutput,
@@ -225,10 +230,12 @@ class LLMEngine:
         model = load_model(args.model, self.dtype, self.device, self.max_model_len)
         self._log_weights(model, start)
         self.model_config = model.config
-        kv_dtype = self._kv_dtype()
+        kv_dtype, kv_scales = self._kv_format()
         num_blocks = self._size_kv_pool(model, kv_dtype)
         backend = select_backend(args.attention_backend, self.device)
-        runner = ModelRunner(model, args.block_size, num_blocks, backend, self.device, kv_dtype)
+        runner = ModelRunner(
+            model, args.block_size, num_blocks, backend, self.device, kv_dtype, kv_scales
+        )
         if self.device.type == "cuda" and not args.enforce_eager:
             runner.capture_decode_graphs(args.max_num_seqs, self.max_model_len)
         return runner, num_blocks
@@ -267,11 +274,11 @@ class LLMEngine:
             model = tp_runner.load_shard(job, group)
             self._log_weights(model, start)
             self.model_config = model.config
-            kv_dtype = self._kv_dtype()
+            kv_dtype, kv_scales = self._kv_format()
             num_blocks = self._size_kv_pool(model, kv_dtype, group)
             backend = select_backend(args.attention_backend, self.device)
             runner = tp_runner.ParallelModelRunner(
-                model, args.block_size, num_blocks, backend, kv_dtype, group, executor
+                model, args.block_size, num_blocks, backend, kv_dtype, group, executor, kv_scales
             )
         except BaseException:
             self._stop_supervision()
@@ -304,9 +311,20 @@ class LLMEngine:
             self._supervision.stop()
             self._supervision = None
 
-    def _kv_dtype(self) -> torch.dtype:
-        kv = self.args.kv_cache_dtype
-        return self.dtype if kv == "auto" else resolve_dtype(kv, self.device)
+    def _kv_format(self) -> tuple[torch.dtype, list[tuple[float, float]] | None]:
+        """The pool's dtype, and an fp8 pool's per-layer scales (logged: they change values)."""
+        kv_dtype, scales = kv_cache_format(
+            self.args.kv_cache_dtype, self.dtype, self.device, self.args.model
+        )
+        if scales is not None:
+            calibrated = sum(s != (1.0, 1.0) for s in scales)
+            logger.info(
+                "KV cache dtype fp8 (e4m3): %d of %d layers have calibrated k/v scales from "
+                "the checkpoint, the others 1.0",
+                calibrated,
+                len(scales),
+            )
+        return kv_dtype, scales
 
     def _log_weights(self, model, start: float) -> None:
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

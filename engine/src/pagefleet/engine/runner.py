@@ -16,10 +16,12 @@ from pagefleet.common import capacity
 from pagefleet.engine.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
+    LayerKV,
     PrefillChunk,
     SingleGroup,
 )
 from pagefleet.engine.cuda_graph import DecodeGraphs
+from pagefleet.engine.kv_cache.fp8 import check_fp8_backend
 from pagefleet.engine.model.transformer import CausalLM
 from pagefleet.engine.outputs import TokenLogprobs
 from pagefleet.engine.request import Request
@@ -68,8 +70,15 @@ class ModelRunner:
         backend: AttentionBackend,
         device: torch.device,
         dtype: torch.dtype,
+        kv_scales: list[tuple[float, float]] | None = None,
     ) -> None:
+        """`kv_scales`: per layer (k_scale, v_scale) of an fp8 pool (kv_cache/fp8.py)."""
         cfg = model.config
+        if kv_scales is not None:
+            on_cuda = device.type == "cuda"
+            check_fp8_backend(
+                backend.name, torch.cuda.get_device_capability(device) if on_cuda else None
+            )
         self.model = model
         self.block_size = block_size
         self.backend = backend
@@ -84,7 +93,11 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
-        self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(cfg.num_layers)]
+        self.kv_scales = kv_scales
+        self.kv_caches = [
+            LayerKV(self.kv_pool[i, 0], self.kv_pool[i, 1], kv_scales[i] if kv_scales else None)
+            for i in range(cfg.num_layers)
+        ]
         self.kv_cache_dtype = str(dtype).removeprefix("torch.")
         self.decode_graphs: DecodeGraphs | None = None  # see capture_decode_graphs
 

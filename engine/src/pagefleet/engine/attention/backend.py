@@ -9,7 +9,7 @@ they do these two things (torch reference on CPU, Triton on GPU).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -68,6 +68,15 @@ class KVCache(Protocol):
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class LayerKV(NamedTuple):
+    """One layer's views of the pool, and its (k_scale, v_scale) when the pool is fp8 (values
+    are stored divided by the scale; None: stored as they are)."""
+
+    k_cache: torch.Tensor  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_cache: torch.Tensor
+    scales: tuple[float, float] | None = None
+
+
 class AttentionBackend(Protocol):
     name: str
 
@@ -80,6 +89,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: tuple[float, float] | None = None,  # an fp8 cache's (k_scale, v_scale)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
 

@@ -52,11 +52,12 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: tuple[float, float] | None = None,
     ) -> torch.Tensor:
         num_kv_heads = k_cache.shape[0]
         group = q.shape[1] // num_kv_heads
         batch = meta.paged if meta.paged is not None else self._flat(meta, group, q.shape[2])
-        reshape_and_cache(k, v, k_cache, v_cache, batch.slots)
+        reshape_and_cache(k, v, k_cache, v_cache, batch.slots, kv_scale)
         tiles = tile_config(group, q.shape[2], batch.max_query_len)
         splits = self.num_splits or choose_num_splits(
             batch.work_seq.shape[0] * num_kv_heads, batch.max_context, self.num_sms
@@ -73,6 +74,7 @@ class TritonAttentionBackend:
             tiles,
             splits,
             scale,
+            kv_scale=kv_scale,
         )
 
     def _flat(self, meta: AttentionMetadata, group: int, head_dim: int) -> PagedBatch:

@@ -8,6 +8,10 @@ query_start[s]:query_start[s+1] and attends to its first seq_lens[s] cached toke
 kernel takes BLOCK_Q query rows of one sequence for all query heads of one KV head (GQA), so a
 KV tile is read once for its GROUP query heads. Split-KV (flash-decoding) adds a grid axis over
 the context and a small reduction kernel; it pays when few programs would leave SMs idle.
+
+An fp8 (e4m3) cache is stored as x / scale clamped to +-448 (the layer's k_scale or v_scale)
+and read back as its value x scale: the key scale folds into the softmax scale and the value
+scale into the output, so the inner loop only converts the loaded tiles.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # the largest e4m3fn value
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,8 @@ def _reshape_and_cache_kernel(
     key_cache,
     value_cache,
     slot_mapping,
+    k_scale,
+    v_scale,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -74,6 +82,7 @@ def _reshape_and_cache_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
+    QUANTIZE: tl.constexpr,
 ):
     row = tl.program_id(0)
     slot = tl.load(slot_mapping + row).to(tl.int64)
@@ -84,6 +93,9 @@ def _reshape_and_cache_kernel(
         dest = heads * stride_ch + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct + dims
         k = tl.load(key + row * stride_kt + heads * stride_kh + dims, mask=mask)
         v = tl.load(value + row * stride_vt + heads * stride_vh + dims, mask=mask)
+        if QUANTIZE:  # fp8: saturate, since e4m3fn turns out-of-range values into NaN
+            k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
+            v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
         tl.store(key_cache + dest, k.to(key_cache.dtype.element_ty), mask=mask)
         tl.store(value_cache + dest, v.to(value_cache.dtype.element_ty), mask=mask)
 
@@ -94,8 +106,10 @@ def reshape_and_cache(
     key_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip the row
+    kv_scale: tuple[float, float] | None = None,  # an fp8 cache's (k_scale, v_scale)
 ) -> None:
-    """Write each row's keys and values into its pool slot (block * block_size + offset)."""
+    """Write each row's keys and values into its pool slot (block * block_size + offset),
+    quantised with the layer's scales for an fp8 cache."""
     num_rows, num_kv_heads, head_dim = key.shape
     if num_rows == 0:
         return
@@ -107,6 +121,7 @@ def reshape_and_cache(
         key_cache,
         value_cache,
         slot_mapping,
+        *(kv_scale or (1.0, 1.0)),
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -119,6 +134,7 @@ def reshape_and_cache(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE=key_cache.shape[2],
+        QUANTIZE=kv_scale is not None,
     )
 
 
@@ -136,6 +152,7 @@ def _paged_attention_kernel(
     work_seq,
     work_q,
     scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -222,7 +239,7 @@ def _paged_attention_kernel(
         )
         m_i = m_new
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale  # x 1.0 is exact
     out_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
         dest = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -277,6 +294,7 @@ def paged_attention(
     num_splits: int,
     scale: float,
     out: torch.Tensor | None = None,
+    kv_scale: tuple[float, float] | None = None,  # an fp8 cache's (k_scale, v_scale)
 ) -> torch.Tensor:
     """Attention of every query row over its sequence's paged keys and values."""
     num_tokens, num_heads, head_dim = q.shape
@@ -312,7 +330,9 @@ def paged_attention(
         query_start,
         work_seq,
         work_q,
-        scale,
+        # Stored keys are k / k_scale: q . k = (q . stored) x k_scale; likewise for values.
+        scale * (kv_scale[0] if kv_scale else 1.0),
+        kv_scale[1] if kv_scale else 1.0,
         q.stride(0),
         q.stride(1),
         out.stride(0),

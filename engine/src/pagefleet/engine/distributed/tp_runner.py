@@ -40,7 +40,12 @@ from pagefleet.engine.distributed.step_codec import (
     stop_head,
 )
 from pagefleet.engine.kv_sizing import kv_pool_blocks
-from pagefleet.engine.model.loader import load_model, read_config, resolve_dtype
+from pagefleet.engine.model.loader import (
+    kv_cache_format,
+    load_model,
+    read_config,
+    resolve_dtype,
+)
 from pagefleet.engine.model.parallel import TPLayout
 from pagefleet.engine.model.transformer import CausalLM, ModelConfig, TPParts
 from pagefleet.engine.outputs import TokenLogprobs
@@ -60,9 +65,10 @@ class ShardJob:
     max_model_len: int
     device_type: str  # cpu or cuda
 
-    def kv_dtype(self, device: torch.device) -> torch.dtype:
-        kv = self.args.kv_cache_dtype
-        return resolve_dtype(self.args.dtype if kv == "auto" else kv, device)
+    def kv_format(self, device: torch.device) -> tuple[torch.dtype, list | None]:
+        """The pool's dtype and fp8 scales, as rank 0's (loader.kv_cache_format)."""
+        dtype = resolve_dtype(self.args.dtype, device)
+        return kv_cache_format(self.args.kv_cache_dtype, dtype, device, self.args.model)
 
 
 def rank_spec(job: ShardJob, master_addr: str, master_port: int) -> RankSpec:
@@ -136,8 +142,9 @@ class ParallelModelRunner(ModelRunner):
         kv_dtype: torch.dtype,
         group: RankGroup,
         executor: Executor,
+        kv_scales: list[tuple[float, float]] | None = None,
     ) -> None:
-        super().__init__(model, block_size, num_blocks, backend, group.device, kv_dtype)
+        super().__init__(model, block_size, num_blocks, backend, group.device, kv_dtype, kv_scales)
         self.group = group
         self.executor = executor
         self.closed = False
@@ -217,10 +224,12 @@ def build_worker(job: ShardJob, group: RankGroup) -> ModelRunner:
     """A worker rank's shard and pool, sized together with the other ranks."""
     start = time.perf_counter()
     model = load_shard(job, group)
-    kv_dtype = job.kv_dtype(group.device)
+    kv_dtype, kv_scales = job.kv_format(group.device)
     blocks = kv_pool_blocks(job.args, model, kv_dtype, group.device, job.max_model_len, group)
     backend = select_backend(job.args.attention_backend, group.device)
-    runner = ModelRunner(model, job.args.block_size, blocks, backend, group.device, kv_dtype)
+    runner = ModelRunner(
+        model, job.args.block_size, blocks, backend, group.device, kv_dtype, kv_scales
+    )
     logger.info(
         "rank %d: shard loaded in %.2f s, KV pool of %d blocks",
         group.rank,

@@ -80,6 +80,14 @@ def _mismatch(name: str, mine, theirs, roles: tuple[str, str] | None) -> str:
             f"heterogeneous TP is not supported: {sizes} (both need the same "
             "--tensor-parallel-size)"
         )
+    if name == "kv_dtype":
+        # Blocks are moved as bytes: fp8 bytes read as bfloat16 (or back) would be garbage.
+        dtypes = (
+            f"the {roles[0]} engine's KV cache is {mine}, the {roles[1]} engine's {theirs}"
+            if roles
+            else f"KV cache {mine} here, {theirs} on the peer"
+        )
+        return f"kv_dtype differs: {dtypes} (both need the same --kv-cache-dtype)"
     return f"{name} differs: {mine!r} here, {theirs!r} on the peer"
 
 

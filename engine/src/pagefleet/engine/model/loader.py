@@ -12,6 +12,13 @@ from pathlib import Path
 
 import torch
 
+from pagefleet.engine.kv_cache.fp8 import (
+    FP8_KV_DTYPE,
+    LayerScales,
+    is_fp8,
+    is_kv_scale,
+    read_kv_scales,
+)
 from pagefleet.engine.model.parallel import TPLayout
 from pagefleet.engine.model.rope import RotaryEmbedding
 from pagefleet.engine.model.transformer import CausalLM, ModelConfig, TPParts
@@ -38,6 +45,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported (--dtype): auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def kv_cache_format(
+    kv_cache_dtype: str, dtype: torch.dtype, device: torch.device, path: str | Path
+) -> tuple[torch.dtype, list[LayerScales] | None]:
+    """The KV pool's dtype for --kv-cache-dtype (auto: the model's `dtype`) and, for fp8, the
+    per-layer (k_scale, v_scale): the checkpoint's calibrated ones, 1.0 where it has none. Every
+    tensor-parallel rank reads the same scales (they are per layer, not per head)."""
+    if is_fp8(kv_cache_dtype):
+        num_layers = ModelConfig.from_hf(read_config(path)).num_layers
+        return FP8_KV_DTYPE, read_kv_scales(weight_files(Path(path)), num_layers)
+    return (dtype if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype, device)), None
 
 
 def read_config(path: str | Path) -> dict:
@@ -121,8 +140,8 @@ def load_model(
 
 
 def _target(name: str) -> tuple[str | None, int | None]:
-    if name.endswith("rotary_emb.inv_freq"):
-        return None, None
+    if name.endswith("rotary_emb.inv_freq") or is_kv_scale(name):
+        return None, None  # KV scales belong to the cache (kv_cache_format), not the weights
     name = name.removeprefix("model.")
     for hf, (ours, part) in _FUSED.items():
         if f".{hf}." in name:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagefleet.engine.attention.backend import AttentionBackend, AttentionMetadata
+from pagefleet.engine.attention.backend import AttentionBackend, AttentionMetadata, LayerKV
 from pagefleet.engine.model.parallel import (
     Collectives,
     ParallelLMHead,
@@ -139,8 +139,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
-        k_cache, v_cache = kv_caches[self.layer_index]
-        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        cache = kv_caches[self.layer_index]  # a LayerKV (attention/backend.py)
+        out = backend.forward(q, k, v, cache.k_cache, cache.v_cache, meta, self.scale, cache.scales)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -196,7 +196,7 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         backend: AttentionBackend,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKV],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
