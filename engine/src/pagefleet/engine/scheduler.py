@@ -273,9 +273,7 @@ class Scheduler:
                 load = kv.start_tier_load(req, hits, host)
                 if load is None:
                     break
-                waiting.popleft()
-                req.status = RequestStatus.WAITING_FOR_TIER_LOAD
-                self.tier_loading[req.request_id] = req
+                self._park(req, RequestStatus.WAITING_FOR_TIER_LOAD, self.tier_loading)
                 out.tier_loads.append(load)
                 continue
             remaining = req.num_tokens - kv.num_computed_after_hit(req, hits)
@@ -283,9 +281,7 @@ class Scheduler:
                 # Blocks for the whole prompt now, no compute: the KV comes over the wire.
                 if not kv.allocate_slots(req, remaining, hits):
                     break
-                waiting.popleft()
-                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                self.loading[req.request_id] = req
+                self._park(req, RequestStatus.WAITING_FOR_REMOTE_KVS, self.loading)
                 out.kv_loads.append(req)
                 continue
             n = min(remaining, budget, chunk_cap)
@@ -303,6 +299,13 @@ class Scheduler:
             out.scheduled.append((req, n))
             budget -= n
         return budget
+
+    def _park(self, req: Request, status: RequestStatus, parked: dict[str, Request]) -> None:
+        """Admit the head of the queue with its blocks, computing nothing until its KV
+        arrives (pulled from a prefill pod, or copied back from the offload tier)."""
+        self.waiting.popleft()
+        req.status = status
+        parked[req.request_id] = req
 
     def _num_admitted(self) -> int:
         return len(self.running) + len(self.loading) + len(self.tier_loading)
