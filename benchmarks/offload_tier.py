@@ -3,7 +3,8 @@
 Conversations take turns round-robin (a few in flight at once); each turn resends the whole
 history plus a new user message, so by the time a conversation returns, the others have pushed
 its blocks out of the device pool. Three engines run the same trace in one process, on the
-57M-parameter checkpoint of offline_throughput.py (float32, CPU):
+57M-parameter checkpoint of offline_throughput.py (float32, CPU), their batches interleaved
+(one batch of each engine in turn) so that a shared machine's load falls on all three alike:
   none:      the device pool alone (evicted history is recomputed);
   tier:      the same pool plus --kv-offloading-size holding the whole working set;
   infinite:  a device pool holding everything (the floor).
@@ -23,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,19 +67,21 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run_trace(name: str, llm: LLM, args: argparse.Namespace) -> Result:
+def run_trace(result: Result, llm: LLM, args: argparse.Namespace) -> Iterator[None]:
+    """The trace on one engine, yielding after each batch of conversations so that the
+    engines' batches can interleave (a shared machine's load then hits all of them alike)."""
     rng = random.Random(args.seed)
     engine = llm.engine
-    result = Result(name, device_blocks=engine.scheduler.kv_cache.num_blocks)
+    result.device_blocks = engine.scheduler.kv_cache.num_blocks
     engine.subscribe(result)
     conversations = [
         Conversation([rng.randrange(10, 32000) for _ in range(args.system_tokens)])
         for _ in range(args.conversations)
     ]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
-    start = time.perf_counter()
     for turn in range(args.turns):
         for first in range(0, len(conversations), args.concurrency):
+            start = time.perf_counter()
             batch = conversations[first : first + args.concurrency]
             ids = {}
             for conv in batch:
@@ -92,11 +96,19 @@ def run_trace(name: str, llm: LLM, args: argparse.Namespace) -> Result:
                     if turn > 0:
                         m = out.metrics
                         result.returning_ttft.append(m.first_token_time - m.arrival_time)
-    result.wall_s = time.perf_counter() - start
+            result.wall_s += time.perf_counter() - start
+            yield
     tier = engine.scheduler.kv_cache.host_tier
     if tier is not None:
         result.tier = {**vars(tier.stats), "bytes_moved": engine.tier_copier.bytes_moved}
-    return result
+
+
+def run_interleaved(traces: list[Iterator[None]]) -> None:
+    """One batch of each trace in turn until all are done."""
+    while traces:
+        for trace in list(traces):
+            if next(trace, StopIteration) is StopIteration:
+                traces.remove(trace)
 
 
 def time_block_copies(llm: LLM, num_blocks: int) -> dict[str, float]:
@@ -122,7 +134,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--conversations", type=int, default=12)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=3)
     parser.add_argument("--system-tokens", type=int, default=192)
     parser.add_argument("--user-tokens", type=int, default=48)
     parser.add_argument("--output-tokens", type=int, default=16)
@@ -146,13 +158,13 @@ def main() -> None:
             "infinite": dict(num_gpu_blocks_override=4 * working_set),
         }
         warm_up = argparse.Namespace(**{**vars(args), "turns": 1, "conversations": 4})
-        run_trace("warm-up", LLM(path, **common, **engines["infinite"]), warm_up)
-        results = {}
-        for name, extra in engines.items():
-            llm = LLM(path, **common, **extra)
-            results[name] = run_trace(name, llm, args)
-            if name == "tier":
-                copy_ms = time_block_copies(llm, -(-final_tokens // BLOCK))
+        run_interleaved(
+            [run_trace(Result("warm-up"), LLM(path, **common, **engines["infinite"]), warm_up)]
+        )
+        results = {name: Result(name) for name in engines}
+        llms = {name: LLM(path, **common, **extra) for name, extra in engines.items()}
+        run_interleaved([run_trace(results[n], llms[n], args) for n in engines])
+        copy_ms = time_block_copies(llms["tier"], -(-final_tokens // BLOCK))
     none, tier, inf = results["none"], results["tier"], results["infinite"]
     removed = 1 - (tier.prompt_tokens_computed - inf.prompt_tokens_computed) / max(
         none.prompt_tokens_computed - inf.prompt_tokens_computed, 1

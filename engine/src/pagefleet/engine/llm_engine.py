@@ -195,7 +195,7 @@ class LLMEngine:
         from pagefleet.engine.kv_cache.tier_copier import TierCopier
 
         pool = self.runner.kv_pool
-        per_block = pool[:, :, :, 0].numel() * pool.element_size()
+        per_block = kv_bytes_per_block(self.runner.model, self.args.block_size, pool.dtype)
         num_slots = int(size * GiB) // per_block
         if num_slots < 1:
             raise ValueError(
