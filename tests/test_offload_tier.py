@@ -116,6 +116,21 @@ def test_batches_mixing_loads_stores_and_preemption_stay_greedy_equal(tiny_check
     _assert_all_released(llm)
 
 
+def test_preempted_requests_resume_through_the_tier_and_stay_greedy_equal(tiny_checkpoints):
+    """Four requests that outgrow the pool while decoding: the preempted ones' blocks are
+    evicted into the tier and loaded back when they resume; output is still HF's."""
+    path = tiny_checkpoints["llama"]
+    llm = LLM(path, kv_offloading_size=TIER_GIB, **ENGINE)
+    prompts = _prompts(4, 80, seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_greedy_equal(path, prompt, out.outputs[0].token_ids, 64)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.kv_cache.host_tier.stats.loads > 0
+    _assert_all_released(llm)
+
+
 def test_a_load_runs_while_other_requests_keep_stepping(tiny_checkpoints):
     """Catches a load on the step's critical path: with the copy held back, another request
     keeps decoding while the returning one waits; once the copy lands it joins the batch and

@@ -73,14 +73,15 @@ class TierCopier:
         return [f.load for f in landed]
 
     def wait(self, timeout: float) -> None:
-        """Block until the oldest load lands or `timeout` passes (nothing else to run)."""
+        """Block until every load in flight landed or `timeout` passes: called when the step
+        had nothing else to run, so the requests join the next step together."""
         if not self.in_flight:
             return
-        done = self.in_flight[0].done
-        if isinstance(done, concurrent.futures.Future):
-            concurrent.futures.wait([done], timeout)
+        last = self.in_flight[-1].done
+        if isinstance(last, concurrent.futures.Future):
+            concurrent.futures.wait([f.done for f in self.in_flight], timeout)
         else:
-            done.synchronize()
+            last.synchronize()  # one stream: the last event fires after every earlier copy
 
     def close(self) -> None:
         if self._worker is not None:
