@@ -121,11 +121,11 @@ def test_preempted_requests_resume_through_the_tier_and_stay_greedy_equal(tiny_c
     evicted into the tier and loaded back when they resume; output is still HF's."""
     path = tiny_checkpoints["llama"]
     llm = LLM(path, kv_offloading_size=TIER_GIB, **ENGINE)
-    prompts = _prompts(4, 80, seed=8)
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    prompts = _prompts(4, 88, seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
-        assert_greedy_equal(path, prompt, out.outputs[0].token_ids, 64)
+        assert_greedy_equal(path, prompt, out.outputs[0].token_ids, 24)
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.scheduler.kv_cache.host_tier.stats.loads > 0
     _assert_all_released(llm)

@@ -33,7 +33,9 @@ class TierStats:
     stored_blocks: int = 0
     loaded_blocks: int = 0
     evicted_blocks: int = 0
-    queried_blocks: int = 0  # blocks looked up here after a device miss
+    # Blocks looked up here after a device miss, and found: once per request, not again when
+    # a preempted request resumes (loaded_blocks counts every copy).
+    queried_blocks: int = 0
     hit_blocks: int = 0
     loads: int = 0  # requests whose prefix came back from here
 

@@ -94,8 +94,8 @@ class KVCacheManager:
         request.num_cached_blocks = len(hits)  # the loaded ones are cached once they landed
         request.num_cached_tokens = (len(hits) + len(host_hashes)) * bs
         request.num_computed_tokens = len(hits) * bs
-        tier.count_lookup(len(request.block_hashes) - len(hits), len(host_hashes))
         self._count_query(request, len(hits) * bs)
+        self._count_tier_lookup(request, len(hits), len(host_hashes))
         return TierLoad(request.request_id, list(zip(slots, new_blocks, strict=True)))
 
     def finish_tier_load(self, request: Request) -> None:
@@ -131,7 +131,7 @@ class KVCacheManager:
             table.extend(self.pool.allocate(num_new_blocks))
             if hits is not None:  # admission without a hit still counts as a query
                 self._count_query(request, 0)
-                self._count_tier_miss(request, 0)
+                self._count_tier_lookup(request, 0, 0)
             return True
 
         assert not table, "prefix hits are only taken by a request without blocks"
@@ -147,13 +147,14 @@ class KVCacheManager:
         request.num_cached_tokens = len(hits) * bs
         request.num_computed_tokens = num_computed
         self._count_query(request, request.num_cached_tokens)
-        self._count_tier_miss(request, len(hits))
+        self._count_tier_lookup(request, len(hits), 0)
         return True
 
-    def _count_tier_miss(self, request: Request, num_device_hits: int) -> None:
-        """An admission past the device hits that found nothing in the tier."""
-        if self.host_tier is not None:
-            self.host_tier.count_lookup(len(request.block_hashes) - num_device_hits, 0)
+    def _count_tier_lookup(self, request: Request, num_device_hits: int, num_hits: int) -> None:
+        """The tier looked up past the device hits; counted once per request, as
+        `_count_query` (a resumption after preemption says nothing about sharing)."""
+        if self.host_tier is not None and request.num_preemptions == 0:
+            self.host_tier.count_lookup(len(request.block_hashes) - num_device_hits, num_hits)
 
     def _count_query(self, request: Request, num_hit_tokens: int) -> None:
         # Counted once per request: a resumption after preemption re-finds its own blocks,
