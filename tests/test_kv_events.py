@@ -43,7 +43,10 @@ def test_batches_round_trip_and_vllm_payloads_decode():
     )
     ts, decoded = decode_batch(vllm)
     assert ts == 1.0
-    assert decoded == [BlockStored([7, 8], 6, [1, 2], 1), BlockRemoved([7])]
+    assert decoded == [BlockStored([7, 8], 6, [1, 2], 1, "GPU"), BlockRemoved([7], "GPU")]
+    # The offload tier's events carry their medium both ways.
+    tier = [BlockStored([b"h"], None, [], 16, "CPU"), BlockRemoved([b"h"], "CPU")]
+    assert decode_batch(encode_batch(2.0, tier)) == (2.0, tier)
 
 
 def test_kv_events_config_is_validated():

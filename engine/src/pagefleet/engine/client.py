@@ -53,6 +53,21 @@ class KVTransferStats:
 
 
 @dataclass(frozen=True)
+class KVOffloadStats:
+    """Cumulative work of the CPU offload tier (blocks and bytes), and the blocks it holds."""
+
+    held_blocks: int
+    queried_blocks: int  # looked up in the tier after a device-pool miss
+    hit_blocks: int
+    loaded_blocks: int  # copied host -> device
+    stored_blocks: int  # copied device -> host
+    evicted_blocks: int  # dropped from the tier to make room
+    loads: int  # requests whose prefix came back from the tier
+    bytes: int  # copied both ways
+    block_size: int
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's live state, read at scrape time (ints and lengths read
     off the engine thread's objects: each is exact, together they are near-simultaneous)."""
@@ -66,6 +81,7 @@ class EngineStats:
     num_preemptions: int
     num_held_blocks: int  # blocks a prefill engine holds for decode engines
     kv_transfer: KVTransferStats | None  # None without --kv-transfer-config
+    kv_offload: KVOffloadStats | None = None  # None without --kv-offloading-size
 
 
 @dataclass(frozen=True)

@@ -63,9 +63,13 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     # None: mp while the ranks fit on this node's devices, ray when they do not.
     distributed_executor_backend: str | None = None
+    # CPU offload tier: GiB of host memory for blocks evicted from the device pool (0: none).
+    kv_offloading_size: float = 0.0
+    kv_offloading_backend: str = "native"
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "must be > 0")
+        self._check_offloading()
         _require(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             "kv_cache_dtype",
@@ -104,6 +108,46 @@ class EngineArgs:
                 "must be >= 1",
             )
 
+    def _check_offloading(self) -> None:
+        _require(
+            self.kv_offloading_size >= 0,
+            "kv_offloading_size",
+            self.kv_offloading_size,
+            "must be >= 0 (GiB of host memory)",
+        )
+        _require(
+            self.kv_offloading_backend != "lmcache",
+            "kv_offloading_backend",
+            self.kv_offloading_backend,
+            "lmcache is not built into pagefleet; use native",
+        )
+        _require(
+            self.kv_offloading_backend == "native",
+            "kv_offloading_backend",
+            self.kv_offloading_backend,
+            "must be native",
+        )
+        if self.kv_offloading_size:
+            _require(
+                self.tensor_parallel_size == 1,
+                "kv_offloading_size",
+                self.kv_offloading_size,
+                "the CPU offload tier does not run under tensor parallelism yet "
+                "(--tensor-parallel-size 1, or no --kv-offloading-size)",
+            )
+            _require(
+                self.enable_prefix_caching,
+                "kv_offloading_size",
+                self.kv_offloading_size,
+                "the CPU offload tier keeps prefix-cached blocks: it needs prefix caching",
+            )
+            _require(
+                self.simulate is None,
+                "kv_offloading_size",
+                self.kv_offloading_size,
+                "the CPU offload tier needs real weights (not --simulate)",
+            )
+
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's limits, with max_model_len resolved against the checkpoint."""
         return SchedulerConfig(
@@ -115,9 +159,12 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
 
-    def cache_config(self, num_gpu_blocks: int) -> CacheConfig:
-        """The cache's shape, with the pool's size as measured (or overridden)."""
-        return CacheConfig(self.block_size, num_gpu_blocks, self.enable_prefix_caching)
+    def cache_config(self, num_gpu_blocks: int, num_host_blocks: int = 0) -> CacheConfig:
+        """The cache's shape, with the pool's size as measured (or overridden) and the offload
+        tier's in blocks."""
+        return CacheConfig(
+            self.block_size, num_gpu_blocks, self.enable_prefix_caching, num_host_blocks
+        )
 
 
 @dataclass(frozen=True)
@@ -125,6 +172,7 @@ class CacheConfig:
     block_size: int = EngineArgs.block_size
     num_gpu_blocks: int = 0  # the pool's size; sized from memory by the runner when 0
     enable_prefix_caching: bool = EngineArgs.enable_prefix_caching
+    num_host_blocks: int = 0  # the CPU offload tier's size (--kv-offloading-size); 0: none
 
     def __post_init__(self) -> None:
         bs = self.block_size

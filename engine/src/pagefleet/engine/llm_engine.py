@@ -27,6 +27,7 @@ from pagefleet.engine.client import (
     EngineLimits,
     EngineObserver,
     EngineStats,
+    KVOffloadStats,
     KVTransferStats,
     StepStats,
 )
@@ -127,9 +128,11 @@ class LLMEngine:
         else:
             runner, num_blocks = self._load_model_runner()
         self.runner = runner
+        self.tier_copier = self._offload_tier()
+        num_host_blocks = self.tier_copier.host_blocks.shape[0] if self.tier_copier else 0
         self.scheduler = Scheduler.create(
             args.scheduler_config(self.max_model_len),
-            args.cache_config(num_blocks),
+            args.cache_config(num_blocks, num_host_blocks),
             kv_event_listener,
             self.model_config.vocab_size,
         )
@@ -168,9 +171,66 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             num_held_blocks=sched.num_held_blocks,
             kv_transfer=transfer,
+            kv_offload=self._offload_stats(),
+        )
+
+    def _offload_stats(self) -> KVOffloadStats | None:
+        tier = self.scheduler.kv_cache.host_tier
+        if tier is None:
+            return None
+        t = tier.stats
+        return KVOffloadStats(
+            len(tier),
+            t.queried_blocks,
+            t.hit_blocks,
+            t.loaded_blocks,
+            t.stored_blocks,
+            t.evicted_blocks,
+            t.loads,
+            self.tier_copier.bytes_moved,
+            tier.block_size,
         )
 
     # ------------------------------------------------------------------ set-up
+
+    def _offload_tier(self):
+        """The CPU offload tier's host pool (--kv-offloading-size GiB), or None."""
+        size = self.args.kv_offloading_size
+        if not size:
+            return None
+        from pagefleet.engine.kv_cache.tier_copier import TierCopier
+
+        pool = self.runner.kv_pool
+        per_block = kv_bytes_per_block(self.runner.model, self.args.block_size, pool.dtype)
+        num_slots = int(size * GiB) // per_block
+        if num_slots < 1:
+            raise ValueError(
+                f"--kv-offloading-size {size} GiB holds no KV block ({per_block} bytes each)"
+            )
+        logger.info(
+            "KV offloading (native): %d blocks (%d tokens, %.2f GiB) in host memory%s",
+            num_slots,
+            num_slots * self.args.block_size,
+            num_slots * per_block / GiB,
+            " (pinned)" if pool.device.type == "cuda" else "",
+        )
+        return TierCopier(pool, num_slots)
+
+    def _tier_tick(self) -> None:
+        """Requests whose blocks landed from the offload tier join the batch (engine thread,
+        before scheduling)."""
+        tier = self.scheduler.kv_cache.host_tier
+        for load in self.tier_copier.finished():
+            self.scheduler.finish_tier_load(load.request_id)
+            tier.load_done(load)
+
+    def _tier_copies(self, out) -> None:
+        """This step's evicted blocks to the host pool now, then its loads in the background
+        (a load may target a block whose old contents a store is saving)."""
+        if out.tier_stores:
+            self.tier_copier.store(out.tier_stores)
+        for load in out.tier_loads:
+            self.tier_copier.start_load(load)
 
     def _kv_connector(self, hf_config: dict, fleet_secret: FleetSecret | None):
         if not self.args.kv_transfer_config:
@@ -217,6 +277,8 @@ class LLMEngine:
         is unusable after)."""
         if self.connector is not None:
             self.connector.close()
+        if self.tier_copier is not None:
+            self.tier_copier.close()
         self._stop_supervision()
         close_ranks = getattr(self.runner, "close", None)
         if close_ranks is not None:
@@ -497,7 +559,8 @@ class LLMEngine:
             self.sampler.forget(seq.request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups) or bool(self.scheduler.loading)
+        sched = self.scheduler
+        return bool(self.groups) or bool(sched.loading) or bool(sched.tier_loading)
 
     @property
     def holds_blocks(self) -> bool:
@@ -536,7 +599,11 @@ class LLMEngine:
         aborted = self._kv_transfer_tick() if self.connector is not None else []
         if aborted:
             return aborted
+        if self.tier_copier is not None:
+            self._tier_tick()
         out = self.scheduler.schedule()
+        if self.tier_copier is not None:
+            self._tier_copies(out)
         for req in out.kv_loads:
             first = req.num_cached_blocks  # blocks found in our own prefix cache stay
             blocks = req.block_ids[: req.num_prompt_blocks]
@@ -544,6 +611,8 @@ class LLMEngine:
         if not out.scheduled:
             if self.scheduler.loading:  # only transfers in flight: wait for one, don't spin
                 self.connector.wait_for_results(0.005)
+            if self.scheduler.tier_loading:
+                self.tier_copier.wait(0.005)
             return []
         now = time.time()
         num_prompt = 0

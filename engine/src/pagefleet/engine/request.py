@@ -12,6 +12,7 @@ from pagefleet.engine.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # blocks allocated, pulling from prefill
+    WAITING_FOR_TIER_LOAD = "waiting_for_tier_load"  # blocks allocated, copying from host tier
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"

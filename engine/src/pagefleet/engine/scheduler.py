@@ -20,9 +20,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagefleet.engine.config import CacheConfig, SchedulerConfig
+from pagefleet.engine.kv_cache.host_tier import TierLoad
 from pagefleet.engine.kv_cache.manager import KVCacheManager
 from pagefleet.engine.request import Request, RequestStatus
 from pagefleet.engine.validation import RequestRules
+
+_LOADING = frozenset({RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING_FOR_TIER_LOAD})
 
 
 @dataclass
@@ -36,11 +39,15 @@ class SchedulerOutput:
     # Requests admitted with blocks allocated whose prompt KV must now be pulled from a
     # prefill pod (the engine starts the transfers; they run while steps go on).
     kv_loads: list[Request] = field(default_factory=list)
+    # Copies from the CPU offload tier for requests admitted this step: the engine makes
+    # `tier_stores` (blocks this step evicted) first, then starts these in the background.
+    tier_loads: list[TierLoad] = field(default_factory=list)
+    tier_stores: list[tuple[int, int]] = field(default_factory=list)  # (block_id, slot)
     num_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.kv_loads
+        return not self.scheduled and not self.kv_loads and not self.tier_loads
 
     def samples(self) -> list[Request]:
         """The scheduled requests that sample a token in this step (their prompt is done
@@ -65,6 +72,8 @@ class Scheduler:
         # finished requests whose blocks are held for a decode pod to read.
         self.loading: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
+        # Requests whose prefix is being copied back from the CPU offload tier.
+        self.tier_loading: dict[str, Request] = {}
         # aborted pulls whose READ could not be cancelled: their blocks are never reused.
         self.quarantined: list[Request] = []
         self.step_id = 0
@@ -85,6 +94,7 @@ class Scheduler:
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             listener,
+            cache_config.num_host_blocks,
         )
         return cls(scheduler_config, kv, vocab_size)
 
@@ -128,8 +138,8 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-            # A transfer may still be writing its blocks: they are freed when it ends.
+        if request.status in _LOADING:
+            # A transfer or tier copy may still be writing its blocks: freed when it ends.
             request.status = status
             return request
         if request.status is RequestStatus.RUNNING:
@@ -155,6 +165,22 @@ class Scheduler:
             req.num_computed_tokens = max(req.num_computed_tokens, req.num_tokens - 1)
             if self.kv_cache.enable_prefix_caching:
                 self.kv_cache.cache_computed_blocks(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return req
+
+    def finish_tier_load(self, request_id: str) -> Request | None:
+        """A request's blocks landed from the offload tier: it joins the running requests (one
+        aborted meanwhile frees its blocks now, as no copy writes them any more)."""
+        req = self.tier_loading.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status.finished:
+            self.kv_cache.free(req)
+            return req
+        self.kv_cache.finish_tier_load(req)
+        if req.num_preemptions:  # a resumption: protected from preemption (module docstring)
+            req.resumed_step = self.step_id
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return req
@@ -191,7 +217,7 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running or self.waiting or self.loading)
+        return bool(self.running or self.waiting or self.loading or self.tier_loading)
 
     # ------------------------------------------------------------------ one step
 
@@ -228,23 +254,34 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit(out, budget, chunk_cap, num_partial)
         out.num_tokens = cfg.max_num_batched_tokens - budget
+        tier = self.kv_cache.host_tier
+        if tier is not None:
+            out.tier_stores = tier.take_stores()
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int, chunk_cap: int, num_partial: int) -> int:
         cfg = self.config
         kv = self.kv_cache
         waiting = self.waiting
-        while waiting and budget > 0 and len(self.running) + len(self.loading) < cfg.max_num_seqs:
+        while waiting and budget > 0 and self._num_admitted() < cfg.max_num_seqs:
             req = waiting[0]
             hits = kv.find_cached_prefix(req)
+            # The tier is left out when the KV comes over the wire: the pull skips only
+            # blocks the device pool holds.
+            host = kv.find_host_prefix(req, len(hits)) if req.remote_source is None else []
+            if host:
+                load = kv.start_tier_load(req, hits, host)
+                if load is None:
+                    break
+                self._park(req, RequestStatus.WAITING_FOR_TIER_LOAD, self.tier_loading)
+                out.tier_loads.append(load)
+                continue
             remaining = req.num_tokens - kv.num_computed_after_hit(req, hits)
             if req.remote_source is not None:
                 # Blocks for the whole prompt now, no compute: the KV comes over the wire.
                 if not kv.allocate_slots(req, remaining, hits):
                     break
-                waiting.popleft()
-                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                self.loading[req.request_id] = req
+                self._park(req, RequestStatus.WAITING_FOR_REMOTE_KVS, self.loading)
                 out.kv_loads.append(req)
                 continue
             n = min(remaining, budget, chunk_cap)
@@ -262,6 +299,16 @@ class Scheduler:
             out.scheduled.append((req, n))
             budget -= n
         return budget
+
+    def _park(self, req: Request, status: RequestStatus, parked: dict[str, Request]) -> None:
+        """Admit the head of the queue with its blocks, computing nothing until its KV
+        arrives (pulled from a prefill pod, or copied back from the offload tier)."""
+        self.waiting.popleft()
+        req.status = status
+        parked[req.request_id] = req
+
+    def _num_admitted(self) -> int:
+        return len(self.running) + len(self.loading) + len(self.tier_loading)
 
     def _allocate_or_preempt(self, req: Request, i: int, n: int, out: SchedulerOutput) -> bool:
         """Preempt until `req` (at running[i]) gets its blocks; False if it was the victim."""

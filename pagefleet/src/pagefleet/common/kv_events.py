@@ -17,6 +17,11 @@ import msgpack
 
 from pagefleet.common.block_hash import BlockHash
 
+# Where blocks live (vLLM's `medium`): None or GPU = the engine's device pool, CPU = its host
+# offload tier (a hit there costs a copy back: less than a recompute, more than a device hit).
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
@@ -26,13 +31,15 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
+    medium: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Blocks were evicted: their hashes no longer hit."""
+    """Blocks were evicted (from `medium`): their hashes no longer hit there."""
 
     block_hashes: list[BlockHash]
+    medium: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +67,10 @@ def _encode(event: KVEvent, include_token_ids: bool) -> list:
             list(event.token_ids) if include_token_ids else [],
             event.block_size,
             None,
-            None,
+            event.medium,
         ]
     if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", list(event.block_hashes), None]
+        return ["BlockRemoved", list(event.block_hashes), event.medium]
     return ["AllBlocksCleared"]
 
 
@@ -75,12 +82,19 @@ def decode_batch(payload: bytes) -> tuple[float, list[KVEvent]]:
     for raw in raw_events:
         tag = raw[0]
         if tag == "BlockStored":
-            events.append(BlockStored(list(raw[1]), raw[2], list(raw[3]), int(raw[4])))
+            medium = _medium(raw, 6)
+            events.append(BlockStored(list(raw[1]), raw[2], list(raw[3]), int(raw[4]), medium))
         elif tag == "BlockRemoved":
-            events.append(BlockRemoved(list(raw[1])))
+            events.append(BlockRemoved(list(raw[1]), _medium(raw, 2)))
         elif tag == "AllBlocksCleared":
             events.append(AllBlocksCleared())
     return float(ts), events
+
+
+def _medium(raw: list, index: int) -> str | None:
+    """The event's medium field, if present and a string (older senders omit it)."""
+    value = raw[index] if len(raw) > index else None
+    return value if isinstance(value, str) else None
 
 
 def seq_bytes(seq: int) -> bytes:

@@ -1,6 +1,8 @@
 """The router's prefix index: which pod holds which block hashes (pure; the caller passes time).
 
 `precise`: built from each pod's KV events (BlockStored / BlockRemoved / AllBlocksCleared).
+Blocks in a pod's CPU offload tier (events with medium CPU) are indexed apart and count
+HOST_TIER_WEIGHT of a device block in a match: a hit there is a copy back, not free.
 `approximate`: built from what the router itself sent where, an LRU per pod sized from the
 pod's `num_gpu_blocks`. In both modes a routing decision records its blocks at once
 (speculatively, with a TTL, in precise mode), so a burst of identical prompts does not all
@@ -14,9 +16,18 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from pagefleet.common.block_hash import BlockHash
-from pagefleet.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagefleet.common.kv_events import (
+    MEDIUM_CPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 
 MODES = ("precise", "approximate")
+# What a block in a pod's host tier is worth against one in its device pool: loading it back
+# costs a host-to-device copy (cheaper than recomputing, dearer than a device hit).
+HOST_TIER_WEIGHT = 0.5
 _NOBODY: frozenset[str] = frozenset()
 
 
@@ -33,6 +44,7 @@ class PrefixIndex:
         self._blocks: dict[str, OrderedDict[BlockHash, None]] = {}
         self._capacity: dict[str, int] = {}
         self._speculative: dict[BlockHash, dict[str, float]] = {}
+        self._host_blocks: dict[str, set[BlockHash]] = {}  # each pod's CPU offload tier
         # KV-event subscriber threads update it while the event loop reads it.
         self._lock = threading.RLock()
 
@@ -45,7 +57,9 @@ class PrefixIndex:
 
     def _apply(self, pod: str, events: Iterable[KVEvent]) -> None:
         for event in events:
-            if isinstance(event, BlockStored):
+            if isinstance(event, BlockStored | BlockRemoved) and event.medium == MEDIUM_CPU:
+                self._apply_host(pod, event)
+            elif isinstance(event, BlockStored):
                 for h in event.block_hashes:
                     self._add(pod, h)
                     self._unspeculate(pod, h)
@@ -54,6 +68,14 @@ class PrefixIndex:
                     self._remove(pod, h)
             elif isinstance(event, AllBlocksCleared):
                 self._clear_blocks(pod)
+                self._host_blocks.pop(pod, None)
+
+    def _apply_host(self, pod: str, event: BlockStored | BlockRemoved) -> None:
+        held = self._host_blocks.setdefault(pod, set())
+        if isinstance(event, BlockStored):
+            held.update(event.block_hashes)
+        else:
+            held.difference_update(event.block_hashes)
 
     def record(self, pod: str, hashes: Sequence[BlockHash], now: float) -> list[BlockHash]:
         """A request with these blocks was just sent to `pod`; returns the hashes this added
@@ -93,6 +115,7 @@ class PrefixIndex:
         """Forget a pod (gone, restarted, reset): nothing of it may be predicted any more."""
         with self._lock:
             self._clear_blocks(pod)
+            self._host_blocks.pop(pod, None)
             self._capacity.pop(pod, None)
             for h in [h for h, pods in self._speculative.items() if pod in pods]:
                 self._unspeculate(pod, h)
@@ -109,10 +132,17 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ queries
 
-    def match(self, hashes: Sequence[BlockHash], now: float) -> dict[str, int]:
-        """Per pod, how many leading blocks of `hashes` it holds (pods with none are absent)."""
+    def match(self, hashes: Sequence[BlockHash], now: float) -> dict[str, float]:
+        """Per pod, how many leading blocks of `hashes` it holds (pods with none are absent):
+        device blocks count 1, the host-tier blocks that continue them HOST_TIER_WEIGHT."""
         with self._lock:
-            return self._match(hashes, now)
+            found: dict[str, float] = dict(self._match(hashes, now))
+            for pod, held in self._host_blocks.items():
+                start = int(found.get(pod, 0))
+                extra = _leading_run(hashes, start, held)
+                if extra:
+                    found[pod] = start + HOST_TIER_WEIGHT * extra
+            return found
 
     def _match(self, hashes: Sequence[BlockHash], now: float) -> dict[str, int]:
         # The hot path of every decision (thousands of blocks for long prompts): the common
@@ -185,3 +215,11 @@ class PrefixIndex:
         while len(blocks) > capacity:
             oldest = next(iter(blocks))
             self._remove(pod, oldest)
+
+
+def _leading_run(hashes: Sequence[BlockHash], start: int, held: set[BlockHash]) -> int:
+    """How many of `hashes` from `start` on are in `held`, without a gap."""
+    n = 0
+    while start + n < len(hashes) and hashes[start + n] in held:
+        n += 1
+    return n

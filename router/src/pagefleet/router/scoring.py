@@ -49,7 +49,8 @@ class RoutingRequest:
     model: str
     block_hashes: Sequence[bytes]
     role: str | None = None  # the role a pod must serve (P/D); None: any that serves "both"
-    prefix_matches: dict[str, int] = field(default_factory=dict)  # pod -> leading blocks held
+    # pod -> leading blocks held (host-tier blocks count HOST_TIER_WEIGHT, see prefix_index)
+    prefix_matches: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

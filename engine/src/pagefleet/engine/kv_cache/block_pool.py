@@ -7,7 +7,7 @@ nothing. Blocks are evicted from the head; freed blocks join at the tail.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pagefleet.common.block_hash import BlockHash
 from pagefleet.common.kv_events import (
@@ -93,6 +93,8 @@ class BlockPool:
         self.cached: dict[BlockHash, Block] = {}
         # Free blocks that still hold a reusable hash: counted apart from "usage".
         self.num_cached_free = 0
+        # Told (hash, block_id) of cached blocks about to be reused (the offload tier keeps them).
+        self.on_evict: Callable[[list[tuple[BlockHash, int]]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -109,10 +111,12 @@ class BlockPool:
             raise ValueError(f"asked for {n} blocks, {self.free_queue.num_free} free")
         out = []
         evicted: list[BlockHash] = []
+        offered: list[tuple[BlockHash, int]] = []
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
+                offered.append((block.block_hash, block.block_id))
                 del self.cached[block.block_hash]
                 block.block_hash = None
                 self.num_cached_free -= 1
@@ -120,6 +124,8 @@ class BlockPool:
             out.append(block.block_id)
         if evicted and self.listener is not None:
             self.listener(BlockRemoved(evicted))
+        if offered and self.on_evict is not None:
+            self.on_evict(offered)
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:

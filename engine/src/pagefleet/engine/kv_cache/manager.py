@@ -6,8 +6,10 @@ that cannot get its blocks changes nothing, so the scheduler can preempt and ret
 
 from __future__ import annotations
 
+from pagefleet.common.block_hash import BlockHash
 from pagefleet.common.kv_events import KVEventListener
 from pagefleet.engine.kv_cache.block_pool import Block, BlockPool
+from pagefleet.engine.kv_cache.host_tier import HostTier, TierLoad
 from pagefleet.engine.request import Request
 
 
@@ -18,10 +20,16 @@ class KVCacheManager:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         listener: KVEventListener | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
+        """`num_host_blocks`: the CPU offload tier's size (0: no tier)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, listener)
+        self.host_tier: HostTier | None = None
+        if num_host_blocks and enable_prefix_caching:
+            self.host_tier = HostTier(num_host_blocks, block_size, listener)
+            self.pool.on_evict = self.host_tier.store
         # Prefix-cache accounting in tokens, as vLLM's prefix_cache_queries/hits counters.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -57,6 +65,47 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def find_host_prefix(self, request: Request, num_device_hits: int) -> list[BlockHash]:
+        """Hashes of the blocks after the device hits that the offload tier holds."""
+        tier = self.host_tier
+        if tier is None or request.sampling_params.prompt_logprobs is not None:
+            return []
+        wanted = request.block_hashes[num_device_hits:]
+        return wanted[: tier.lookup(wanted)]
+
+    def start_tier_load(
+        self, request: Request, hits: list[Block], host_hashes: list[BlockHash]
+    ) -> TierLoad | None:
+        """Admit a request whose cached prefix continues in the offload tier: take its device
+        hits, allocate blocks for the tier's and name the copies into them (the request
+        computes nothing until `finish_tier_load`). None, changing nothing, without room."""
+        tier = self.host_tier
+        assert tier is not None and host_hashes and not request.block_ids
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
+        if len(host_hashes) > self.pool.free_queue.num_free - num_revived:
+            return None
+        self.pool.touch(hits)
+        # Pinned before allocating: evictions the allocation stores must not take these slots.
+        slots = tier.pin(host_hashes)
+        new_blocks = self.pool.allocate(len(host_hashes))
+        request.block_ids.extend(b.block_id for b in hits)
+        request.block_ids.extend(new_blocks)
+        bs = self.block_size
+        request.num_cached_blocks = len(hits)  # the loaded ones are cached once they landed
+        request.num_cached_tokens = (len(hits) + len(host_hashes)) * bs
+        request.num_computed_tokens = len(hits) * bs
+        self._count_query(request, len(hits) * bs)
+        self._count_tier_lookup(request, len(hits), len(host_hashes))
+        return TierLoad(request.request_id, list(zip(slots, new_blocks, strict=True)))
+
+    def finish_tier_load(self, request: Request) -> None:
+        """The request's blocks landed from the tier: they count as computed (a full hit still
+        computes the last token, for its logits) and are cached for other requests."""
+        request.num_computed_tokens = min(
+            len(request.block_ids) * self.block_size, request.num_tokens - 1
+        )
+        self.cache_computed_blocks(request)
+
     def num_computed_after_hit(self, request: Request, hits: list[Block]) -> int:
         """Tokens a hit saves. A full hit still computes the last token, for its logits only."""
         return min(len(hits) * self.block_size, request.num_tokens - 1)
@@ -82,6 +131,7 @@ class KVCacheManager:
             table.extend(self.pool.allocate(num_new_blocks))
             if hits is not None:  # admission without a hit still counts as a query
                 self._count_query(request, 0)
+                self._count_tier_lookup(request, 0, 0)
             return True
 
         assert not table, "prefix hits are only taken by a request without blocks"
@@ -97,7 +147,14 @@ class KVCacheManager:
         request.num_cached_tokens = len(hits) * bs
         request.num_computed_tokens = num_computed
         self._count_query(request, request.num_cached_tokens)
+        self._count_tier_lookup(request, len(hits), 0)
         return True
+
+    def _count_tier_lookup(self, request: Request, num_device_hits: int, num_hits: int) -> None:
+        """The tier looked up past the device hits; counted once per request, as
+        `_count_query` (a resumption after preemption says nothing about sharing)."""
+        if self.host_tier is not None and request.num_preemptions == 0:
+            self.host_tier.count_lookup(len(request.block_hashes) - num_device_hits, num_hits)
 
     def _count_query(self, request: Request, num_hit_tokens: int) -> None:
         # Counted once per request: a resumption after preemption re-finds its own blocks,
@@ -133,5 +190,8 @@ class KVCacheManager:
         request.num_cached_tokens = 0
 
     def reset_prefix_cache(self) -> int:
-        """Drop every cached hash (emits AllBlocksCleared); returns how many were dropped."""
+        """Drop every cached hash, the offload tier's too (emits AllBlocksCleared); returns how
+        many the device pool dropped."""
+        if self.host_tier is not None:
+            self.host_tier.clear()
         return self.pool.reset_prefix_cache()

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pagefleet.engine.client import EngineClient, EngineObserver, StepStats
+from pagefleet.engine.client import EngineClient, EngineObserver, KVOffloadStats, StepStats
 from pagefleet.engine.outputs import RequestOutput
 
 logger = logging.getLogger("pagefleet.server")
@@ -155,6 +156,36 @@ class _EngineCollector:
                 ),
             ):
                 yield counter(f"pagefleet:kv_transfer_{metric}", doc, value)
+        if stats.kv_offload is not None:
+            yield from _offload_metrics(stats.kv_offload, gauge, counter)
+
+
+def _offload_metrics(tier: KVOffloadStats, gauge: Callable, counter: Callable):
+    """The CPU offload tier: vLLM's external prefix-cache counters (tokens found outside the
+    device pool), and pagefleet:kv_offload_* for its blocks and bytes."""
+    tokens = tier.block_size
+    yield counter(
+        "vllm:external_prefix_cache_queries",
+        "Prompt tokens looked up in the CPU offload tier after a device-pool miss.",
+        tier.queried_blocks * tokens,
+    )
+    yield counter(
+        "vllm:external_prefix_cache_hits",
+        "Prompt tokens found in the CPU offload tier (loaded back, not recomputed).",
+        tier.hit_blocks * tokens,
+    )
+    yield gauge(
+        "pagefleet:kv_offload_blocks", "Blocks held in the CPU offload tier.", tier.held_blocks
+    )
+    for metric, doc, value in (
+        ("hit_blocks", "Blocks found in the tier after a device-pool miss.", tier.hit_blocks),
+        ("loaded_blocks", "Blocks copied from the tier to the device pool.", tier.loaded_blocks),
+        ("stored_blocks", "Blocks copied from the device pool to the tier.", tier.stored_blocks),
+        ("evicted_blocks", "Blocks dropped from the tier to make room.", tier.evicted_blocks),
+        ("loads", "Requests whose prefix was loaded back from the tier.", tier.loads),
+        ("bytes", "Bytes copied between the device pool and the tier, both ways.", tier.bytes),
+    ):
+        yield counter(f"pagefleet:kv_offload_{metric}", doc, value)
 
 
 class EngineMetrics(EngineObserver):

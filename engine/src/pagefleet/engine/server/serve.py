@@ -193,6 +193,17 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "while the ranks fit this node's GPUs, else ray",
         choices=["mp", "ray"],
     )
+    flag(
+        "kv_offloading_size",
+        "GiB of host memory (pinned on CUDA) for a CPU tier of blocks evicted from the KV pool; "
+        "a prefix found there is loaded back instead of recomputed (0: none)",
+        type=float,
+    )
+    flag(
+        "kv_offloading_backend",
+        "the offload tier's implementation (lmcache is not built into pagefleet)",
+        choices=["native", "lmcache"],
+    )
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
