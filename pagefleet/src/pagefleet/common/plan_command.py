@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -80,12 +81,21 @@ def add_plan_parser(sub) -> None:
     p.set_defaults(func=run_plan)
 
 
+def _finite(flag: str, value: float, low: float) -> float:
+    """A number flag's value when finite and >= low (ValueError naming the flag otherwise:
+    int() of inf would overflow, of nan fail without saying which flag)."""
+    if not math.isfinite(value) or value < low:
+        raise ValueError(f"{flag} {value} must be a finite number >= {low:g}")
+    return value
+
+
 def _budget(args: argparse.Namespace) -> GpuBudget:
     if args.gpu_memory_gb is not None:
-        memory = int(args.gpu_memory_gb * GB)
+        memory = int(_finite("--gpu-memory-gb", args.gpu_memory_gb, 0) * GB)
     else:
         memory = gpu_memory_bytes(args.gpu)
-    return GpuBudget(memory, args.gpu_memory_utilization, int(args.overhead_gb * GB))
+    overhead = _finite("--overhead-gb", args.overhead_gb, 0)
+    return GpuBudget(memory, args.gpu_memory_utilization, int(overhead * GB))
 
 
 def build_plans(args: argparse.Namespace, shape: ModelShape) -> list[CapacityPlan]:
@@ -97,7 +107,7 @@ def build_plans(args: argparse.Namespace, shape: ModelShape) -> list[CapacityPla
     weights = [shape.dtype if w == "auto" else w for w in args.weights or ["auto"]]
     kv_formats = [shape.dtype if k == "auto" else k for k in args.kv_cache_dtype or ["auto"]]
     budget = None if args.num_gpu_blocks is not None else _budget(args)
-    params = int(args.params) if args.params is not None else None
+    params = int(_finite("--params", args.params, 1)) if args.params is not None else None
     plans = []
     for w, kv, tp in itertools.product(weights, kv_formats, args.tensor_parallel_size):
         if budget is None:
