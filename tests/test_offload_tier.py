@@ -272,7 +272,11 @@ def test_router_scores_host_tier_hits_below_device_hits():
     ("extra", "message"),
     [
         (dict(kv_offloading_backend="lmcache"), "lmcache is not built"),
-        (dict(kv_offloading_size=-1.0), "must be >= 0"),
+        (dict(kv_offloading_size=-1.0), ">= 0"),
+        # Caught NaN passing as "no tier" nowhere and Infinity passing the check, then
+        # overflowing int() at start-up with a traceback.
+        (dict(kv_offloading_size=float("nan")), "finite"),
+        (dict(kv_offloading_size=float("inf")), "finite"),
         (dict(kv_offloading_size=1.0, tensor_parallel_size=2), "tensor parallelism"),
         (dict(kv_offloading_size=1.0, enable_prefix_caching=False), "needs prefix caching"),
     ],
@@ -280,6 +284,14 @@ def test_router_scores_host_tier_hits_below_device_hits():
 def test_unsupported_offloading_settings_are_refused(extra, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(model="m", **extra)
+
+
+def test_a_tier_larger_than_host_memory_is_refused_before_allocating(tiny_checkpoints):
+    """Catches --kv-offloading-size 1e6 (GiB) trying to allocate and zero a petabyte of host
+    memory (an OOM kill, or pinned-allocation failure on CUDA, minutes into start-up) instead
+    of saying the host does not have it."""
+    with pytest.raises(ValueError, match="more than this host's memory"):
+        LLM(tiny_checkpoints["llama"], kv_offloading_size=1e6, **ENGINE)
 
 
 def test_serve_flags_reach_engine_args():
