@@ -140,9 +140,14 @@ def test_capacity_spec_errors_name_the_field():
         ({"overheadGB": -1}, "spec.capacity.overheadGB"),
         ({"weightsFormat": "int3"}, "spec.capacity.weightsFormat"),
         ({"typo": 1}, "unknown field"),
+        # Valid JSON numbers whose sums overflowed a float (int(inf): an OverflowError out of
+        # the handler instead of a spec error).
+        ({"gpuMemoryGB": 1e300}, "spec.capacity.gpuMemoryGB"),
+        ({"overheadGB": 1e300}, "spec.capacity.overheadGB"),
+        ({"numParameters": 1.7e308, "weightsFormat": "fp32"}, "spec.capacity.numParameters"),
     ):
         with pytest.raises(SpecError, match=field):
-            _spec({"max-model-len": 8192}, {**CAPACITY, **bad})
+            _verdict(_spec({"max-model-len": 8192}, {**CAPACITY, **bad}))
     for length in (0, "many"):
         with pytest.raises(SpecError, match="max-model-len"):
             _verdict(_spec({"max-model-len": length}))
