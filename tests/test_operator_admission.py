@@ -392,6 +392,15 @@ def test_redirects_are_bounded_http_only_and_keep_the_token_to_its_origin():
             assert len(e.heads) <= 1 + MAX_REDIRECTS
 
 
+def test_a_token_that_is_no_header_value_is_not_echoed():
+    """Catches a token Secret holding a line break (a file of two lines) putting the token
+    into the condition: http.client refuses the header with a ValueError naming its value."""
+    with HostileEndpoint({"/config": _reply("200 OK", b"{}")}) as e:
+        outcome = _fetch_outcome(e.url("/config"), token="hf_secret\r\nX-Injected: 1")
+    assert isinstance(outcome, CapacityUnknown), outcome
+    assert "hf_secret" not in str(outcome) and "token" in str(outcome)
+
+
 def test_a_token_is_not_sent_over_plain_http_after_a_redirect_from_https():
     """Catches a same-host https -> http redirect carrying the token in clear text."""
     assert redirect_headers("https://hub.example/a", "http://hub.example/b", "t") == {}

@@ -341,6 +341,9 @@ def fetch_config(url: str, token: str | None, timeout_s: float = CONFIG_TIMEOUT_
     """GET a config.json of at most MAX_CONFIG_BYTES within timeout_s, following at most
     MAX_REDIRECTS http(s) redirects (CapacityUnknown otherwise). What a failure says names
     the status or the error's kind, never what the endpoint sent."""
+    if token and not (token.isascii() and token.isprintable()):
+        # http.client would refuse it with an error that quotes it into the condition.
+        raise CapacityUnknown(f"the token for {url} is not a valid HTTP header value")
     deadline = _Deadline(timeout_s)
     try:
         body = _get(url, token, _opener(deadline), timeout_s)
