@@ -400,7 +400,17 @@ def test_plan_refuses_hostile_configs_in_one_line(tmp_path, capsys):
     (checkpoint / "model.safetensors").write_bytes(b"\x01\x02")
     assert main(["plan", str(checkpoint)]) == 2
     assert "safetensors" in capsys.readouterr().err
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00")
+    assert main(["plan", str(binary)]) == 2
+    assert "binary.json" in capsys.readouterr().err
     good = _write(tmp_path, LLAMA3_8B)
+    for flags, named in (
+        (["--tp", "0"], "tensor parallel"),  # a ZeroDivisionError traceback
+        (["--num-gpu-blocks", "-1"], "--num-gpu-blocks"),  # a pool of 0 blocks, silently
+    ):
+        assert main(["plan", good, *flags]) == 2, flags
+        assert named in capsys.readouterr().err
     for flag in ("--gpu-memory-gb", "--overhead-gb", "--params"):
         for value in ("inf", "nan", "-1"):
             assert main(["plan", good, flag, value]) == 2, (flag, value)

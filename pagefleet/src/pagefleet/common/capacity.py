@@ -300,7 +300,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: no config.json there")
     try:
         config = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{file}: not JSON ({e})") from e
     except RecursionError:  # nested deeper than the parser goes: no config is
         raise ValueError(f"{file}: JSON nested too deeply for a config") from None
@@ -442,6 +442,8 @@ def pool_of_blocks(
 def weights_bytes_per_gpu(
     num_parameters: int, weights_format: ValueFormat, tensor_parallel_size: int = 1
 ) -> int:
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor parallel size must be >= 1, not {tensor_parallel_size}")
     return int(num_parameters * value_bytes(weights_format) / tensor_parallel_size)
 
 

@@ -102,6 +102,8 @@ def build_plans(args: argparse.Namespace, shape: ModelShape) -> list[CapacityPla
     """One plan per weight format x KV format x TP size."""
     if args.block_size < 1 or args.block_size & (args.block_size - 1):
         raise ValueError(f"--block-size {args.block_size} must be a power of two")
+    if args.num_gpu_blocks is not None and args.num_gpu_blocks < 1:
+        raise ValueError(f"--num-gpu-blocks {args.num_gpu_blocks} must be >= 1")
     if any(c < 1 for c in args.contexts):
         raise ValueError("--contexts must be >= 1 token each")
     weights = [shape.dtype if w == "auto" else w for w in args.weights or ["auto"]]
