@@ -344,3 +344,74 @@ def test_the_engine_pool_arithmetic_per_rank_matches_its_tensor_parallel_shards(
             per_block = kv_bytes_per_block(model, 16, torch.bfloat16)
             assert per_block == 2 * 32 * layout.num_kv_heads * 128 * 2 * 16
             assert kv_bytes_per_block(model, 16, torch.float8_e4m3fn) == per_block // 2
+
+
+# --- hostile configs: a clear error, never a traceback, a hang or a nonsense plan -------------
+
+# (field, value, what the error names) over a valid llama shape. Each caught a crash or a
+# silent nonsense figure before the shape fields were checked: 0 heads divided by zero,
+# Infinity overflowed int(), 10**12 layers built a list of 10**12 entries (a hang and an OOM
+# in the operator), negative KV heads became one head, 10**400 parameters overflowed a float.
+HOSTILE_FIELDS = (
+    ("num_attention_heads", 0, "num_attention_heads"),
+    ("num_hidden_layers", float("inf"), "num_hidden_layers"),
+    ("num_hidden_layers", float("nan"), "num_hidden_layers"),
+    ("num_hidden_layers", 10**12, "num_hidden_layers"),
+    ("num_hidden_layers", -3, "num_hidden_layers"),
+    ("num_hidden_layers", "32", "num_hidden_layers"),
+    ("num_hidden_layers", True, "num_hidden_layers"),
+    ("num_key_value_heads", -4, "num_key_value_heads"),
+    ("head_dim", 12.5, "head_dim"),
+    ("vocab_size", 10**400, "vocab_size"),
+    ("max_position_embeddings", float("inf"), "max_position_embeddings"),
+    ("full_attention_interval", float("inf"), "full_attention_interval"),
+    ("linear_conv_kernel_dim", [4], "linear_conv_kernel_dim"),
+    ("torch_dtype", {"a": 1}, "dtype"),
+)
+
+
+@pytest.mark.parametrize(("field", "value", "named"), HOSTILE_FIELDS)
+def test_a_hostile_shape_field_is_a_value_error_naming_it(field, value, named):
+    """Catches the shape read crashing (ZeroDivisionError, OverflowError), hanging on a huge
+    layer count or giving a nonsense shape: every bad field is a ValueError that names it."""
+    with pytest.raises(ValueError, match=named):
+        ModelShape.from_hf_config({**LLAMA3_8B, field: value})
+
+
+def test_plan_refuses_hostile_configs_in_one_line(tmp_path, capsys):
+    """Catches `pagefleet plan` dying with a traceback on a bad config.json (0 heads,
+    Infinity, a huge layer count, JSON nested past the parser's recursion limit, a truncated
+    safetensors file): exit status 2 and one error line."""
+    cases = [
+        json.dumps({**LLAMA3_8B, "num_attention_heads": 0}),
+        json.dumps({**LLAMA3_8B, "num_hidden_layers": float("inf")}),
+        json.dumps({**LLAMA3_8B, "num_hidden_layers": 10**12}),
+        "[" * 100_000,
+    ]
+    for i, text in enumerate(cases):
+        path = tmp_path / f"c{i}.json"
+        path.write_text(text)
+        assert main(["plan", str(path)]) == 2, text[:60]
+        err = capsys.readouterr().err
+        assert err.startswith("pagefleet plan: error:") and err.count("\n") == 1, err[:300]
+    checkpoint = tmp_path / "truncated"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps(LLAMA3_8B))
+    (checkpoint / "model.safetensors").write_bytes(b"\x01\x02")
+    assert main(["plan", str(checkpoint)]) == 2
+    assert "safetensors" in capsys.readouterr().err
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00")
+    assert main(["plan", str(binary)]) == 2
+    assert "binary.json" in capsys.readouterr().err
+    good = _write(tmp_path, LLAMA3_8B)
+    for flags, named in (
+        (["--tp", "0"], "tensor parallel"),  # a ZeroDivisionError traceback
+        (["--num-gpu-blocks", "-1"], "--num-gpu-blocks"),  # a pool of 0 blocks, silently
+    ):
+        assert main(["plan", good, *flags]) == 2, flags
+        assert named in capsys.readouterr().err
+    for flag in ("--gpu-memory-gb", "--overhead-gb", "--params"):
+        for value in ("inf", "nan", "-1"):
+            assert main(["plan", good, flag, value]) == 2, (flag, value)
+            assert flag in capsys.readouterr().err

@@ -49,6 +49,41 @@ def test_batches_round_trip_and_vllm_payloads_decode():
     assert decode_batch(encode_batch(2.0, tier)) == (2.0, tier)
 
 
+def test_an_odd_medium_neither_crashes_nor_poisons_the_index():
+    """Catches events whose medium is unknown (DISK), of the wrong type (5, a map) or a
+    megabyte long being indexed as device blocks (full-weight hits the pod does not have on
+    its GPU; a BlockRemoved of them evicting the real device entry), and a host tier growing
+    the router's memory without bound."""
+    index = PrefixIndex(default_capacity=64, host_capacity=8)
+    real = [b"a", b"b"]
+    index.apply("pod", [BlockStored(real, None, [], 16)])
+    odd_mediums = ("DISK", 5, {"x": 1}, "X" * 1_000_000, ["CPU"])
+    # Hashes that are maps or lists, before a good event in the same batch.
+    batch = [1.0, [["BlockStored", [{"h": 1}, [2]], None, [], 16, None, "CPU"]]]
+    for medium in odd_mediums:
+        batch[1] += [
+            ["BlockStored", [b"ghost"], None, [], 16, None, medium],
+            ["BlockRemoved", real, medium],
+        ]
+    batch[1].append(["BlockStored", [b"after"], None, [], 16, None, "GPU"])
+    _, events = decode_batch(msgpack.packb(batch))
+    index.apply("pod", events)
+    assert index.match([*real], now=0.0) == {"pod": 2}
+    assert index.match([b"after"], now=0.0) == {"pod": 1}
+    assert index.match([b"ghost"], now=0.0) == {}
+    # A lower-case medium from another sender is still the host tier, not the device.
+    _, events = decode_batch(
+        msgpack.packb([1.0, [["BlockStored", [b"c"], None, [], 16, None, "cpu"]]])
+    )
+    index.apply("pod", events)
+    assert index.match([*real, b"c"], now=0.0) == {"pod": 2.5}
+    # A pod's host tier is bounded: the oldest blocks go first.
+    hashes = [bytes([i]) * 4 for i in range(40)]
+    index.apply("pod", [BlockStored([h], None, [], 16, "CPU") for h in hashes])
+    assert index.match(hashes, now=0.0) == {}
+    assert index.match(hashes[-8:], now=0.0) == {"pod": 4.0}
+
+
 def test_kv_events_config_is_validated():
     cfg = KVEventsConfig.from_json('{"enable_kv_cache_events": true, "endpoint": "tcp://*:1"}')
     assert cfg.enable_kv_cache_events and cfg.publisher == "zmq"

@@ -6,6 +6,7 @@ or allocated after requests end or abort, even mid-load."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
 import threading
 
@@ -272,7 +273,11 @@ def test_router_scores_host_tier_hits_below_device_hits():
     ("extra", "message"),
     [
         (dict(kv_offloading_backend="lmcache"), "lmcache is not built"),
-        (dict(kv_offloading_size=-1.0), "must be >= 0"),
+        (dict(kv_offloading_size=-1.0), ">= 0"),
+        # Caught NaN passing as "no tier" nowhere and Infinity passing the check, then
+        # overflowing int() at start-up with a traceback.
+        (dict(kv_offloading_size=float("nan")), "finite"),
+        (dict(kv_offloading_size=float("inf")), "finite"),
         (dict(kv_offloading_size=1.0, tensor_parallel_size=2), "tensor parallelism"),
         (dict(kv_offloading_size=1.0, enable_prefix_caching=False), "needs prefix caching"),
     ],
@@ -280,6 +285,48 @@ def test_router_scores_host_tier_hits_below_device_hits():
 def test_unsupported_offloading_settings_are_refused(extra, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(model="m", **extra)
+
+
+class _LandsBetweenLooks(concurrent.futures.Future):
+    """A copy that is still running the first time it is asked and done ever after: the
+    worker thread finishing it while `finished` looks through the loads in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.looks = 0
+
+    def done(self) -> bool:
+        self.looks += 1
+        return self.looks > 1
+
+    def result(self, timeout=None):
+        return None
+
+
+def test_a_load_that_lands_while_finished_looks_is_reported_not_lost():
+    """Catches `finished` asking each load twice (once for the landed, once for the rest): a
+    copy completing between the two looks was in neither list, so its request waited for its
+    tier load forever and its slots stayed pinned."""
+    import torch
+
+    from pagefleet.engine.kv_cache.tier_copier import TierCopier, _InFlight
+
+    copier = TierCopier(torch.zeros(1, 2, 1, 4, 16, 8), num_slots=2)
+    landed, landing = TierLoad("a", [(0, 0)]), TierLoad("b", [(1, 1)])
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    done.set_result(None)
+    copier.in_flight += [_InFlight(landed, done), _InFlight(landing, _LandsBetweenLooks())]
+    reported = copier.finished() + copier.finished()
+    assert reported == [landed, landing] and not copier.in_flight
+    copier.close()
+
+
+def test_a_tier_larger_than_host_memory_is_refused_before_allocating(tiny_checkpoints):
+    """Catches --kv-offloading-size 1e6 (GiB) trying to allocate and zero a petabyte of host
+    memory (an OOM kill, or pinned-allocation failure on CUDA, minutes into start-up) instead
+    of saying the host does not have it."""
+    with pytest.raises(ValueError, match="more than this host's memory"):
+        LLM(tiny_checkpoints["llama"], kv_offloading_size=1e6, **ENGINE)
 
 
 def test_serve_flags_reach_engine_args():

@@ -7,8 +7,11 @@ never the internet); a check that cannot run says so and deploys."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+import threading
+from collections.abc import Callable
 
 import pytest
 from operator_harness import (
@@ -29,7 +32,16 @@ from test_capacity import QWEN25_7B as QWEN_7B
 from test_helm_chart import helm, one, template, validate_model_deployment  # noqa: F401
 
 from hf_stand_in import HfStandIn
-from pagefleet.operator.admission import MAX_CONFIG_BYTES, ModelConfigs, check_capacity
+from pagefleet.operator.admission import (
+    MAX_CACHED_CONFIGS,
+    MAX_CONFIG_BYTES,
+    MAX_REDIRECTS,
+    CapacityUnknown,
+    ModelConfigs,
+    check_capacity,
+    fetch_config,
+    redirect_headers,
+)
 from pagefleet.operator.handlers import KubeClient
 from pagefleet.operator.spec import SpecError, parse_spec
 
@@ -128,9 +140,14 @@ def test_capacity_spec_errors_name_the_field():
         ({"overheadGB": -1}, "spec.capacity.overheadGB"),
         ({"weightsFormat": "int3"}, "spec.capacity.weightsFormat"),
         ({"typo": 1}, "unknown field"),
+        # Valid JSON numbers whose sums overflowed a float (int(inf): an OverflowError out of
+        # the handler instead of a spec error).
+        ({"gpuMemoryGB": 1e300}, "spec.capacity.gpuMemoryGB"),
+        ({"overheadGB": 1e300}, "spec.capacity.overheadGB"),
+        ({"numParameters": 1.7e308, "weightsFormat": "fp32"}, "spec.capacity.numParameters"),
     ):
         with pytest.raises(SpecError, match=field):
-            _spec({"max-model-len": 8192}, {**CAPACITY, **bad})
+            _verdict(_spec({"max-model-len": 8192}, {**CAPACITY, **bad}))
     for length in (0, "many"):
         with pytest.raises(SpecError, match="max-model-len"):
             _verdict(_spec({"max-model-len": length}))
@@ -220,6 +237,227 @@ def test_a_config_that_cannot_be_read_is_a_check_that_could_not_run():
     assert len(configs.failed) == 1  # remembered: the next pass does not wait on it again
     # Without max-model-len the pool is refused all the same.
     assert _verdict(_spec({}, SHAPE_ONLY, model=model), configs).reason == "NoMaxModelLen"
+
+
+# --- a hostile endpoint -------------------------------------------------------------------
+
+
+class HostileEndpoint:
+    """A raw HTTP server (127.0.0.1) whose answer per path is a script: a function given the
+    connected socket. It records each request's head, so a test can tell what was sent where."""
+
+    def __init__(self, routes: dict) -> None:
+        self.routes = routes
+        self.heads: list[str] = []
+        self.stop = threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def url(self, path: str, host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{self.port}{path}"
+
+    def __enter__(self) -> HostileEndpoint:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        with contextlib.suppress(OSError):
+            self.server.shutdown(socket.SHUT_RDWR)  # wakes accept(), which close() does not
+        self.server.close()
+        self.thread.join(timeout=10)
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head and len(head) < 65536:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                head += chunk
+            text = head.decode(errors="replace")
+            self.heads.append(text)
+            path = text.split(" ", 2)[1]
+            with contextlib.suppress(OSError):  # the client went away, as a fetch giving up
+                self.routes[path.split("?")[0]](conn, self)
+
+
+def _reply(status: str, body: bytes = b"", headers: str = "") -> Callable:
+    def answer(conn: socket.socket, _: HostileEndpoint) -> None:
+        conn.sendall(
+            f"HTTP/1.1 {status}\r\n{headers}Content-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n".encode()
+            + body
+        )
+
+    return answer
+
+
+def _trickle(head: bytes) -> Callable:
+    """Sends `head`, then one byte every 0.1 s until the test ends: every recv comes well
+    within a socket timeout, so only an overall deadline ends the fetch."""
+
+    def answer(conn: socket.socket, server: HostileEndpoint) -> None:
+        conn.sendall(head)
+        while not server.stop.wait(0.1):
+            conn.sendall(b" ")
+
+    return answer
+
+
+def _fetch_outcome(url: str, token: str | None = None, timeout_s: float = 1.0):
+    """fetch_config's result or exception, waiting for it with a generous deadline in a
+    thread (a fetch that hangs fails the test instead of hanging it)."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(fetch_config(url, token, timeout_s=timeout_s))
+        except Exception as e:  # the test inspects what came out
+            outcome.append(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return wait_for(lambda: outcome, timeout=30 + timeout_s, what=f"fetch of {url}")[0]
+
+
+def test_a_trickling_endpoint_cannot_hold_the_fetch_past_its_deadline():
+    """Catches a slow-loris endpoint hanging the reconcile: a socket timeout bounds each recv,
+    not the fetch, so headers or a body trickled a byte at a time held it for days."""
+    slow_body = b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n{"
+    with HostileEndpoint({"/body": _trickle(slow_body), "/head": _trickle(b"HTTP/1.1 200")}) as e:
+        for path in ("/body", "/head"):
+            outcome = _fetch_outcome(e.url(path), timeout_s=1.0)
+            assert isinstance(outcome, CapacityUnknown), outcome
+            assert "took more than 1 s" in str(outcome)
+
+
+def test_a_hostile_answer_is_a_check_that_could_not_run_and_echoes_nothing():
+    """Catches a malformed status line (http.client's BadStatusLine, not an OSError) and JSON
+    nested past the parser's recursion limit escaping the handler as exceptions (a crashed
+    reconcile, the server's text in the operator's log), and any body reaching the message."""
+    routes = {
+        "/status": lambda conn, _: conn.sendall(b"SECRET-STATUS-LINE\r\n\r\n"),
+        "/deep": _reply("200 OK", b"[" * 200_000),
+        "/error": _reply("500 Internal Server Error", b"SECRET-BODY"),
+        "/short": lambda conn, _: conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\n{"),
+    }
+    with HostileEndpoint(routes) as e:
+        for path in routes:
+            outcome = _fetch_outcome(e.url(path))
+            assert isinstance(outcome, CapacityUnknown), (path, outcome)
+            assert "SECRET" not in str(outcome), str(outcome)
+
+
+def test_redirects_are_bounded_http_only_and_keep_the_token_to_its_origin():
+    """Catches the token following a redirect to another origin (here localhost vs
+    127.0.0.1: another host to the client), a redirect to ftp:// being followed (urllib's
+    redirect handler allows ftp, an SSRF to any host's FTP port) or to file://, and a redirect
+    loop going on unbounded; a redirect's body is never read (urllib reads it whole)."""
+    config = json.dumps(QWEN_7B).encode()
+    with socket.create_server(("127.0.0.1", 0)) as ftp:
+        ftp.settimeout(0.2)
+        routes = {
+            "/config": _reply("200 OK", config),
+            "/ftp": _reply(
+                "302 Found", headers=f"Location: ftp://127.0.0.1:{ftp.getsockname()[1]}/x\r\n"
+            ),
+            "/file": _reply("302 Found", headers="Location: file:///etc/passwd\r\n"),
+            "/loop": _reply("302 Found", headers="Location: /loop\r\n"),
+        }
+        with HostileEndpoint(routes) as e:
+            routes["/away"] = _reply(
+                "307 Temporary", headers=f"Location: {e.url('/config', 'localhost')}\r\n"
+            )
+            assert _fetch_outcome(e.url("/away"), token="hf_secret") == QWEN_7B
+            to_origin, to_other = e.heads
+            assert "hf_secret" in to_origin and "hf_secret" not in to_other
+            assert "localhost" in to_other
+            for path in ("/ftp", "/file"):
+                outcome = _fetch_outcome(e.url(path))
+                assert isinstance(outcome, CapacityUnknown) and "redirect" in str(outcome), outcome
+            with pytest.raises(TimeoutError):
+                ftp.accept()  # nothing connected to the FTP port
+            e.heads.clear()
+            outcome = _fetch_outcome(e.url("/loop"))
+            assert isinstance(outcome, CapacityUnknown) and "redirect" in str(outcome)
+            assert len(e.heads) <= 1 + MAX_REDIRECTS
+
+
+def test_a_token_that_is_no_header_value_is_not_echoed():
+    """Catches a token Secret holding a line break (a file of two lines) putting the token
+    into the condition: http.client refuses the header with a ValueError naming its value."""
+    with HostileEndpoint({"/config": _reply("200 OK", b"{}")}) as e:
+        outcome = _fetch_outcome(e.url("/config"), token="hf_secret\r\nX-Injected: 1")
+    assert isinstance(outcome, CapacityUnknown), outcome
+    assert "hf_secret" not in str(outcome) and "token" in str(outcome)
+
+
+def test_a_token_is_not_sent_over_plain_http_after_a_redirect_from_https():
+    """Catches a same-host https -> http redirect carrying the token in clear text."""
+    assert redirect_headers("https://hub.example/a", "http://hub.example/b", "t") == {}
+    assert redirect_headers("https://hub.example/a", "https://hub.example/b", "t") == {
+        "Authorization": "Bearer t"
+    }
+
+
+HOSTILE_CONFIGS = (
+    {**QWEN_7B, "num_hidden_layers": 10**12},
+    {**QWEN_7B, "num_attention_heads": 0},
+    {**QWEN_7B, "num_key_value_heads": -4},
+    {**QWEN_7B, "head_dim": "128"},
+    {**QWEN_7B, "max_position_embeddings": 1e300},
+)
+
+
+@pytest.mark.parametrize("config", HOSTILE_CONFIGS)
+def test_a_hostile_model_config_is_a_bad_config_not_a_crash(config):
+    """Catches spec.capacity.modelConfig (and a fetched config.json) with a huge, zero,
+    negative or mistyped shape field crashing the handler (ZeroDivisionError), hanging it
+    (10**12 layers) or admitting a nonsense pool: the condition says the config is bad."""
+    capacity = {**CAPACITY, "modelConfig": config}
+    verdict = _verdict(_spec({"max-model-len": 8192}, capacity))
+    assert (verdict.status, verdict.reason, verdict.refused) == (
+        "Unknown",
+        "CapacityUnknown",
+        False,
+    )
+    assert "config" in verdict.message and "must be a whole number" in verdict.message
+    with HostileEndpoint(
+        {"/org/m/resolve/main/config.json": _reply("200 OK", json.dumps(config).encode())}
+    ) as e:
+        model = {"name": "m", "uri": "hf://org/m", "hf": {"endpoint": e.url("")}}
+        fetched = _verdict(_spec({"max-model-len": 8192}, SHAPE_ONLY, model=model), ModelConfigs())
+        assert fetched.status == "Unknown" and "must be a whole number" in fetched.message
+
+
+def test_the_config_cache_is_bounded():
+    """Catches ModelConfigs keeping every config.json (up to 1 MB each) and every failure it
+    ever saw: ModelDeployments naming ever new revisions or endpoints grew the operator's
+    memory without bound."""
+
+    def fetch(url: str, token: str | None) -> dict:
+        if url.endswith("bad"):
+            raise CapacityUnknown(f"{url} answered HTTP 404")
+        return {"url": url}
+
+    configs = ModelConfigs(fetch=fetch)
+    for i in range(3 * MAX_CACHED_CONFIGS):
+        assert configs.get(f"http://hub/{i}", None) == {"url": f"http://hub/{i}"}
+        with pytest.raises(CapacityUnknown):
+            configs.get(f"http://hub/{i}/bad", None)
+    assert len(configs.found) <= MAX_CACHED_CONFIGS
+    assert len(configs.failed) <= MAX_CACHED_CONFIGS
+    last = f"http://hub/{3 * MAX_CACHED_CONFIGS - 1}"
+    assert last in configs.found  # the newest are kept
 
 
 # --- the operator ----------------------------------------------------------------------------

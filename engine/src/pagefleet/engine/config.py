@@ -6,6 +6,7 @@ it builds the scheduler's and the cache's configs (whose defaults are its own).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -110,10 +111,10 @@ class EngineArgs:
 
     def _check_offloading(self) -> None:
         _require(
-            self.kv_offloading_size >= 0,
+            math.isfinite(self.kv_offloading_size) and self.kv_offloading_size >= 0,
             "kv_offloading_size",
             self.kv_offloading_size,
-            "must be >= 0 (GiB of host memory)",
+            "must be a finite number >= 0 (GiB of host memory)",
         )
         _require(
             self.kv_offloading_backend != "lmcache",

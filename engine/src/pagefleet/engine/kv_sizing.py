@@ -7,6 +7,8 @@ plan` and the operator's admission check."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +26,26 @@ if TYPE_CHECKING:
     from pagefleet.engine.distributed.group import RankGroup
 
 GiB = 1 << 30
+# Where a container's memory limit is read: cgroup v2, then v1 ("max" or a huge v1 number
+# means none).
+CGROUP_MEMORY_LIMITS = (
+    Path("/sys/fs/cgroup/memory.max"),
+    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+)
+
+
+def host_memory_bytes() -> int:
+    """This host's memory as this process may use it: physical memory, or the container's
+    cgroup limit when lower (a pod that allocates past it is OOM-killed)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in CGROUP_MEMORY_LIMITS:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            memory = min(memory, int(text))
+    return memory
 
 
 def kv_pool_blocks(

@@ -33,7 +33,7 @@ from pagefleet.engine.client import (
 )
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.detokenizer import Detokenizer
-from pagefleet.engine.kv_sizing import kv_pool_blocks, kv_pool_plan_of
+from pagefleet.engine.kv_sizing import host_memory_bytes, kv_pool_blocks, kv_pool_plan_of
 from pagefleet.engine.model.loader import (
     kv_cache_format,
     load_model,
@@ -202,6 +202,12 @@ class LLMEngine:
 
         pool = self.runner.kv_pool
         per_block = kv_bytes_per_block(self.runner.model, self.args.block_size, pool.dtype)
+        host = host_memory_bytes()
+        if size * GiB > host:  # refused before torch zeroes (or pins) more than the host has
+            raise ValueError(
+                f"--kv-offloading-size {size:g} GiB is more than this host's memory "
+                f"({host / GiB:.1f} GiB, the container's limit included)"
+            )
         num_slots = int(size * GiB) // per_block
         if num_slots < 1:
             raise ValueError(

@@ -12,15 +12,19 @@ checked against GPU memory.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
+import socket
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, urljoin, urlsplit
 
 from pagefleet.common.capacity import (
     GB,
@@ -47,6 +51,10 @@ ENGINE_CUDA_DTYPE = "bfloat16"  # --dtype auto on a GPU
 CONFIG_TIMEOUT_S = 5.0
 MAX_CONFIG_BYTES = 1 << 20
 RETRY_FAILED_S = 300.0
+# Configs (up to MAX_CONFIG_BYTES each) and failures remembered at most: the newest are kept.
+MAX_CACHED_CONFIGS = 64
+MAX_REDIRECTS = 5
+REDIRECT_CODES = (301, 302, 303, 307, 308)
 OVERRIDE = "set spec.capacity.admitAnyway: true to deploy anyway"
 
 
@@ -234,7 +242,7 @@ def model_shape(
     try:
         return ModelShape.from_hf_config(config)
     except (KeyError, TypeError, ValueError) as e:
-        raise CapacityUnknown(f"the model's config.json lacks a shape field ({e})") from e
+        raise CapacityUnknown(f"the model's config.json has no usable shape ({e})") from e
 
 
 # ---------------------------------------------------------------------------- config.json
@@ -247,44 +255,157 @@ def config_url(model: Model) -> str:
     return f"{endpoint}/{model.hf.repo}/resolve/{revision}/config.json"
 
 
-class _SameHostAuthorization(urllib.request.HTTPRedirectHandler):
-    """Follow redirects, but send the token only to the host it was meant for."""
+class _Deadline:
+    """Shuts down the sockets of one fetch when its time is up: a socket timeout bounds each
+    recv, not the fetch, and an endpoint trickling its headers or body a byte at a time
+    would otherwise hold the reconcile for days."""
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        new = super().redirect_request(req, fp, code, msg, headers, newurl)
-        if new is not None and urlsplit(newurl).netloc != urlsplit(req.full_url).netloc:
-            new.remove_header("Authorization")
-        return new
+    def __init__(self, seconds: float) -> None:
+        self.expired = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def connect(self, *args: Any, **kwargs: Any) -> socket.socket:
+        """http.client's socket.create_connection, watched."""
+        sock = socket.create_connection(*args, **kwargs)
+        with self._lock:
+            self._sockets.append(sock)
+            if self.expired:
+                sock.shutdown(socket.SHUT_RDWR)
+        return sock
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            for sock in self._sockets:
+                with contextlib.suppress(OSError):  # already closed
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+class _Watched:
+    """An urllib handler whose connections open their sockets through a _Deadline."""
+
+    deadline: _Deadline
+
+    def do_open(self, http_class: Any, req: Any, **kwargs: Any) -> Any:
+        return super().do_open(partial(_watched, http_class, self.deadline), req, **kwargs)  # type: ignore[misc]
+
+
+def _watched(http_class: Any, deadline: _Deadline, host: str, **kwargs: Any) -> Any:
+    connection = http_class(host, **kwargs)
+    connection._create_connection = deadline.connect  # http.client opens its socket here
+    return connection
+
+
+class _WatchedHTTP(_Watched, urllib.request.HTTPHandler):
+    pass
+
+
+class _WatchedHTTPS(_Watched, urllib.request.HTTPSHandler):
+    pass
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect comes back as an HTTPError, unread (urllib would read its whole body and
+    follow ftp:// too): fetch_config follows it itself."""
+
+    def http_error_302(self, req, fp, code, msg, headers):
+        return None
+
+    http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
+
+
+def _opener(deadline: _Deadline) -> urllib.request.OpenerDirector:
+    handlers = []
+    for kind in (_WatchedHTTP, _WatchedHTTPS):
+        handler = kind()
+        handler.deadline = deadline
+        handlers.append(handler)
+    return urllib.request.build_opener(*handlers, _NoRedirects)
+
+
+def redirect_headers(origin: str, url: str, token: str | None) -> dict[str, str]:
+    """The token goes only to the scheme, host and port it was given for (never to another
+    host a redirect names, nor in clear text after https)."""
+    same = urlsplit(origin)[:2] == urlsplit(url)[:2]
+    return {"Authorization": f"Bearer {token}"} if token and same else {}
 
 
 def fetch_config(url: str, token: str | None, timeout_s: float = CONFIG_TIMEOUT_S) -> dict:
-    """GET a config.json of at most MAX_CONFIG_BYTES within timeout_s (CapacityUnknown
-    otherwise). What a failure says names the status, never the body."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    opener = urllib.request.build_opener(_SameHostAuthorization)
-    deadline = time.monotonic() + timeout_s
-    body = bytearray()
+    """GET a config.json of at most MAX_CONFIG_BYTES within timeout_s, following at most
+    MAX_REDIRECTS http(s) redirects (CapacityUnknown otherwise). What a failure says names
+    the status or the error's kind, never what the endpoint sent."""
+    if token and not (token.isascii() and token.isprintable()):
+        # http.client would refuse it with an error that quotes it into the condition.
+        raise CapacityUnknown(f"the token for {url} is not a valid HTTP header value")
+    deadline = _Deadline(timeout_s)
     try:
-        with opener.open(urllib.request.Request(url, headers=headers), timeout=timeout_s) as r:
-            while chunk := r.read(64 * 1024):
-                body += chunk
-                if len(body) > MAX_CONFIG_BYTES:
-                    raise CapacityUnknown(f"{url} is larger than {MAX_CONFIG_BYTES} bytes")
-                if time.monotonic() > deadline:
-                    raise CapacityUnknown(f"{url} took more than {timeout_s:g} s")
-    except urllib.error.HTTPError as e:
-        hint = " (a gated model needs spec.model.hf.tokenSecret)" if e.code in (401, 403) else ""
-        raise CapacityUnknown(f"{url} answered HTTP {e.code}{hint}") from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        raise CapacityUnknown(f"{url} could not be fetched ({reason})") from None
+        body = _get(url, token, _opener(deadline), timeout_s)
+    except CapacityUnknown:
+        raise
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+        if deadline.expired:
+            raise CapacityUnknown(f"{url} took more than {timeout_s:g} s") from None
+        raise CapacityUnknown(f"{url} could not be fetched ({_failure(e)})") from None
+    finally:
+        deadline.cancel()
+    if deadline.expired:  # the body was cut short
+        raise CapacityUnknown(f"{url} took more than {timeout_s:g} s")
     try:
         config = json.loads(bytes(body))
-    except ValueError:
-        raise CapacityUnknown(f"{url} is not JSON") from None
+    except (ValueError, RecursionError):
+        raise CapacityUnknown(f"{url} is not JSON (or nested too deeply)") from None
     if not isinstance(config, dict):
         raise CapacityUnknown(f"{url} is not a JSON object")
     return config
+
+
+def _failure(e: Exception) -> str:
+    """What went wrong, in words of this side: http.client's errors carry the server's
+    bytes (a status line), so only their kind is said."""
+    if isinstance(e, http.client.HTTPException):
+        return f"a malformed HTTP answer: {type(e).__name__}"
+    return str(getattr(e, "reason", e))[:200]
+
+
+def _get(
+    url: str, token: str | None, opener: urllib.request.OpenerDirector, timeout_s: float
+) -> bytearray:
+    where = url
+    for _ in range(MAX_REDIRECTS + 1):
+        if urlsplit(where).scheme not in ("http", "https"):
+            raise CapacityUnknown(f"{url} redirects to a URL that is not http(s)")
+        request = urllib.request.Request(where, headers=redirect_headers(url, where, token))
+        try:
+            with opener.open(request, timeout=timeout_s) as response:
+                return _read_bounded(url, response)
+        except urllib.error.HTTPError as e:
+            e.close()
+            location = e.headers.get("Location") if e.code in REDIRECT_CODES else None
+            if location is None:
+                hint = (
+                    " (a gated model needs spec.model.hf.tokenSecret)"
+                    if e.code in (401, 403)
+                    else ""
+                )
+                raise CapacityUnknown(f"{url} answered HTTP {e.code}{hint}") from None
+            where = urljoin(where, location)
+    raise CapacityUnknown(f"{url} redirects more than {MAX_REDIRECTS} times")
+
+
+def _read_bounded(url: str, response: Any) -> bytearray:
+    body = bytearray()
+    while chunk := response.read(64 * 1024):
+        body += chunk
+        if len(body) > MAX_CONFIG_BYTES:
+            raise CapacityUnknown(f"{url} is larger than {MAX_CONFIG_BYTES} bytes")
+    return body
 
 
 @dataclass
@@ -302,6 +423,7 @@ class ModelConfigs:
     def get(self, url: str, token: str | None) -> dict:
         with self.lock:
             if url in self.found:
+                self.found[url] = self.found.pop(url)  # the newest: kept longest
                 return self.found[url]
             failure = self.failed.get(url)
             if failure is not None and self.clock() - failure[0] < RETRY_FAILED_S:
@@ -310,9 +432,17 @@ class ModelConfigs:
             config = self.fetch(url, token)
         except CapacityUnknown as e:
             with self.lock:
-                self.failed[url] = (self.clock(), str(e))
+                _remember(self.failed, url, (self.clock(), str(e)))
             raise
         with self.lock:
-            self.found[url] = config
+            _remember(self.found, url, config)
             self.failed.pop(url, None)
         return config
+
+
+def _remember(cache: dict, key: str, value: Any) -> None:
+    """Insert `key` as the newest entry, dropping the oldest beyond MAX_CACHED_CONFIGS."""
+    cache.pop(key, None)
+    cache[key] = value
+    while len(cache) > MAX_CACHED_CONFIGS:
+        del cache[next(iter(cache))]

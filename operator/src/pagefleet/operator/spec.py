@@ -718,12 +718,29 @@ def parse_capacity(raw: Any) -> CapacitySpec:
     return CapacitySpec(
         model_config=config,
         gpu=gpu,
-        gpu_memory_gb=_number(memory, f"{where}.gpuMemoryGB", 1) if memory is not None else None,
+        gpu_memory_gb=_bounded(memory, f"{where}.gpuMemoryGB", 1, MAX_GB)
+        if memory is not None
+        else None,
         weights_format=weights,
-        num_parameters=int(_number(params, f"{where}.numParameters", 1)) if params else None,
-        overhead_gb=_number(c.get("overheadGB", 0), f"{where}.overheadGB"),
+        num_parameters=int(_bounded(params, f"{where}.numParameters", 1, MAX_PARAMETERS))
+        if params
+        else None,
+        overhead_gb=_bounded(c.get("overheadGB", 0), f"{where}.overheadGB", 0, MAX_GB),
         admit_anyway=c.get("admitAnyway", False),
     )
+
+
+# spec.capacity's largest figures: far above any GPU or model, low enough that the capacity
+# sums stay finite (1e300 GB overflowed a float into int(inf)).
+MAX_GB = 1e6
+MAX_PARAMETERS = 1e15
+
+
+def _bounded(value: Any, where: str, minimum: float, maximum: float) -> float:
+    number = _number(value, where, minimum)
+    if not number <= maximum:  # NaN included
+        raise SpecError(f"{where} must be a number from {minimum:g} to {maximum:g}, not {value!r}")
+    return number
 
 
 def parse_rdma(raw: Any) -> Rdma:

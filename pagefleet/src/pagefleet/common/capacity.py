@@ -141,27 +141,21 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
-        """KeyError / TypeError / ValueError when the config lacks a shape field."""
+        """KeyError when the config lacks a shape field, ValueError when one is not a whole
+        number within SHAPE_LIMITS (the config may come from a user-given endpoint)."""
         cfg = _text_config(config)
-        layers = int(cfg["num_hidden_layers"])
-        heads = int(cfg["num_attention_heads"])
+        layers = _shape_int(cfg, "num_hidden_layers", required=True)
+        heads = _shape_int(cfg, "num_attention_heads", required=True)
         kinds = _layer_kinds(cfg, layers)
         attention = sum(1 for k in kinds if k != "linear_attention")
-        # Newer transformers write `dtype` where older ones wrote `torch_dtype`.
-        dtype = str(
-            next(
-                (c[k] for c in (cfg, config) for k in ("torch_dtype", "dtype") if c.get(k)),
-                "bfloat16",
-            )
-        )
-        max_positions = cfg.get("max_position_embeddings")
         return cls(
             num_layers=layers,
             num_attention_layers=attention,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-            dtype=dtype,
-            max_position_embeddings=int(max_positions) if max_positions else None,
+            num_kv_heads=_shape_int(cfg, "num_key_value_heads") or heads,
+            head_dim=_shape_int(cfg, "head_dim")
+            or _shape_int(cfg, "hidden_size", required=True) // heads,
+            dtype=(dtype := _config_dtype(cfg, config)),
+            max_position_embeddings=_shape_int(cfg, "max_position_embeddings"),
             num_parameters=_estimate_parameters(cfg, kinds),
             linear_state_bytes_per_sequence=int(
                 (layers - attention) * _linear_state_values(cfg) * FORMAT_BYTES.get(dtype, 2)
@@ -183,6 +177,60 @@ class ModelShape:
         return block_size * self.kv_bytes_per_token(kv_format, tensor_parallel_size)
 
 
+# The largest value a config's shape field may take: far above any real model's, low enough
+# that the arithmetic stays small (a config of 10**12 layers would build a 10**12-entry list).
+SHAPE_LIMITS: dict[str, int] = {
+    "num_hidden_layers": 10_000,
+    "num_attention_heads": 1 << 16,
+    "num_key_value_heads": 1 << 16,
+    "head_dim": 1 << 16,
+    "hidden_size": 1 << 20,
+    "intermediate_size": 1 << 24,
+    "moe_intermediate_size": 1 << 24,
+    "num_experts": 1 << 16,
+    "n_routed_experts": 1 << 16,
+    "vocab_size": 1 << 27,
+    "max_position_embeddings": 1 << 40,
+    "full_attention_interval": 10_000,
+    "linear_num_key_heads": 1 << 16,
+    "linear_num_value_heads": 1 << 16,
+    "linear_key_head_dim": 1 << 16,
+    "linear_value_head_dim": 1 << 16,
+    "linear_conv_kernel_dim": 1 << 16,
+}
+
+
+def _shape_int(cfg: dict[str, Any], key: str, *, required: bool = False) -> int | None:
+    """A shape field: a whole number in 1..SHAPE_LIMITS[key]. Absent, null or 0 is None (the
+    caller's default applies, as transformers' `or` does) unless required (KeyError when
+    absent); anything else (a string, a bool, NaN, a fraction, out of range) is a ValueError."""
+    if key not in cfg and required:
+        raise KeyError(key)
+    value = cfg.get(key)
+    if not required and (value is None or (type(value) in (int, float) and value == 0)):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if type(value) is not int or not 1 <= value <= SHAPE_LIMITS[key]:
+        shown = repr(value) if type(value) is not int or value.bit_length() < 64 else "huge"
+        raise ValueError(
+            f"config field {key} must be a whole number from 1 to {SHAPE_LIMITS[key]:,}, "
+            f"not {shown[:40]}"
+        )
+    return value
+
+
+def _config_dtype(cfg: dict[str, Any], config: dict[str, Any]) -> str:
+    """The checkpoint's dtype name (newer transformers write `dtype` where older ones wrote
+    `torch_dtype`); bfloat16 when neither says."""
+    dtype = next(
+        (c[k] for c in (cfg, config) for k in ("torch_dtype", "dtype") if c.get(k)), "bfloat16"
+    )
+    if not isinstance(dtype, str) or len(dtype) > 32:
+        raise ValueError(f"config field torch_dtype must be a dtype name, not {repr(dtype)[:40]}")
+    return dtype
+
+
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     """Multimodal configs (Qwen3.5, Llama 4...) nest the language model's under text_config."""
     text = config.get("text_config")
@@ -193,10 +241,10 @@ def _layer_kinds(cfg: dict[str, Any], layers: int) -> list[str]:
     kinds = cfg.get("layer_types")
     if isinstance(kinds, list) and len(kinds) == layers:
         return [str(k) for k in kinds]
-    interval = cfg.get("full_attention_interval")
+    interval = _shape_int(cfg, "full_attention_interval")
     if interval:  # Qwen3-Next: every interval-th layer is full attention, the rest linear
         return [
-            "full_attention" if (i + 1) % int(interval) == 0 else "linear_attention"
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
             for i in range(layers)
         ]
     return ["full_attention"] * layers
@@ -205,10 +253,10 @@ def _layer_kinds(cfg: dict[str, Any], layers: int) -> list[str]:
 def _linear_dims(cfg: dict[str, Any]) -> tuple[int, int, int, int]:
     """Gated DeltaNet's key heads, value heads, key head dim, value head dim (0 without)."""
     return (
-        int(cfg.get("linear_num_key_heads") or 0),
-        int(cfg.get("linear_num_value_heads") or 0),
-        int(cfg.get("linear_key_head_dim") or 0),
-        int(cfg.get("linear_value_head_dim") or 0),
+        _shape_int(cfg, "linear_num_key_heads") or 0,
+        _shape_int(cfg, "linear_num_value_heads") or 0,
+        _shape_int(cfg, "linear_key_head_dim") or 0,
+        _shape_int(cfg, "linear_value_head_dim") or 0,
     )
 
 
@@ -216,25 +264,25 @@ def _linear_state_values(cfg: dict[str, Any]) -> int:
     """Values of one Gated DeltaNet layer's state per sequence: the causal conv's last
     (kernel - 1) inputs over q, k and v, plus the value heads' key x value matrices."""
     k_heads, v_heads, k_dim, v_dim = _linear_dims(cfg)
-    kernel = int(cfg.get("linear_conv_kernel_dim") or 0)
+    kernel = _shape_int(cfg, "linear_conv_kernel_dim") or 0
     conv = (2 * k_heads * k_dim + v_heads * v_dim) * max(kernel - 1, 0)
     return conv + v_heads * k_dim * v_dim
 
 
 def _estimate_parameters(cfg: dict[str, Any], kinds: list[str]) -> int | None:
-    """Parameters of a llama-style decoder from its config (norms and biases left out)."""
-    try:
-        hidden = int(cfg["hidden_size"])
-        vocab = int(cfg["vocab_size"])
-        heads = int(cfg["num_attention_heads"])
-    except (KeyError, TypeError, ValueError):
+    """Parameters of a llama-style decoder from its config (norms and biases left out); None
+    without hidden_size or vocab_size."""
+    hidden = _shape_int(cfg, "hidden_size")
+    vocab = _shape_int(cfg, "vocab_size")
+    heads = _shape_int(cfg, "num_attention_heads", required=True)
+    if hidden is None or vocab is None:
         return None
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    inter = int(cfg.get("intermediate_size") or 4 * hidden)
-    experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+    head_dim = _shape_int(cfg, "head_dim") or hidden // heads
+    kv_heads = _shape_int(cfg, "num_key_value_heads") or heads
+    inter = _shape_int(cfg, "intermediate_size") or 4 * hidden
+    experts = _shape_int(cfg, "num_experts") or _shape_int(cfg, "n_routed_experts") or 0
     if experts:
-        mlp = experts * 3 * hidden * int(cfg.get("moe_intermediate_size") or inter)
+        mlp = experts * 3 * hidden * (_shape_int(cfg, "moe_intermediate_size") or inter)
     else:
         mlp = 3 * hidden * inter
     attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
@@ -252,8 +300,10 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: no config.json there")
     try:
         config = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{file}: not JSON ({e})") from e
+    except RecursionError:  # nested deeper than the parser goes: no config is
+        raise ValueError(f"{file}: JSON nested too deeply for a config") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file}: not a JSON object")
     return config
@@ -268,17 +318,25 @@ def safetensors_parameters(path: str | Path) -> int | None:
     files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
     if not files:
         return None
-    total = 0
-    for file in files:
-        with file.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > MAX_SAFETENSORS_HEADER:
-                raise ValueError(f"{file}: a header of {size} bytes is not safetensors")
+    return sum(_safetensors_file_parameters(file) for file in files)
+
+
+def _safetensors_file_parameters(file: Path) -> int:
+    """Parameters one safetensors file holds, from its header (ValueError when it is not one)."""
+    with file.open("rb") as f:
+        head = f.read(8)
+        (size,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
+        if not 2 <= size <= MAX_SAFETENSORS_HEADER:
+            raise ValueError(f"{file}: not a safetensors file (header of {size} bytes)")
+        try:
             header = json.loads(f.read(size))
-        total += sum(
-            math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__"
-        )
-    return total
+            return sum(
+                math.prod(int(d) for d in entry["shape"])
+                for name, entry in header.items()
+                if name != "__metadata__"
+            )
+        except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{file}: not a safetensors header") from None
 
 
 def model_shape(config: dict[str, Any] | str | Path) -> ModelShape:
@@ -384,6 +442,8 @@ def pool_of_blocks(
 def weights_bytes_per_gpu(
     num_parameters: int, weights_format: ValueFormat, tensor_parallel_size: int = 1
 ) -> int:
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor parallel size must be >= 1, not {tensor_parallel_size}")
     return int(num_parameters * value_bytes(weights_format) / tensor_parallel_size)
 
 

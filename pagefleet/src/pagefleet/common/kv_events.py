@@ -21,6 +21,8 @@ from pagefleet.common.block_hash import BlockHash
 # offload tier (a hit there costs a copy back: less than a recompute, more than a device hit).
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+MEDIUM_INVALID = "INVALID"  # a medium field that is no short string
+MAX_MEDIUM_LENGTH = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,25 +78,42 @@ def _encode(event: KVEvent, include_token_ids: bool) -> list:
 
 def decode_batch(payload: bytes) -> tuple[float, list[KVEvent]]:
     """Decode a batch from pagefleet or vLLM. Hashes may be bytes or ints (older vLLM);
-    trailing fields newer vLLM versions add are ignored. Unknown event tags are skipped."""
+    trailing fields newer vLLM versions add are ignored. Unknown event tags, and events whose
+    hashes are neither, are skipped."""
     ts, raw_events = msgpack.unpackb(payload, raw=False)[:2]
     events: list[KVEvent] = []
     for raw in raw_events:
         tag = raw[0]
-        if tag == "BlockStored":
+        hashes = _hashes(raw[1]) if tag in ("BlockStored", "BlockRemoved") else None
+        if tag == "BlockStored" and hashes is not None:
             medium = _medium(raw, 6)
-            events.append(BlockStored(list(raw[1]), raw[2], list(raw[3]), int(raw[4]), medium))
-        elif tag == "BlockRemoved":
-            events.append(BlockRemoved(list(raw[1]), _medium(raw, 2)))
+            events.append(BlockStored(hashes, raw[2], list(raw[3]), int(raw[4]), medium))
+        elif tag == "BlockRemoved" and hashes is not None:
+            events.append(BlockRemoved(hashes, _medium(raw, 2)))
         elif tag == "AllBlocksCleared":
             events.append(AllBlocksCleared())
     return float(ts), events
 
 
 def _medium(raw: list, index: int) -> str | None:
-    """The event's medium field, if present and a string (older senders omit it)."""
+    """The event's medium, upper-cased as vLLM spells it; None when absent (older senders:
+    the device pool). Anything but a short string is MEDIUM_INVALID, which no index scores
+    (taking it for None would index blocks the pod's GPU does not hold)."""
     value = raw[index] if len(raw) > index else None
-    return value if isinstance(value, str) else None
+    if value is None:
+        return None
+    if isinstance(value, str) and len(value) <= MAX_MEDIUM_LENGTH:
+        return value.upper()
+    return MEDIUM_INVALID
+
+
+def _hashes(value: object) -> list[BlockHash] | None:
+    """An event's block hashes: bytes or ints (older vLLM); None when any is neither (a map
+    or a list as a hash would fail the index's dict lookups part-way through a batch)."""
+    if not isinstance(value, list | tuple):
+        return None
+    hashes = list(value)
+    return hashes if all(isinstance(h, bytes | int) for h in hashes) else None
 
 
 def seq_bytes(seq: int) -> bytes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -80,24 +81,35 @@ def add_plan_parser(sub) -> None:
     p.set_defaults(func=run_plan)
 
 
+def _finite(flag: str, value: float, low: float) -> float:
+    """A number flag's value when finite and >= low (ValueError naming the flag otherwise:
+    int() of inf would overflow, of nan fail without saying which flag)."""
+    if not math.isfinite(value) or value < low:
+        raise ValueError(f"{flag} {value} must be a finite number >= {low:g}")
+    return value
+
+
 def _budget(args: argparse.Namespace) -> GpuBudget:
     if args.gpu_memory_gb is not None:
-        memory = int(args.gpu_memory_gb * GB)
+        memory = int(_finite("--gpu-memory-gb", args.gpu_memory_gb, 0) * GB)
     else:
         memory = gpu_memory_bytes(args.gpu)
-    return GpuBudget(memory, args.gpu_memory_utilization, int(args.overhead_gb * GB))
+    overhead = _finite("--overhead-gb", args.overhead_gb, 0)
+    return GpuBudget(memory, args.gpu_memory_utilization, int(overhead * GB))
 
 
 def build_plans(args: argparse.Namespace, shape: ModelShape) -> list[CapacityPlan]:
     """One plan per weight format x KV format x TP size."""
     if args.block_size < 1 or args.block_size & (args.block_size - 1):
         raise ValueError(f"--block-size {args.block_size} must be a power of two")
+    if args.num_gpu_blocks is not None and args.num_gpu_blocks < 1:
+        raise ValueError(f"--num-gpu-blocks {args.num_gpu_blocks} must be >= 1")
     if any(c < 1 for c in args.contexts):
         raise ValueError("--contexts must be >= 1 token each")
     weights = [shape.dtype if w == "auto" else w for w in args.weights or ["auto"]]
     kv_formats = [shape.dtype if k == "auto" else k for k in args.kv_cache_dtype or ["auto"]]
     budget = None if args.num_gpu_blocks is not None else _budget(args)
-    params = int(args.params) if args.params is not None else None
+    params = int(_finite("--params", args.params, 1)) if args.params is not None else None
     plans = []
     for w, kv, tp in itertools.product(weights, kv_formats, args.tensor_parallel_size):
         if budget is None:

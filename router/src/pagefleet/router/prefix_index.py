@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from pagefleet.common.block_hash import BlockHash
 from pagefleet.common.kv_events import (
     MEDIUM_CPU,
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -28,12 +29,19 @@ MODES = ("precise", "approximate")
 # What a block in a pod's host tier is worth against one in its device pool: loading it back
 # costs a host-to-device copy (cheaper than recomputing, dearer than a device hit).
 HOST_TIER_WEIGHT = 0.5
+# Host-tier blocks indexed per pod at most (a tier's size is not announced; a pod sending
+# ever new ones must not grow the router without bound).
+HOST_TIER_CAPACITY = 1 << 18
 _NOBODY: frozenset[str] = frozenset()
 
 
 class PrefixIndex:
     def __init__(
-        self, mode: str = "precise", speculative_ttl: float = 2.0, default_capacity: int = 16384
+        self,
+        mode: str = "precise",
+        speculative_ttl: float = 2.0,
+        default_capacity: int = 16384,
+        host_capacity: int = HOST_TIER_CAPACITY,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"prefix index mode {mode!r}: one of {MODES}")
@@ -44,7 +52,9 @@ class PrefixIndex:
         self._blocks: dict[str, OrderedDict[BlockHash, None]] = {}
         self._capacity: dict[str, int] = {}
         self._speculative: dict[BlockHash, dict[str, float]] = {}
-        self._host_blocks: dict[str, set[BlockHash]] = {}  # each pod's CPU offload tier
+        # Each pod's CPU offload tier, its newest blocks last (at most host_capacity a pod).
+        self._host_blocks: dict[str, OrderedDict[BlockHash, None]] = {}
+        self.host_capacity = host_capacity
         # KV-event subscriber threads update it while the event loop reads it.
         self._lock = threading.RLock()
 
@@ -57,8 +67,11 @@ class PrefixIndex:
 
     def _apply(self, pod: str, events: Iterable[KVEvent]) -> None:
         for event in events:
-            if isinstance(event, BlockStored | BlockRemoved) and event.medium == MEDIUM_CPU:
+            medium = getattr(event, "medium", None)
+            if medium == MEDIUM_CPU:
                 self._apply_host(pod, event)
+            elif medium not in (None, MEDIUM_GPU):
+                continue  # a medium this index does not score (a disk tier, a bad value)
             elif isinstance(event, BlockStored):
                 for h in event.block_hashes:
                     self._add(pod, h)
@@ -71,11 +84,16 @@ class PrefixIndex:
                 self._host_blocks.pop(pod, None)
 
     def _apply_host(self, pod: str, event: BlockStored | BlockRemoved) -> None:
-        held = self._host_blocks.setdefault(pod, set())
+        held = self._host_blocks.setdefault(pod, OrderedDict())
         if isinstance(event, BlockStored):
-            held.update(event.block_hashes)
+            for h in event.block_hashes:
+                held[h] = None
+                held.move_to_end(h)
+            while len(held) > self.host_capacity:  # the oldest go first, as the tier's LRU
+                del held[next(iter(held))]
         else:
-            held.difference_update(event.block_hashes)
+            for h in event.block_hashes:
+                held.pop(h, None)
 
     def record(self, pod: str, hashes: Sequence[BlockHash], now: float) -> list[BlockHash]:
         """A request with these blocks was just sent to `pod`; returns the hashes this added
@@ -217,7 +235,9 @@ class PrefixIndex:
             self._remove(pod, oldest)
 
 
-def _leading_run(hashes: Sequence[BlockHash], start: int, held: set[BlockHash]) -> int:
+def _leading_run(
+    hashes: Sequence[BlockHash], start: int, held: OrderedDict[BlockHash, None]
+) -> int:
     """How many of `hashes` from `start` on are in `held`, without a gap."""
     n = 0
     while start + n < len(hashes) and hashes[start + n] in held:

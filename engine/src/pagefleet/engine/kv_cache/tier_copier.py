@@ -64,9 +64,11 @@ class TierCopier:
 
     def finished(self) -> list[TierLoad]:
         """Loads whose blocks have landed since the last call (in start order)."""
-        landed = [f for f in self.in_flight if _is_done(f.done)]
+        # Each load is asked once: a copy landing between two looks would be in neither list.
+        done = [_is_done(f.done) for f in self.in_flight]
+        landed = [f for f, d in zip(self.in_flight, done, strict=True) if d]
         if landed:
-            self.in_flight = [f for f in self.in_flight if not _is_done(f.done)]
+            self.in_flight = [f for f, d in zip(self.in_flight, done, strict=True) if not d]
             for f in landed:
                 if isinstance(f.done, concurrent.futures.Future):
                     f.done.result()  # a failed copy raises here, on the engine's thread
