@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime
+import functools
 import json
 import logging
 import threading
@@ -612,15 +613,17 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
 def admit_capacity(state: OperatorState, namespace: str, spec: Spec) -> CapacityVerdict | None:
     """The capacity admission's verdict; raises CapacityRefused (nothing gets applied) for a
     GPU pool that cannot hold one request of its max-model-len, unless admitAnyway."""
-    token_ref = spec.model.token_secret
-
-    def token() -> str | None:
-        return secret_value(state.client, namespace, token_ref) if token_ref else None
-
+    ref = spec.model.token_secret
+    # Read only when a fetch needs it (the Secret is not touched for a cached config).
+    token = functools.partial(secret_value, state.client, namespace, ref) if ref else _no_token
     verdict = check_capacity(spec, state.model_configs, token)
     if verdict is not None and verdict.refused:
         raise CapacityRefused(verdict)
     return verdict
+
+
+def _no_token() -> None:
+    return None
 
 
 def secret_value(client: KubeClient, namespace: str, ref: SecretKeyRef) -> str | None:
