@@ -34,8 +34,9 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    # Rows whose logits are sampled (a request's last row once its prompt is done), in the
-    # scheduler's batch order (rows themselves are laid out in another order, see prepare).
+    # Rows whose logits are sampled (a request's last row once its prompt is done; all
+    # 1 + k rows of a request verifying k drafts), in the scheduler's batch order (rows
+    # themselves are laid out in another order, see prepare), with each row's request.
     sample_rows: list[int]
     sample_requests: list[Request]
     # Requests asking for prompt logprobs: (request, first row, first position, rows).
@@ -128,7 +129,8 @@ class ModelRunner:
         self, out: SchedulerOutput
     ) -> tuple[torch.Tensor, list[Request], dict[str, tuple[int, list[TokenLogprobs]]]]:
         """Run one step; returns (logits of the sampled rows, their requests, in batch order as
-        `out.samples()`, and prompt logprobs by request id)."""
+        `out.samples()`, and prompt logprobs by request id). A request verifying drafts has
+        all its 1 + k rows there, one after another, and appears once per row."""
         inputs = self.prepare(out)
         hidden = None
         if self.decode_graphs is not None:
@@ -157,7 +159,7 @@ class ModelRunner:
         skipped: list[int] = []  # rows whose keys/values are already in a shared block
         tables: list[list[int]] = []
         context_lens: list[int] = []
-        sample_row_of: list[int | None] = [None] * len(out.scheduled)  # by batch place
+        sample_row_of: list[range | None] = [None] * len(out.scheduled)  # by batch place
         prompt_rows: list[tuple[Request, int, int, int]] = []
 
         for row, (k, req) in enumerate(singles):
@@ -181,6 +183,9 @@ class ModelRunner:
         for k, req, n in chunks:
             start = req.num_computed_tokens
             input_ids.extend(req.all_token_ids[start : start + n])
+            drafts = out.spec_token_ids.get(req.request_id)
+            if drafts:  # verification: the last token's row, then one row per draft
+                input_ids.extend(drafts)
             pos = torch.arange(start, start + n)
             chunk_positions.append(pos)
             block_ids = torch.tensor(req.block_ids[: (start + n + bs - 1) // bs])
@@ -188,9 +193,12 @@ class ModelRunner:
             prefills.append(PrefillChunk(row, n, start, block_ids.to(self.device)))
             self._note_rows(req, k, row, start, n, sample_row_of, prompt_rows)
             row += n
-        sample_rows = [r for r in sample_row_of if r is not None]
+        sample_rows = [r for rows in sample_row_of if rows is not None for r in rows]
         sample_requests = [
-            out.scheduled[k][0] for k, r in enumerate(sample_row_of) if r is not None
+            out.scheduled[k][0]
+            for k, rows in enumerate(sample_row_of)
+            if rows is not None
+            for _ in rows
         ]
 
         num_single = len(singles)
@@ -258,7 +266,9 @@ class ModelRunner:
     def _note_rows(req, k, row, start, n, sample_row_of, prompt_rows) -> None:
         end = start + n
         if end >= req.num_tokens:
-            sample_row_of[k] = row + n - 1
+            # Every row past the request's tokens is a draft's: all of them are sampled.
+            first = min(row + n - 1, row + req.num_tokens - 1 - start)
+            sample_row_of[k] = range(first, row + n)
         if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
             # Rows at positions p < prompt_len - 1 predict prompt token p + 1.
             count = min(end, req.num_prompt_tokens - 1) - start
