@@ -1,0 +1,445 @@
+"""Speculative decoding (n-gram): the flag's validation, the proposer, the scheduler's
+lookahead and give-back, greedy equality with and without speculation (and with HF) on every
+tiny architecture, the rejection sampler's distribution, leaks after aborts, and the metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import check_invariants, make_request, make_scheduler
+from hf_reference import ARCH_CASES, assert_greedy_equal
+from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.client import EngineObserver, StepStats
+from pagefleet.engine.config import EngineArgs
+from pagefleet.engine.request import RequestStatus
+from pagefleet.engine.spec_decode.config import SpeculativeConfig
+from pagefleet.engine.spec_decode.ngram import NgramProposer
+from pagefleet.engine.spec_decode.rejection import greedy_accept, rejection_sample
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+MAX_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _prompts() -> list[list[int]]:
+    """Repetitive prompts (n-gram drafts get accepted) and a plain one, of varied lengths."""
+    return [
+        [5, 6, 7, 8, 9, 10] * 4 + [5, 6],
+        [11, 12, 13] * 7,
+        [40 + i for i in range(37)],
+        [3, 4] * 9 + [100, 101, 3, 4],
+    ]
+
+
+def _spec_llm(path: str, **args) -> LLM:
+    return LLM(path, speculative_config=NGRAM, **{"max_model_len": 256, **args})
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+# ---------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ('{"method": "ngram"', "is not JSON"),
+        ("[1]", "must be a JSON object"),
+        ({"method": "medusa", "num_speculative_tokens": 2}, "method='medusa'"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "1..16"),
+        ({"method": "ngram", "num_speculative_tokens": 17}, "1..16"),
+        ({"method": "ngram"}, "num_speculative_tokens is required"),
+        ({"method": "ngram", "num_speculative_tokens": "3"}, "must be an integer"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys"),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 3,
+                "prompt_lookup_max": 2,
+            },
+            "need 1 <= min <= max",
+        ),
+        (
+            {"method": "draft_model", "model": "x", "num_speculative_tokens": 2},
+            "draft_model is not built yet",
+        ),
+    ],
+)
+def test_bad_speculative_config_is_refused_with_its_reason(raw, message):
+    with pytest.raises(ValueError, match="--speculative-config") as e:
+        SpeculativeConfig.parse(raw)
+    assert message in str(e.value)
+
+
+def test_speculative_config_json_as_serve_passes_it():
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 5}')
+    assert config == SpeculativeConfig("ngram", 5, 1, 4)
+    args = EngineArgs(
+        model="m", speculative_config={"method": "ngram", "num_speculative_tokens": 3}
+    )
+    assert args.speculative_config.num_speculative_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "args, what",
+    [
+        ({"tensor_parallel_size": 2}, "tensor parallelism"),
+        ({"kv_transfer_config": '{"kv_connector": "tcp"}'}, "P/D"),
+        ({"attention_backend": "triton"}, "Triton"),
+    ],
+)
+def test_combinations_not_built_are_refused_at_startup(args, what):
+    with pytest.raises(ValueError, match=what):
+        EngineArgs(model="m", speculative_config=NGRAM, **args)
+
+
+def test_serve_flag_reaches_engine_args():
+    import argparse
+
+    from pagefleet.engine.server.serve import add_serve_parser, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    ns = parser.parse_args(
+        ["serve", "m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    )
+    assert engine_args_from(ns).speculative_config == SpeculativeConfig("ngram", 2, 1, 4)
+
+
+# ---------------------------------------------------------------------------- pure pieces
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    proposer = NgramProposer(3, 1, 3)
+    # "1 2 3" recurs: the latest earlier occurrence is followed by 9 8.
+    assert proposer.propose([1, 2, 3, 4, 5, 1, 2, 3, 9, 8, 7, 1, 2, 3], 10) == [9, 8, 7]
+    assert proposer.propose([1, 2, 3, 4], 10) == []  # nothing recurs
+    assert proposer.propose([7, 1, 7], 10) == [1, 7]  # shorter than k near the end
+    assert proposer.propose([5, 6, 5, 6, 5, 6], 1) == [5]  # room for one draft only
+    assert NgramProposer(3, 2, 3).propose([1, 2, 5, 2], 10) == []  # below prompt_lookup_min
+
+
+def test_greedy_accept_keeps_matching_prefix_then_targets_token():
+    assert greedy_accept([4, 5, 6, 7], [4, 5, 6]) == [4, 5, 6, 7]  # all kept, plus the bonus
+    assert greedy_accept([4, 9, 6, 7], [4, 5, 6]) == [4, 9]  # first mismatch: target's token
+    assert greedy_accept([1, 2, 3, 4], [9, 9, 9]) == [1]
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token with probability 0 was emitted"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+# Chi-square critical value for 5 degrees of freedom at p = 0.001 (tables): a correct sampler
+# exceeds it once in a thousand seeds; the fixed seed makes the test deterministic.
+CHI2_DF5_P001 = 20.52
+TARGET = torch.tensor(
+    [
+        [0.30, 0.25, 0.20, 0.15, 0.07, 0.03],
+        [0.05, 0.10, 0.40, 0.05, 0.20, 0.20],
+        [0.50, 0.10, 0.10, 0.10, 0.10, 0.10],
+    ]
+)
+DRAFTS = [1, 2]  # drafts whose target probability is well below 1: both branches run
+
+
+def _sample_positions(sampler, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts of the first emitted token, and of the second given the first was draft 0."""
+    gen = torch.Generator().manual_seed(1234)
+    first = torch.zeros(6)
+    second = torch.zeros(6)
+    for _ in range(n):
+        tokens = sampler(TARGET, DRAFTS, gen)
+        first[tokens[0]] += 1
+        if tokens[0] == DRAFTS[0]:
+            second[tokens[1]] += 1
+    return first, second
+
+
+def test_rejection_sampler_emits_the_targets_distribution():
+    """Leviathan et al.: each emitted token is distributed as the target's own sample at its
+    position. 20000 draws on a 6-token vocabulary, chi-square against p at p = 0.001."""
+    first, second = _sample_positions(rejection_sample, 20000)
+    assert _chi_square(first, TARGET[0]) < CHI2_DF5_P001
+    assert second.sum() > 3000
+    assert _chi_square(second, TARGET[1]) < CHI2_DF5_P001
+
+
+def _accept_too_often(probs, drafts, generator):
+    """A wrong rule (accept draft d with probability sqrt(p(d)) instead of p(d), residual as
+    in the right one): the distribution test must catch it."""
+    for i, draft in enumerate(drafts):
+        if torch.rand(1, generator=generator).item() < probs[i, draft].sqrt().item():
+            continue
+        residual = probs[i].clone()
+        residual[draft] = 0.0
+        return [*drafts[:i], int(torch.multinomial(residual, 1, generator=generator))]
+    return [*drafts, int(torch.multinomial(probs[len(drafts)], 1, generator=generator))]
+
+
+def test_the_distribution_test_catches_a_wrong_acceptance_rule():
+    first, _ = _sample_positions(_accept_too_often, 20000)
+    assert _chi_square(first, TARGET[0]) > CHI2_DF5_P001
+
+
+# ---------------------------------------------------------------------------- scheduler
+
+
+def test_scheduler_books_lookahead_and_gives_rejected_slots_back():
+    """Drafts cost budget and KV slots; after verification only accepted tokens count as
+    computed, only their full blocks are cached, and blocks past the tokens are freed."""
+    sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=16)
+    req = make_request("a", [1, 2, 3, 4, 5, 6, 7], max_tokens=20)
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update_from_output(out, [8])  # prompt done: 8 tokens, 7 computed, 2 blocks
+    req.spec_token_ids = [9, 10, 11, 12, 13, 14]
+    free_before = sched.kv_cache.num_free_blocks
+    out = sched.schedule()
+    assert out.scheduled == [(req, 7)] and out.spec_token_ids == {"a": [9, 10, 11, 12, 13, 14]}
+    assert out.num_tokens == 7
+    assert len(req.block_ids) == 4  # positions 7..13 need blocks up to index 3
+    assert sched.kv_cache.num_free_blocks == free_before - 2
+    # Two drafts accepted, then the target's own token 99.
+    sched.update_from_output(out, [[9, 10, 99]])
+    assert req.all_token_ids[-4:] == [8, 9, 10, 99]
+    assert req.num_computed_tokens == 10  # through token 10; 99 is computed next step
+    assert len(req.block_ids) == 3  # the fourth block held only rejected drafts' slots
+    assert req.num_cached_blocks == 2  # blocks 0-1 full and verified; block 2 not full
+    assert len(sched.kv_cache.pool.cached) == 2
+    check_invariants(sched)
+
+
+def test_drafts_are_cut_by_the_budget_and_max_tokens_and_a_stop_token():
+    sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=4)
+    req = make_request("a", [1, 2, 3], max_tokens=4, eos_token_id=50)
+    sched.add_request(req)
+    sched.update_from_output(sched.schedule(), [4])
+    req.spec_token_ids = [5, 6, 7, 8, 9]
+    out = sched.schedule()
+    # max_tokens=4 with one out: at most 2 drafts (3 more tokens with the target's).
+    assert out.spec_token_ids == {"a": [5, 6]} and out.scheduled == [(req, 3)]
+    finished = sched.update_from_output(out, [[5, 50]])  # a stop token cuts the run
+    assert finished == [req] and req.status is RequestStatus.FINISHED_STOPPED
+    assert req.output_token_ids == [4, 5, 50]
+    check_invariants(sched)
+
+
+def test_preemption_drops_drafts():
+    sched = make_scheduler(num_blocks=3, block_size=4, max_num_batched_tokens=16)
+    a = make_request("a", [1, 2, 3, 4, 5, 6, 7], max_tokens=5)
+    b = make_request("b", [9, 9, 9], max_tokens=5)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    sched.update_from_output(out, [8, 10])
+    b.spec_token_ids = [1, 2, 3, 4, 5, 6]
+    a.spec_token_ids = [1, 2, 3, 4, 5, 6]
+    out = sched.schedule()
+    # a's lookahead (3 drafts: max_tokens leaves room for no more) needs the pool's last
+    # block: b, admitted last, is preempted and loses its drafts; a verifies its own.
+    assert out.preempted == [b] and b.spec_token_ids == []
+    assert out.spec_token_ids == {"a": [1, 2, 3]}
+    check_invariants(sched)
+
+
+# ---------------------------------------------------------------------------- engine
+
+
+class _StepCounter(EngineObserver):
+    def __init__(self) -> None:
+        self.steps = 0
+        self.generated = 0
+
+    def on_step(self, stats: StepStats) -> None:
+        self.steps += 1
+        self.generated += stats.num_generation_tokens
+
+
+ENGINE_PATHS = {
+    "batched": {"num_gpu_blocks_override": 256},
+    "chunked-prefill": {
+        "num_gpu_blocks_override": 256,
+        "max_num_batched_tokens": 16,
+        "max_num_seqs": 8,
+    },
+    "tight-pool-preemption": {"num_gpu_blocks_override": 7, "max_model_len": 64},
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCH_CASES))
+def test_greedy_with_ngram_equals_greedy_without_and_hf(tiny_checkpoints, arch):
+    """Token for token on every architecture, batched, under chunked prefill (a 16-token
+    budget the drafts share), preemption (asserted), prefix hits (a second run), n > 1 and
+    stop strings; the drafts were accepted and every block came back."""
+    path = tiny_checkpoints[arch]
+    prompts = _prompts()
+    base = LLM(path, max_model_len=256, num_gpu_blocks_override=256)
+    reference = _tokens(base.generate(prompts, GREEDY, use_tqdm=False))
+    for prompt, tokens in zip(prompts, reference, strict=True):
+        assert_greedy_equal(path, prompt, tokens, MAX_TOKENS)
+    for name, args in ENGINE_PATHS.items():
+        llm = _spec_llm(path, **args)
+        assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference, name
+        engine = llm.engine
+        assert engine.spec_counters.num_accepted_tokens > 0, name
+        if name == "tight-pool-preemption":
+            assert engine.scheduler.num_preemptions > 0, "the pool did not force preemption"
+        if name == "batched":
+            again = llm.generate(prompts, GREEDY, use_tqdm=False)
+            assert _tokens(again) == reference
+            assert all(o.num_cached_tokens > 0 for o in again), "no prefix hit"
+        kv = engine.scheduler.kv_cache
+        assert kv.num_free_blocks == kv.num_blocks, name
+
+
+def test_n_greater_than_one_and_stop_strings(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    prompts = _prompts()
+    base = LLM(path, max_model_len=256, num_gpu_blocks_override=256)
+    spec = _spec_llm(path, num_gpu_blocks_override=256)
+    two = SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    want = base.generate(prompts, two, use_tqdm=False)
+    got = spec.generate(prompts, two, use_tqdm=False)
+    for w, g in zip(want, got, strict=True):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+    # A stop string taken from the middle of the reference text: the run is cut inside an
+    # accepted draft run exactly where the non-speculative engine stops.
+    full = base.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, full, strict=True):
+        text = out.outputs[0].text
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        params = SamplingParams(
+            max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, stop=(stop,)
+        )
+        w = base.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        g = spec.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert (g.text, g.token_ids, g.finish_reason, g.stop_reason) == (
+            w.text,
+            w.token_ids,
+            w.finish_reason,
+            w.stop_reason,
+        )
+        assert w.finish_reason == "stop"
+    assert spec.engine.spec_counters.num_accepted_tokens > 0
+    kv = spec.engine.scheduler.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_accepted_drafts_take_fewer_forwards_than_tokens(tiny_checkpoints):
+    llm = _spec_llm(tiny_checkpoints["qwen2"], num_gpu_blocks_override=128)
+    counter = _StepCounter()
+    llm.engine.subscribe(counter)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    out = llm.generate([[11, 12, 13] * 7], params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 48 == counter.generated
+    assert counter.steps < 48, f"{counter.steps} forwards for 48 tokens: nothing accepted"
+
+
+def test_aborts_mid_verification_leak_no_block(tiny_checkpoints):
+    llm = _spec_llm(tiny_checkpoints["mistral"], num_gpu_blocks_override=64)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(None, p, params) for p in _prompts()]
+    while engine.spec_counters.num_drafts < 4:
+        engine.step()
+        check_invariants(engine.scheduler)
+    for rid in ids[:2]:
+        engine.abort_request(rid)
+    engine.step()
+    for rid in ids[2:]:
+        engine.abort_request(rid)
+    check_invariants(engine.scheduler)
+    kv = engine.scheduler.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks
+    assert not engine.has_unfinished_requests()
+
+
+def test_sampling_with_seeds_is_reproducible_and_logprobs_are_the_targets(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    spec = _spec_llm(path, num_gpu_blocks_override=128)
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.8, top_k=20, seed=7, logprobs=2, ignore_eos=True
+    )
+    first = spec.generate(_prompts(), params, use_tqdm=False)
+    again = spec.generate(_prompts(), params, use_tqdm=False)
+    assert _tokens(first) == _tokens(again)
+    for out in first:
+        c = out.outputs[0]
+        assert len(c.logprobs) == len(c.token_ids) == MAX_TOKENS
+        assert math.isclose(
+            c.cumulative_logprob,
+            sum(lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)),
+            rel_tol=1e-5,
+        )
+    assert spec.engine.spec_counters.num_drafts > 0
+
+
+def test_penalties_opt_out_of_speculation(tiny_checkpoints):
+    spec = _spec_llm(tiny_checkpoints["llama"], num_gpu_blocks_override=128)
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, repetition_penalty=1.3, ignore_eos=True
+    )
+    spec.generate(_prompts(), params, use_tqdm=False)
+    assert spec.engine.spec_counters.num_drafts == 0
+
+
+def test_metrics_exported_with_vllm_names(tiny_checkpoints):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagefleet.engine.server.metrics import _EngineCollector
+
+    llm = _spec_llm(tiny_checkpoints["llama"], num_gpu_blocks_override=128)
+    llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(llm.engine, "tiny"))
+    text = generate_latest(registry).decode()
+    samples = {
+        (s.name, s.labels.get("position")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    counters = llm.engine.spec_counters
+    assert samples[("vllm:spec_decode_num_drafts_total", None)] == counters.num_drafts > 0
+    assert samples[("vllm:spec_decode_num_draft_tokens_total", None)] == (counters.num_draft_tokens)
+    accepted = samples[("vllm:spec_decode_num_accepted_tokens_total", None)]
+    assert accepted == counters.num_accepted_tokens > 0
+    per_pos = [
+        samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(p))] for p in range(4)
+    ]
+    assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1] >= per_pos[2] >= per_pos[3]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"kv_cache_dtype": "fp8", "num_gpu_blocks_override": 256},
+        {"kv_offloading_size": 0.01, "num_gpu_blocks_override": 7, "max_model_len": 64},
+    ],
+    ids=["fp8-kv-cache", "offload-tier"],
+)
+def test_issue_19_pools_speculate_unchanged(tiny_checkpoints, args):
+    """The fp8 KV cache and the CPU offload tier (a pool too small for the batch, so blocks
+    are evicted to the tier and loaded back on the second run) give the same greedy tokens
+    with speculation as without, on the same pool."""
+    path = tiny_checkpoints["llama"]
+    base = LLM(path, **{"max_model_len": 256, **args})
+    spec = _spec_llm(path, **args)
+    for _ in range(2):
+        want = _tokens(base.generate(_prompts(), GREEDY, use_tqdm=False))
+        assert _tokens(spec.generate(_prompts(), GREEDY, use_tqdm=False)) == want
+    assert spec.engine.spec_counters.num_accepted_tokens > 0
+    offload = spec.engine.stats().kv_offload
+    if offload is not None:
+        assert offload.loaded_blocks > 0, "nothing came back from the tier"
+    kv = spec.engine.scheduler.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks
