@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from pagefleet.engine.json_flag import parse_json_object
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -28,16 +29,7 @@ class SpeculativeConfig:
         """A config from the flag's JSON (or LLM(...)'s dict); ValueError saying what is wrong."""
         if raw is None or isinstance(raw, SpeculativeConfig):
             return raw
-        if isinstance(raw, str):
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise _error(f"is not JSON ({e})") from None
-        if not isinstance(raw, dict):
-            raise _error("must be a JSON object")
-        unknown = sorted(set(raw) - _KEYS)
-        if unknown:
-            raise _error(f"unknown keys {unknown}; known: {sorted(_KEYS)}")
+        raw = parse_json_object("--speculative-config", raw, _KEYS)
         method = raw.get("method")
         if method not in METHODS:
             raise _error(f"method={method!r}: must be one of {', '.join(METHODS)}")
