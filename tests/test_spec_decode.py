@@ -115,14 +115,17 @@ def test_serve_flag_reaches_engine_args():
 # ---------------------------------------------------------------------------- pure pieces
 
 
-def test_ngram_proposes_what_followed_the_latest_longest_match():
+def test_ngram_proposes_what_followed_a_match_of_the_longest_suffix():
     proposer = NgramProposer(3, 1, 3)
-    # "1 2 3" recurs: the latest earlier occurrence is followed by 9 8.
+    # "1 2 3" recurs: the latest earlier occurrence followed by 3 tokens wins.
     assert proposer.propose([1, 2, 3, 4, 5, 1, 2, 3, 9, 8, 7, 1, 2, 3], 10) == [9, 8, 7]
     assert proposer.propose([1, 2, 3, 4], 10) == []  # nothing recurs
     assert proposer.propose([7, 1, 7], 10) == [1, 7]  # shorter than k near the end
     assert proposer.propose([5, 6, 5, 6, 5, 6], 1) == [5]  # room for one draft only
     assert NgramProposer(3, 2, 3).propose([1, 2, 5, 2], 10) == []  # below prompt_lookup_min
+    # A loop of period 2: the latest match is followed by 2 tokens only; an earlier turn
+    # of the loop gives all 4.
+    assert NgramProposer(4, 1, 2).propose([9, 5, 6, 5, 6, 5, 6, 5, 6], 10) == [5, 6, 5, 6]
 
 
 def test_greedy_accept_keeps_matching_prefix_then_targets_token():

@@ -1,5 +1,5 @@
-"""The n-gram (prompt lookup) proposer: drafts are what followed the most recent earlier
-occurrence of the request's last n tokens, longest n first (vLLM's `ngram` method)."""
+"""The n-gram (prompt lookup) proposer: drafts are what followed an earlier occurrence of the
+request's last n tokens, longest n first (vLLM's `ngram` method)."""
 
 from __future__ import annotations
 
@@ -19,20 +19,25 @@ class NgramProposer:
             return []
         longest = min(self.prompt_lookup_max, len(tokens) - 1)
         for n in range(longest, self.prompt_lookup_min - 1, -1):
-            start = find_last_earlier(tokens, n)
+            start = find_earlier(tokens, n, k)
             if start >= 0:
                 return tokens[start + n : start + n + k]
         return []
 
 
-def find_last_earlier(tokens: list[int], n: int) -> int:
-    """Start of the latest occurrence of tokens[-n:] that ends before the last token, or -1."""
+def find_earlier(tokens: list[int], n: int, k: int) -> int:
+    """Start of an occurrence of tokens[-n:] that ends before the last token, or -1: the
+    latest one followed by k tokens, else the earliest (followed by the most). The latest
+    continues most like the recent text; but in a loop of period p < k it is followed by only
+    p tokens, and an earlier turn of the same loop proposes all k."""
     suffix = tokens[-n:]
     first = suffix[0]
-    # Scan right to left: the latest match continues most like the recent text.
+    found = -1
     i = len(tokens) - n - 1
     while i >= 0:
         if tokens[i] == first and tokens[i : i + n] == suffix:
-            return i
+            found = i
+            if len(tokens) - (i + n) >= k:
+                return i
         i -= 1
-    return -1
+    return found
