@@ -4,8 +4,12 @@ tiny architecture, the rejection sampler's distribution, leaks after aborts, and
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
 
+import httpx
 import pytest
 import torch
 
@@ -18,6 +22,7 @@ from pagefleet.engine.request import RequestStatus
 from pagefleet.engine.spec_decode.config import SpeculativeConfig
 from pagefleet.engine.spec_decode.ngram import NgramProposer
 from pagefleet.engine.spec_decode.rejection import greedy_accept, rejection_sample
+from server_utils import PAGEFLEET, metric_value, running_server
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 MAX_TOKENS = 24
@@ -446,3 +451,45 @@ def test_issue_19_pools_speculate_unchanged(tiny_checkpoints, args):
         assert offload.loaded_blocks > 0, "nothing came back from the tier"
     kv = spec.engine.scheduler.kv_cache
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_serve_speculates_and_exports_metrics(tiny_checkpoints):
+    """`pagefleet serve --speculative-config` end to end: the completion equals the offline
+    engine's greedy output without speculation, and /metrics counts the accepted drafts."""
+    path = tiny_checkpoints["llama"]
+    prompt = _prompts()[1]
+    want = LLM(path, max_model_len=256, num_gpu_blocks_override=256).generate(
+        [prompt], GREEDY, use_tqdm=False
+    )[0]
+    with running_server(path, "--speculative-config", json.dumps(NGRAM)) as (base, _):
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        got = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+        assert got["choices"][0]["text"] == want.outputs[0].text
+        assert metric_value(base, "vllm:spec_decode_num_accepted_tokens_total") > 0
+        assert metric_value(base, "vllm:spec_decode_num_drafts_total") > 0
+        first = {"position": "0"}
+        assert metric_value(base, "vllm:spec_decode_num_accepted_tokens_per_pos_total", first) > 0
+
+
+def test_serve_refuses_an_unknown_method_at_startup(tiny_checkpoints):
+    proc = subprocess.run(
+        [
+            PAGEFLEET,
+            "serve",
+            tiny_checkpoints["llama"],
+            "--speculative-config",
+            '{"method": "eagle", "num_speculative_tokens": 2}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode != 0
+    assert "--speculative-config method='eagle'" in proc.stdout + proc.stderr
