@@ -148,24 +148,27 @@ class ModelRunner:
         bs = self.block_size
         # Single-token rows sorted by context length, so attention groups pad little; each
         # entry keeps its place k in the batch, so sampled rows come back in batch order.
-        singles = sorted(
-            ((k, r) for k, (r, n) in enumerate(out.scheduled) if n == 1),
-            key=lambda e: e[1].num_computed_tokens,
-        )
-        chunks = [(k, r, n) for k, (r, n) in enumerate(out.scheduled) if n > 1]
+        # A request verifying drafts is 1 + k single rows (positions in order): the pool
+        # takes every row's keys and values before any row attends, so each reads the rows
+        # before it as a decode row would, batched with the decodes.
+        singles = sorted(_single_rows(out), key=lambda e: e[2])
+        chunks = [
+            (k, r, n)
+            for k, (r, n) in enumerate(out.scheduled)
+            if n > 1 and r.request_id not in out.spec_token_ids
+        ]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         skipped: list[int] = []  # rows whose keys/values are already in a shared block
         tables: list[list[int]] = []
         context_lens: list[int] = []
-        sample_row_of: list[range | None] = [None] * len(out.scheduled)  # by batch place
+        sample_row_of: list[list[int] | None] = [None] * len(out.scheduled)  # by batch place
         prompt_rows: list[tuple[Request, int, int, int]] = []
 
-        for row, (k, req) in enumerate(singles):
-            pos = req.num_computed_tokens
+        for row, (k, req, pos, token) in enumerate(singles):
             ids = req.block_ids
-            input_ids.append(req.all_token_ids[pos])
+            input_ids.append(token)
             positions.append(pos)
             if pos < req.num_cached_tokens:
                 skipped.append(row)
@@ -183,9 +186,6 @@ class ModelRunner:
         for k, req, n in chunks:
             start = req.num_computed_tokens
             input_ids.extend(req.all_token_ids[start : start + n])
-            drafts = out.spec_token_ids.get(req.request_id)
-            if drafts:  # verification: the last token's row, then one row per draft
-                input_ids.extend(drafts)
             pos = torch.arange(start, start + n)
             chunk_positions.append(pos)
             block_ids = torch.tensor(req.block_ids[: (start + n + bs - 1) // bs])
@@ -266,9 +266,8 @@ class ModelRunner:
     def _note_rows(req, k, row, start, n, sample_row_of, prompt_rows) -> None:
         end = start + n
         if end >= req.num_tokens:
-            # Every row past the request's tokens is a draft's: all of them are sampled.
-            first = min(row + n - 1, row + req.num_tokens - 1 - start)
-            sample_row_of[k] = range(first, row + n)
+            # A verification's rows come one at a time, in position order.
+            sample_row_of[k] = [*(sample_row_of[k] or ()), row + n - 1]
         if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
             # Rows at positions p < prompt_len - 1 predict prompt token p + 1.
             count = min(end, req.num_prompt_tokens - 1) - start
@@ -283,6 +282,19 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[row : row + count])
             result[req.request_id] = (start, prompt_logprob_entries(req, start, logits))
         return result
+
+
+def _single_rows(out: SchedulerOutput):
+    """(batch place, request, position, input token) of every single-token row: decodes,
+    one-token recomputes, and each row of a verification (last token, then the drafts)."""
+    for k, (req, n) in enumerate(out.scheduled):
+        drafts = out.spec_token_ids.get(req.request_id)
+        start = req.num_computed_tokens
+        if drafts:
+            for i, token in enumerate([req.all_token_ids[start], *drafts]):
+                yield k, req, start + i, token
+        elif n == 1:
+            yield k, req, start, req.all_token_ids[start]
 
 
 def prompt_logprob_entries(req: Request, start: int, logits: torch.Tensor) -> list[TokenLogprobs]:

@@ -15,15 +15,18 @@ Design (this slice builds the n-gram proposer; the seams below are where the res
   ``max_len`` even if all are accepted. Its KV slots are allocated for all ``1 + k`` rows up
   front (the lookahead), by the same `allocate_slots` that may preempt; drafts are dropped, not
   kept, on preemption (a resumed request recomputes, then proposes again).
-* Verification. The runner lays a speculating request out as a prompt chunk of ``1 + k`` rows
-  (input ids: last token then drafts), so ONE forward of the target covers the batch's decodes,
-  verifications and prefill chunks together, and returns logits at all ``1 + k`` rows of it
-  (other requests still only at their last row). `rejection.py` then keeps the longest accepted
-  prefix plus one token from the target: greedy accepts a draft iff it is the target's argmax;
-  sampling accepts draft d with probability ``min(1, p(d) / q(d))`` - for n-gram drafts q is a
-  point mass, so ``p(d)`` - and on rejection draws from ``max(0, p - q)`` renormalised, where p is
-  the target's distribution after temperature, top-k, top-p and min-p. Emitted tokens are
-  distributed exactly as non-speculative sampling; logprobs reported are the target's raw ones.
+* Verification. The runner lays a speculating request out as ``1 + k`` single-token rows
+  (input ids: last token then drafts, at consecutive positions), sorted and grouped with the
+  batch's decode rows: the attention backend writes every row's keys and values into the pool
+  before any row attends, so row i reads the rows before it exactly as a decode would, and ONE
+  forward of the target covers decodes, verifications and prefill chunks together. Logits
+  come back at all ``1 + k`` rows of a verification (other requests: only their last row).
+  `rejection.py` then keeps the longest accepted prefix plus one token from the target:
+  greedy accepts a draft iff it is the target's argmax; sampling accepts draft d with
+  probability ``min(1, p(d) / q(d))`` - for n-gram drafts q is a point mass, so ``p(d)`` - and
+  on rejection draws from ``max(0, p - q)`` renormalised, where p is the target's
+  distribution after temperature, top-k, top-p and min-p. Emitted tokens are distributed
+  exactly as non-speculative sampling; logprobs reported are the target's raw ones.
 * Given back. `Scheduler.update_from_output` counts as computed only the last token and the
   accepted drafts; the KV written for rejected drafts sits past ``num_computed_tokens`` and is
   overwritten before anything reads it, and whole blocks past the request's tokens are freed
@@ -47,7 +50,9 @@ Design (this slice builds the n-gram proposer; the seams below are where the res
   same chunks as the target, in the step that computes them). EAGLE-style heads plug in at the
   same `Proposer` seam, fed the target's last hidden states, which the runner would return next
   to the logits; they need no KV of their own beyond one layer, kept in the same block ids.
-* Not built in this slice, refused at start-up (`check_supported`): tensor parallelism,
-  disaggregated P/D, the Triton backend and CUDA graphs (the verify shapes are not captured),
-  ``--simulate``, ``draft_model``.
+* Not built in this slice, refused at start-up (`EngineArgs._check_speculation`,
+  `LLMEngine._speculation`): tensor parallelism, disaggregated P/D, the Triton backend and
+  CUDA graphs (verify rows are single rows, so a captured decode graph would take them as
+  decodes; whether the Triton kernels see the same write-before-read order is unchecked on a
+  GPU), ``--simulate``, ``draft_model``. The fp8 KV cache and the CPU offload tier work.
 """
