@@ -400,17 +400,16 @@ def test_penalties_opt_out_of_speculation(tiny_checkpoints):
     assert spec.engine.spec_counters.num_drafts == 0
 
 
-def test_metrics_exported_with_vllm_names(tiny_checkpoints):
-    from prometheus_client import CollectorRegistry, generate_latest
+def test_metrics_exported_with_vllm_names_and_logged(tiny_checkpoints):
+    from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from pagefleet.engine.server.metrics import _EngineCollector
+    from pagefleet.engine.server.metrics import EngineMetrics
 
     llm = _spec_llm(tiny_checkpoints["llama"], num_gpu_blocks_override=128)
+    metrics = EngineMetrics(llm.engine, "tiny")
     llm.generate(_prompts(), GREEDY, use_tqdm=False)
-    registry = CollectorRegistry()
-    registry.register(_EngineCollector(llm.engine, "tiny"))
-    text = generate_latest(registry).decode()
+    text = generate_latest(metrics.registry).decode()
     samples = {
         (s.name, s.labels.get("position")): s.value
         for f in text_string_to_metric_families(text)
@@ -425,6 +424,12 @@ def test_metrics_exported_with_vllm_names(tiny_checkpoints):
         samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(p))] for p in range(4)
     ]
     assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1] >= per_pos[2] >= per_pos[3]
+    # The generation counter counts every token kept, drafts included.
+    assert samples[("vllm:generation_tokens_total", None)] == len(_prompts()) * MAX_TOKENS
+    rate = accepted / counters.num_draft_tokens
+    mean = 1 + accepted / counters.num_drafts
+    line = metrics.log_line()
+    assert f"Spec decode acceptance rate: {rate:.1%}, Mean accepted length: {mean:.2f}" in line
 
 
 @pytest.mark.parametrize(
