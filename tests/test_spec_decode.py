@@ -241,21 +241,25 @@ def test_drafts_are_cut_by_the_budget_and_max_tokens_and_a_stop_token():
     check_invariants(sched)
 
 
-def test_preemption_drops_drafts():
+def test_drafts_never_force_a_preemption_and_preemption_drops_them():
     sched = make_scheduler(num_blocks=3, block_size=4, max_num_batched_tokens=16)
     a = make_request("a", [1, 2, 3, 4, 5, 6, 7], max_tokens=5)
-    b = make_request("b", [9, 9, 9], max_tokens=5)
+    b = make_request("b", [9, 9], max_tokens=5)
     sched.add_request(a)
     sched.add_request(b)
+    sched.update_from_output(sched.schedule(), [8, 10])  # a: 2 blocks, b: 1; the pool is full
+    a.spec_token_ids = [1, 2, 3]
     out = sched.schedule()
-    sched.update_from_output(out, [8, 10])
-    b.spec_token_ids = [1, 2, 3, 4, 5, 6]
-    a.spec_token_ids = [1, 2, 3, 4, 5, 6]
+    # a's lookahead needs a third block: none is free, so a decodes without its drafts and
+    # b keeps its blocks.
+    assert not out.preempted and out.spec_token_ids == {}
+    assert out.scheduled == [(a, 1), (b, 1)]
+    sched.update_from_output(out, [11, 12])
+    b.spec_token_ids = [4, 5]
     out = sched.schedule()
-    # a's lookahead (3 drafts: max_tokens leaves room for no more) needs the pool's last
-    # block: b, admitted last, is preempted and loses its drafts; a verifies its own.
-    assert out.preempted == [b] and b.spec_token_ids == []
-    assert out.spec_token_ids == {"a": [1, 2, 3]}
+    # a's plain decode now needs the third block: b, admitted last, is preempted by the
+    # usual rule and its drafts go with its blocks.
+    assert out.preempted == [b] and b.spec_token_ids == [] and out.spec_token_ids == {}
     check_invariants(sched)
 
 

@@ -243,9 +243,12 @@ class Scheduler:
             if n > 1:
                 n = min(n, budget, chunk_cap)
             elif req.spec_token_ids:
-                n += self._num_drafts(req, budget)
+                # The drafts' slots (the lookahead) only from free blocks: guesses never cost
+                # another request a preemption; without room the request decodes plainly.
+                k = self._num_drafts(req, budget)
+                if k and self.kv_cache.allocate_slots(req, 1 + k):
+                    n += k
             # The inline test is the fast path: the last block has room (most decode steps).
-            # Drafts' slots are allocated here too (the lookahead).
             if computed + n > len(req.block_ids) * bs and not self._allocate_or_preempt(
                 req, i, n, out
             ):

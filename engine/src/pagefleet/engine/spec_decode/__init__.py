@@ -13,8 +13,10 @@ Design (this slice builds the n-gram proposer; the seams below are where the res
   its last sampled token and k drafts, with k cut so that the budget
   (``max_num_batched_tokens``) pays for every speculative token and the request cannot pass
   ``max_len`` even if all are accepted. Its KV slots are allocated for all ``1 + k`` rows up
-  front (the lookahead), by the same `allocate_slots` that may preempt; drafts are dropped, not
-  kept, on preemption (a resumed request recomputes, then proposes again).
+  front (the lookahead), from free blocks only: when they are not there the request decodes
+  plainly this step, so guesses never preempt anyone (vLLM preempts for them; a recompute
+  costs more than a verification saves). Drafts are dropped on preemption (a resumed request
+  recomputes, then proposes again).
 * Verification. The runner lays a speculating request out as ``1 + k`` single-token rows
   (input ids: last token then drafts, at consecutive positions), sorted and grouped with the
   batch's decode rows: the attention backend writes every row's keys and values into the pool
