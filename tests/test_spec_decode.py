@@ -12,13 +12,17 @@ import subprocess
 import httpx
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_scheduler_properties import VOCAB, reference_output
 
 from conftest import check_invariants, make_request, make_scheduler
 from hf_reference import ARCH_CASES, assert_greedy_equal
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.client import EngineObserver, StepStats
 from pagefleet.engine.config import EngineArgs
-from pagefleet.engine.request import RequestStatus
+from pagefleet.engine.request import Request, RequestStatus
+from pagefleet.engine.simulated import stand_in_token
 from pagefleet.engine.spec_decode.config import SpeculativeConfig
 from pagefleet.engine.spec_decode.ngram import NgramProposer
 from pagefleet.engine.spec_decode.rejection import greedy_accept, rejection_sample
@@ -502,3 +506,86 @@ def test_serve_refuses_an_unknown_method_at_startup(tiny_checkpoints):
     )
     assert proc.returncode != 0
     assert "--speculative-config method='eagle'" in proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------- property
+
+
+def _verify_as_stand_in(req, drafts: list[int]) -> list[int]:
+    """What the stand-in model (the property tests' deterministic 'model') emits after
+    verifying `drafts`: its token after each input row, then greedy acceptance."""
+    rows = [*req.all_token_ids, *drafts]
+    start = req.num_tokens
+    targets = [stand_in_token(rows[: start + i], VOCAB) for i in range(len(drafts) + 1)]
+    return greedy_accept(targets, drafts)
+
+
+def _guess(req, data, k: int) -> list[int]:
+    """Drafts: the stand-in's true continuation for a drawn number of tokens, then noise."""
+    right = data.draw(st.integers(0, k))
+    tokens = list(req.all_token_ids)
+    drafts = []
+    for i in range(data.draw(st.integers(0, k))):
+        token = stand_in_token(tokens, VOCAB) if i < right else data.draw(st.integers(0, 4))
+        tokens.append(token)
+        drafts.append(token)
+    return drafts
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    num_blocks=st.integers(6, 24),
+    budget=st.sampled_from([3, 6, 32]),
+    prompts=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=10), min_size=1, max_size=5),
+)
+def test_random_drafts_keep_outputs_pool_and_slots_right(data, num_blocks, budget, prompts):
+    """Random drafts (partly right, partly wrong) on tiny pools: every request's output is the
+    stand-in model's own, every slot a step reads holds the request's verified prefix (never a
+    rejected draft's, never another prefix through the cache), the pool's books balance after
+    every step, and every block is free at the end."""
+    bs = 4
+    sched = make_scheduler(
+        num_blocks=num_blocks,
+        block_size=bs,
+        max_num_batched_tokens=budget,
+        max_num_seqs=3,
+        max_model_len=40,
+    )
+    slots: dict[tuple[int, int], tuple] = {}  # (block, offset) -> prefix that wrote it
+    requests = []
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=data.draw(st.integers(1, 14)), ignore_eos=True)
+        req = Request(f"r{i}", prompt, params, block_size=bs)
+        sched.add_request(req)
+        requests.append((req, prompt, params))
+    for _ in range(400):
+        if not sched.has_unfinished():
+            break
+        for req in sched.running:
+            if req.num_computed_tokens == req.num_tokens - 1:
+                req.spec_token_ids = _guess(req, data, 4)
+        out = sched.schedule()
+        emitted = []
+        for req, n in out.scheduled:
+            drafts = out.spec_token_ids.get(req.request_id, [])
+            rows = [*req.all_token_ids, *drafts]
+            for pos in range(req.num_computed_tokens):
+                where = (req.block_ids[pos // bs], pos % bs)
+                assert slots[where] == tuple(rows[: pos + 1]), f"{req} reads a stale slot"
+            for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
+                if pos >= req.num_cached_tokens:
+                    slots[(req.block_ids[pos // bs], pos % bs)] = tuple(rows[: pos + 1])
+        for req in out.samples():
+            drafts = out.spec_token_ids.get(req.request_id)
+            emitted.append(
+                _verify_as_stand_in(req, drafts)
+                if drafts
+                else stand_in_token(req.all_token_ids, VOCAB)
+            )
+        sched.update_from_output(out, emitted)
+        check_invariants(sched)
+    assert not sched.has_unfinished()
+    for req, prompt, params in requests:
+        assert req.output_token_ids == reference_output(prompt, params, 40), req
+    assert sched.kv_cache.num_free_blocks == num_blocks
