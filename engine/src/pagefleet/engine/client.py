@@ -13,6 +13,7 @@ from typing import Protocol
 
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.spec_decode.stats import SpecDecodeStats
 from pagefleet.engine.validation import RequestRules
 
 
@@ -82,6 +83,7 @@ class EngineStats:
     num_held_blocks: int  # blocks a prefill engine holds for decode engines
     kv_transfer: KVTransferStats | None  # None without --kv-transfer-config
     kv_offload: KVOffloadStats | None = None  # None without --kv-offloading-size
+    spec_decode: SpecDecodeStats | None = None  # None without --speculative-config
 
 
 @dataclass(frozen=True)

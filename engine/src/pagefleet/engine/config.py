@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from pagefleet.engine.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from pagefleet.engine.simulated import SimulationProfile
@@ -67,10 +69,16 @@ class EngineArgs:
     # CPU offload tier: GiB of host memory for blocks evicted from the device pool (0: none).
     kv_offloading_size: float = 0.0
     kv_offloading_backend: str = "native"
+    # Speculative decoding: vLLM's --speculative-config JSON (or its dict, or the parsed
+    # config, which it becomes here); see spec_decode/.
+    speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "must be > 0")
         self._check_offloading()
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None:
+            self._check_speculation()
         _require(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             "kv_cache_dtype",
@@ -107,6 +115,22 @@ class EngineArgs:
                 "num_gpu_blocks_override",
                 self.num_gpu_blocks_override,
                 "must be >= 1",
+            )
+
+    def _check_speculation(self) -> None:
+        """Combinations this slice of speculative decoding does not build (see spec_decode/)."""
+        rules = (
+            (self.tensor_parallel_size == 1, "tensor parallelism (--tensor-parallel-size 1)"),
+            (self.kv_transfer_config is None, "P/D disaggregation (--kv-transfer-config)"),
+            (self.simulate is None, "--simulate (it needs real weights)"),
+            (self.attention_backend != "triton", "the Triton backend (--attention-backend torch)"),
+        )
+        for ok, what in rules:
+            _require(
+                ok,
+                "speculative_config",
+                self.speculative_config,
+                f"speculative decoding does not run with {what} yet",
             )
 
     def _check_offloading(self) -> None:

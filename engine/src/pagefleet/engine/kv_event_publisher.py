@@ -12,7 +12,6 @@ fleet's client key are let in), and `BlockStored` carries no token ids unless
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -29,6 +28,7 @@ from pagefleet.common.kv_events import (
     seq_from_bytes,
 )
 from pagefleet.engine.client import EngineObserver, StepStats
+from pagefleet.engine.json_flag import parse_json_object
 
 
 @dataclass(frozen=True)
@@ -46,16 +46,7 @@ class KVEventsConfig:
 
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--kv-events-config is not JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"--kv-events-config: unknown keys {unknown}; known: {sorted(known)}")
+        raw = parse_json_object("--kv-events-config", text, (f.name for f in fields(cls)))
         config = cls(**raw)
         if config.publisher not in ("zmq", "null"):
             raise ValueError(f"--kv-events-config: publisher {config.publisher!r}: zmq or null")

@@ -53,6 +53,9 @@ from pagefleet.engine.sampler import Sampler
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import Scheduler
 from pagefleet.engine.simulated import SimulatedRunner
+from pagefleet.engine.spec_decode.ngram import NgramProposer
+from pagefleet.engine.spec_decode.stats import SpecDecodeCounters
+from pagefleet.engine.spec_decode.verifier import StepTokens, propose, sample_with_drafts
 
 FAILED_RANK_GRACE_S = 5.0
 logger = logging.getLogger("pagefleet.engine")
@@ -128,6 +131,7 @@ class LLMEngine:
         else:
             runner, num_blocks = self._load_model_runner()
         self.runner = runner
+        self.proposer, self.spec_counters = self._speculation()
         self.tier_copier = self._offload_tier()
         num_host_blocks = self.tier_copier.host_blocks.shape[0] if self.tier_copier else 0
         self.scheduler = Scheduler.create(
@@ -172,6 +176,7 @@ class LLMEngine:
             num_held_blocks=sched.num_held_blocks,
             kv_transfer=transfer,
             kv_offload=self._offload_stats(),
+            spec_decode=self.spec_counters.snapshot() if self.spec_counters else None,
         )
 
     def _offload_stats(self) -> KVOffloadStats | None:
@@ -192,6 +197,29 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ set-up
+
+    def _speculation(self) -> tuple[NgramProposer | None, SpecDecodeCounters | None]:
+        """The proposer and acceptance counters of --speculative-config, or (None, None)."""
+        config = self.args.speculative_config
+        if config is None:
+            return None, None
+        runner = self.runner
+        if runner.backend.name != "torch" or runner.decode_graphs is not None:
+            raise ValueError(
+                "--speculative-config: speculative decoding runs only on the torch attention "
+                "backend without CUDA graphs yet (--attention-backend torch --enforce-eager)"
+            )
+        logger.info(
+            "Speculative decoding: %s, %d speculative tokens, prompt lookup %d..%d",
+            config.method,
+            config.num_speculative_tokens,
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+        )
+        proposer = NgramProposer(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+        return proposer, SpecDecodeCounters(config.num_speculative_tokens)
 
     def _offload_tier(self):
         """The CPU offload tier's host pool (--kv-offloading-size GiB), or None."""
@@ -630,19 +658,27 @@ class LLMEngine:
                 num_prompt += min(n, req.num_prompt_tokens - req.num_computed_tokens)
         # Sampled rows come back in batch order, as update_from_output takes them.
         logits, sample_reqs, prompt_logprobs = self.runner.execute(out)
-        sampled = self.sampler.sample(logits, sample_reqs)
-        self.scheduler.update_from_output(out, sampled.token_ids)
+        step = self._sample(out, logits, sample_reqs)
+        starts = [req.num_tokens for req in step.requests]
+        self.scheduler.update_from_output(
+            out,
+            [
+                tokens if req.request_id in out.spec_token_ids else tokens[0]
+                for req, tokens in zip(step.requests, step.token_ids, strict=True)
+            ],
+        )
         touched: dict[str, _Group] = {}
         for rid, (start, entries) in prompt_logprobs.items():
             group = self.groups[self._group_of[rid]]
             group.prompt_logprobs[start + 1 : start + 1 + len(entries)] = entries
-        for req, token, logprobs in zip(
-            sample_reqs, sampled.token_ids, sampled.logprobs, strict=True
+        num_generated = 0
+        for req, tokens, logprobs, start in zip(
+            step.requests, step.token_ids, step.logprobs, starts, strict=True
         ):
             group = self.groups.get(self._group_of.get(req.request_id, ""))
             if group is None:
                 continue
-            self._record_token(group, req, token, logprobs)
+            num_generated += self._record_tokens(group, req, tokens, logprobs, start)
             if req.hold_blocks and req.request_id in self.scheduler.held:
                 group.kv_transfer_params = self.connector.hold(
                     req.request_id, req.block_ids[: req.num_prompt_blocks], time.monotonic()
@@ -661,12 +697,44 @@ class LLMEngine:
             outputs.append(self._output(group))
             if group.finished:
                 self._forget(group)
-        stats = StepStats(num_prompt, len(sample_reqs), len(out.preempted))
+        if self.proposer is not None:
+            running = RequestStatus.RUNNING
+            propose(self.proposer, [r for r in step.requests if r.status is running])
+        stats = StepStats(num_prompt, num_generated, len(out.preempted))
         for observer in self.observers:
             observer.on_step(stats)
         return outputs
 
-    def _record_token(self, group: _Group, req: Request, token: int, logprobs) -> None:
+    def _sample(self, out, logits: torch.Tensor, sample_reqs: list[Request]) -> StepTokens:
+        """Each sampled request's new tokens: one, or a verification's (spec_decode/)."""
+        if out.spec_token_ids:
+            return sample_with_drafts(
+                self.sampler, logits, sample_reqs, out.spec_token_ids, self.spec_counters
+            )
+        sampled = self.sampler.sample(logits, sample_reqs)
+        return StepTokens(
+            sample_reqs, [[t] for t in sampled.token_ids], [[lp] for lp in sampled.logprobs]
+        )
+
+    def _record_tokens(
+        self, group: _Group, req: Request, tokens: list[int], logprobs: list, start: int
+    ) -> int:
+        """Record the tokens the scheduler appended after `start` (a stop token or max_len may
+        have cut `tokens`); a stop string inside them ends the request there and drops the
+        rest. Returns how many tokens the request kept."""
+        num_appended = req.num_tokens - start
+        for j in range(num_appended):
+            final = j == num_appended - 1
+            if self._record_token(group, req, tokens[j], logprobs[j], final) and not final:
+                del req.all_token_ids[start + j + 1 :]
+                return j + 1
+        return num_appended
+
+    def _record_token(
+        self, group: _Group, req: Request, token: int, logprobs, final: bool = True
+    ) -> bool:
+        """Record one new token (`final`: the last the step appended, the one the request's
+        status speaks of); True if a stop string ended the request on it."""
         seq = next(s for s in group.sequences if s.request is req)
         if group.num_cached_tokens is None:
             group.num_cached_tokens = req.num_cached_tokens
@@ -674,7 +742,7 @@ class LLMEngine:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token].logprob
         params = req.sampling_params
-        stopped_by_token = req.status is RequestStatus.FINISHED_STOPPED
+        stopped_by_token = final and req.status is RequestStatus.FINISHED_STOPPED
         # Like vLLM: a stop token's text is left out unless asked for, and stop strings only
         # count once min_tokens are out.
         stop_str = None
@@ -685,11 +753,13 @@ class LLMEngine:
             # "stop" also when max_tokens ended it in the same step.
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
             seq.stop_reason = stop_str
-        elif req.status.finished:
+            return True
+        if final and req.status.finished:
             if stopped_by_token and seq.stop_reason is None:
                 seq.stop_reason = token if token in params.stop_token_ids else None
             if seq.detok:
                 seq.detok.flush()
+        return False
 
     def _admit_siblings(self, group: _Group) -> None:
         """Admit the other n-1 samples once the first has its prompt's blocks cached."""

@@ -50,6 +50,7 @@ class Request:
         "request_id",
         "resumed_step",
         "sampling_params",
+        "spec_token_ids",
         "status",
         "stop_ids",
     )
@@ -92,6 +93,9 @@ class Request:
         # Disaggregation: a prefill pod keeps a finished request's blocks for a decode pod
         # (`hold_blocks`); a decode pod pulls the prompt's blocks from `remote_source` (any
         # object the engine's KV connector understands) before computing the rest.
+        # Speculative decoding: draft tokens proposed to follow all_token_ids, verified in
+        # the request's next step (not part of its tokens until accepted).
+        self.spec_token_ids: list[int] = []
         self.hold_blocks = False
         self.remote_source: object | None = None
         stop = set(sampling_params.stop_token_ids)

@@ -34,8 +34,9 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    # Rows whose logits are sampled (a request's last row once its prompt is done), in the
-    # scheduler's batch order (rows themselves are laid out in another order, see prepare).
+    # Rows whose logits are sampled (a request's last row once its prompt is done; all
+    # 1 + k rows of a request verifying k drafts), in the scheduler's batch order (rows
+    # themselves are laid out in another order, see prepare), with each row's request.
     sample_rows: list[int]
     sample_requests: list[Request]
     # Requests asking for prompt logprobs: (request, first row, first position, rows).
@@ -128,7 +129,8 @@ class ModelRunner:
         self, out: SchedulerOutput
     ) -> tuple[torch.Tensor, list[Request], dict[str, tuple[int, list[TokenLogprobs]]]]:
         """Run one step; returns (logits of the sampled rows, their requests, in batch order as
-        `out.samples()`, and prompt logprobs by request id)."""
+        `out.samples()`, and prompt logprobs by request id). A request verifying drafts has
+        all its 1 + k rows there, one after another, and appears once per row."""
         inputs = self.prepare(out)
         hidden = None
         if self.decode_graphs is not None:
@@ -146,24 +148,27 @@ class ModelRunner:
         bs = self.block_size
         # Single-token rows sorted by context length, so attention groups pad little; each
         # entry keeps its place k in the batch, so sampled rows come back in batch order.
-        singles = sorted(
-            ((k, r) for k, (r, n) in enumerate(out.scheduled) if n == 1),
-            key=lambda e: e[1].num_computed_tokens,
-        )
-        chunks = [(k, r, n) for k, (r, n) in enumerate(out.scheduled) if n > 1]
+        # A request verifying drafts is 1 + k single rows (positions in order): the pool
+        # takes every row's keys and values before any row attends, so each reads the rows
+        # before it as a decode row would, batched with the decodes.
+        singles = sorted(_single_rows(out), key=lambda e: e[2])
+        chunks = [
+            (k, r, n)
+            for k, (r, n) in enumerate(out.scheduled)
+            if n > 1 and r.request_id not in out.spec_token_ids
+        ]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         skipped: list[int] = []  # rows whose keys/values are already in a shared block
         tables: list[list[int]] = []
         context_lens: list[int] = []
-        sample_row_of: list[int | None] = [None] * len(out.scheduled)  # by batch place
+        sample_row_of: list[list[int] | None] = [None] * len(out.scheduled)  # by batch place
         prompt_rows: list[tuple[Request, int, int, int]] = []
 
-        for row, (k, req) in enumerate(singles):
-            pos = req.num_computed_tokens
+        for row, (k, req, pos, token) in enumerate(singles):
             ids = req.block_ids
-            input_ids.append(req.all_token_ids[pos])
+            input_ids.append(token)
             positions.append(pos)
             if pos < req.num_cached_tokens:
                 skipped.append(row)
@@ -188,9 +193,12 @@ class ModelRunner:
             prefills.append(PrefillChunk(row, n, start, block_ids.to(self.device)))
             self._note_rows(req, k, row, start, n, sample_row_of, prompt_rows)
             row += n
-        sample_rows = [r for r in sample_row_of if r is not None]
+        sample_rows = [r for rows in sample_row_of if rows is not None for r in rows]
         sample_requests = [
-            out.scheduled[k][0] for k, r in enumerate(sample_row_of) if r is not None
+            out.scheduled[k][0]
+            for k, rows in enumerate(sample_row_of)
+            if rows is not None
+            for _ in rows
         ]
 
         num_single = len(singles)
@@ -258,7 +266,8 @@ class ModelRunner:
     def _note_rows(req, k, row, start, n, sample_row_of, prompt_rows) -> None:
         end = start + n
         if end >= req.num_tokens:
-            sample_row_of[k] = row + n - 1
+            # A verification's rows come one at a time, in position order.
+            sample_row_of[k] = [*(sample_row_of[k] or ()), row + n - 1]
         if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
             # Rows at positions p < prompt_len - 1 predict prompt token p + 1.
             count = min(end, req.num_prompt_tokens - 1) - start
@@ -273,6 +282,19 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[row : row + count])
             result[req.request_id] = (start, prompt_logprob_entries(req, start, logits))
         return result
+
+
+def _single_rows(out: SchedulerOutput):
+    """(batch place, request, position, input token) of every single-token row: decodes,
+    one-token recomputes, and each row of a verification (last token, then the drafts)."""
+    for k, (req, n) in enumerate(out.scheduled):
+        drafts = out.spec_token_ids.get(req.request_id)
+        start = req.num_computed_tokens
+        if drafts:
+            for i, token in enumerate([req.all_token_ids[start], *drafts]):
+                yield k, req, start + i, token
+        elif n == 1:
+            yield k, req, start, req.all_token_ids[start]
 
 
 def prompt_logprob_entries(req: Request, start: int, logits: torch.Tensor) -> list[TokenLogprobs]:

@@ -65,16 +65,7 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
-        temperature = _on([p.temperature for p in params], logits)
-        logits = logits / temperature.unsqueeze(1)
-        if any(p.top_k > 0 for p in params):
-            logits = _top_k(logits, [p.top_k for p in params])
-        if any(p.top_p < 1.0 for p in params):
-            logits = _top_p(logits, _on([p.top_p for p in params], logits))
-        probs = torch.softmax(logits, dim=-1)
-        if any(p.min_p > 0 for p in params):
-            min_p = _on([p.min_p for p in params], logits).unsqueeze(1)
-            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = sampling_probs(logits, params)
         noise = torch.empty_like(probs)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
@@ -85,6 +76,12 @@ class Sampler:
                 noise[i].exponential_(generator=self._request_generator(req))
         return (probs / noise).argmax(dim=-1)
 
+    def generator_for(self, req: Request) -> torch.Generator:
+        """The generator `req`'s random draws come from: its own when seeded."""
+        if req.sampling_params.seed is None:
+            return self.generator
+        return self._request_generator(req)
+
     def _request_generator(self, req: Request) -> torch.Generator:
         gen = self.request_generators.get(req.request_id)
         if gen is None:
@@ -92,6 +89,22 @@ class Sampler:
             gen.manual_seed(req.sampling_params.seed)
             self.request_generators[req.request_id] = gen
         return gen
+
+
+def sampling_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """The distribution each row samples from: temperature, then top-k, top-p and min-p
+    (rows not renormalised after min-p; sampling treats them as weights)."""
+    temperature = _on([p.temperature for p in params], logits)
+    logits = logits / temperature.unsqueeze(1)
+    if any(p.top_k > 0 for p in params):
+        logits = _top_k(logits, [p.top_k for p in params])
+    if any(p.top_p < 1.0 for p in params):
+        logits = _top_p(logits, _on([p.top_p for p in params], logits))
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = _on([p.min_p for p in params], logits).unsqueeze(1)
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    return probs
 
 
 def apply_penalties(row: torch.Tensor, req: Request) -> None:

@@ -43,6 +43,9 @@ class SchedulerOutput:
     # `tier_stores` (blocks this step evicted) first, then starts these in the background.
     tier_loads: list[TierLoad] = field(default_factory=list)
     tier_stores: list[tuple[int, int]] = field(default_factory=list)  # (block_id, slot)
+    # Speculative decoding: request id -> the drafts it verifies this step (its scheduled
+    # count is 1 + len(drafts): the last token, then the drafts; see spec_decode/).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     num_tokens: int = 0
 
     @property
@@ -239,11 +242,19 @@ class Scheduler:
             n = len(req.all_token_ids) - computed
             if n > 1:
                 n = min(n, budget, chunk_cap)
+            elif req.spec_token_ids:
+                # The drafts' slots (the lookahead) only from free blocks: guesses never cost
+                # another request a preemption; without room the request decodes plainly.
+                k = self._num_drafts(req, budget)
+                if k and self.kv_cache.allocate_slots(req, 1 + k):
+                    n += k
             # The inline test is the fast path: the last block has room (most decode steps).
             if computed + n > len(req.block_ids) * bs and not self._allocate_or_preempt(
                 req, i, n, out
             ):
                 break  # the request preempted itself: nothing later fits either
+            if n > 1 and computed + 1 == len(req.all_token_ids):
+                out.spec_token_ids[req.request_id] = req.spec_token_ids[: n - 1]
             if computed + n < len(req.all_token_ids):
                 num_partial += 1
             scheduled.append((req, n))
@@ -258,6 +269,12 @@ class Scheduler:
         if tier is not None:
             out.tier_stores = tier.take_stores()
         return out
+
+    @staticmethod
+    def _num_drafts(req: Request, budget: int) -> int:
+        """Drafts a decoding request verifies: each costs a token of the budget, and all of
+        them plus the target's token must fit under max_len."""
+        return max(0, min(len(req.spec_token_ids), budget - 1, req.max_len - req.num_tokens - 1))
 
     def _admit(self, out: SchedulerOutput, budget: int, chunk_cap: int, num_partial: int) -> int:
         cfg = self.config
@@ -339,6 +356,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv_cache.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []  # a resumed request recomputes, then proposes again
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -351,7 +369,10 @@ class Scheduler:
 
         `sampled_token_ids` holds one token per scheduled request that samples in this step
         (see `SchedulerOutput.samples`), in `out.scheduled` order; a request whose prompt is
-        still unfinished after its chunk samples nothing. Extra tokens are ignored.
+        still unfinished after its chunk samples nothing. Extra tokens are ignored. A request
+        that verified drafts (`out.spec_token_ids`) gets a list instead: the drafts accepted
+        and the target's token; only those count as computed, a stop token or max_len cuts
+        the list there, and its blocks past its tokens go back to the pool.
         """
         kv = self.kv_cache
         bs = self.block_size
@@ -368,24 +389,18 @@ class Scheduler:
                 next_token += 1
             if req.status is not running_status:
                 continue  # aborted between schedule() and now
+            if samples and isinstance(token, list):
+                if self._append_verified(req, token):
+                    finished.append(req)
+                continue
             req.num_computed_tokens = computed
             if caching and computed // bs > req.num_cached_blocks:
                 kv.cache_computed_blocks(req)
             if not samples:
                 continue  # a prompt chunk: no token yet
             tokens.append(token)
-            num_tokens = computed + 1
-            if num_tokens % bs == 0:
-                req.hash_last_block()
-            if token in req.stop_ids and (
-                num_tokens - req.num_prompt_tokens >= req.sampling_params.min_tokens
-            ):
-                req.status = RequestStatus.FINISHED_STOPPED
-            elif num_tokens >= req.max_len:
-                req.status = RequestStatus.FINISHED_LENGTH
-            else:
-                continue
-            finished.append(req)
+            if self._append_ends(req, token):
+                finished.append(req)
         if finished:
             for req in finished:
                 if req.hold_blocks:
@@ -395,3 +410,41 @@ class Scheduler:
                 del self.requests[req.request_id]
             self.running = [r for r in self.running if r.status is running_status]
         return finished
+
+    def _append_ends(self, req: Request, token: int) -> bool:
+        """Account for `token`, just appended: hash a block it completed, and say whether it
+        ends the request (a stop token once min_tokens are out, or max_len)."""
+        num_tokens = len(req.all_token_ids)
+        if num_tokens % self.block_size == 0:
+            req.hash_last_block()
+        if token in req.stop_ids and (
+            num_tokens - req.num_prompt_tokens >= req.sampling_params.min_tokens
+        ):
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif num_tokens >= req.max_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+        else:
+            return False
+        return True
+
+    def _append_verified(self, req: Request, emitted: list[int]) -> bool:
+        """Apply a verification's tokens (accepted drafts, then the target's): True if they
+        ended the request. KV is valid for every input row whose token was kept, so all
+        tokens but the new last one count as computed; blocks past them are given back."""
+        ended = False
+        for token in emitted:
+            req.all_token_ids.append(token)
+            if self._append_ends(req, token):
+                ended = True
+                break
+        req.num_computed_tokens = len(req.all_token_ids) - 1
+        kv = self.kv_cache
+        if kv.enable_prefix_caching and req.num_computed_tokens // self.block_size > (
+            req.num_cached_blocks
+        ):
+            kv.cache_computed_blocks(req)
+        needed = -(-len(req.all_token_ids) // self.block_size)
+        if not ended and len(req.block_ids) > needed:
+            kv.pool.free(req.block_ids[needed:])
+            del req.block_ids[needed:]
+        return ended

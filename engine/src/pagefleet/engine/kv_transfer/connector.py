@@ -19,7 +19,6 @@ secret both ways before any byte moves.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import queue
 import secrets
@@ -39,6 +38,7 @@ from pagefleet.common.kv_errors import (
     TransferTimeout,
     UnknownRequest,
 )
+from pagefleet.engine.json_flag import parse_json_object
 from pagefleet.engine.kv_transfer.layout import CompatRecord, PoolInfo, RankAgent, geometry_of
 from pagefleet.engine.kv_transfer.service import (
     KVTransferClient,
@@ -75,19 +75,10 @@ class KVTransferConfig:
 
     @classmethod
     def parse(cls, text: str, **overrides) -> KVTransferConfig:
-        try:
-            raw = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"--kv-transfer-config is not JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(raw) - known - {"kv_connector_extra_config"})
-        if unknown:
-            raise ValueError(
-                f"--kv-transfer-config: unknown keys {unknown}; known: {sorted(known)}"
-            )
-        config = cls(**{k: v for k, v in raw.items() if k in known}, **overrides)
+        raw = parse_json_object(
+            "--kv-transfer-config", text, cls.__dataclass_fields__, {"kv_connector_extra_config"}
+        )
+        config = cls(**raw, **overrides)
         if config.kv_connector not in CONNECTORS:
             raise ValueError(f"kv_connector {config.kv_connector!r}: one of {list(CONNECTORS)}")
         if config.kv_role not in ROLES:

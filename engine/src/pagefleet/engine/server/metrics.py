@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagefleet.engine.client import EngineClient, EngineObserver, KVOffloadStats, StepStats
 from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger("pagefleet.server")
 
@@ -158,6 +159,26 @@ class _EngineCollector:
                 yield counter(f"pagefleet:kv_transfer_{metric}", doc, value)
         if stats.kv_offload is not None:
             yield from _offload_metrics(stats.kv_offload, gauge, counter)
+        if stats.spec_decode is not None:
+            yield from _spec_decode_metrics(stats.spec_decode, counter, name)
+
+
+def _spec_decode_metrics(spec: SpecDecodeStats, counter: Callable, name: list[str]):
+    """Speculative decoding's acceptance counters, by vLLM's names."""
+    for metric, doc, value in (
+        ("num_drafts", "Verifications of drafts (one per request and step).", spec.num_drafts),
+        ("num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens),
+        ("num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+    ):
+        yield counter(f"vllm:spec_decode_{metric}", doc, value)
+    per_pos = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft (0 = first).",
+        labels=["model_name", "position"],
+    )
+    for pos, value in enumerate(spec.accepted_per_pos):
+        per_pos.add_metric([*name, str(pos)], value)
+    yield per_pos
 
 
 def _offload_metrics(tier: KVOffloadStats, gauge: Callable, counter: Callable):
@@ -317,5 +338,14 @@ class EngineMetrics(EngineObserver):
             f"Avg prompt throughput: {prompt_rate:.1f} tokens/s, Avg generation throughput: "
             f"{gen_rate:.1f} tokens/s, Running: {stats.num_running} reqs, Waiting: "
             f"{stats.num_waiting} reqs, KV cache usage: {stats.kv_cache_usage:.1%}, "
-            f"Prefix cache hit rate: {hit:.1%}"
+            f"Prefix cache hit rate: {hit:.1%}{_spec_decode_line(stats.spec_decode)}"
         )
+
+
+def _spec_decode_line(spec: SpecDecodeStats | None) -> str:
+    if spec is None:
+        return ""
+    return (
+        f", Spec decode acceptance rate: {spec.acceptance_rate:.1%}, "
+        f"Mean accepted length: {spec.mean_accepted_length:.2f}"
+    )

@@ -200,6 +200,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         type=float,
     )
     flag(
+        "speculative_config",
+        "speculative decoding; vLLM's JSON, e.g. "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} '
+        "(method ngram; num_speculative_tokens 1..16; prompt_lookup_min (1) and "
+        "prompt_lookup_max (4): n-gram lengths looked up in the request's tokens)",
+    )
+    flag(
         "kv_offloading_backend",
         "the offload tier's implementation (lmcache is not built into pagefleet)",
         choices=["native", "lmcache"],

@@ -1,0 +1,60 @@
+"""Speculative decoding: a cheap proposer guesses tokens, the target model checks them all in
+one forward, and a rejection sampler keeps the output distribution the target's own.
+
+Design (this slice builds the n-gram proposer; the seams below are where the rest plugs in):
+
+* Proposals. After a step's tokens are applied, the engine asks the proposer for up to
+  ``num_speculative_tokens`` draft tokens per running request that is decoding and has not
+  opted out (`proposals_useful`), and stores them on ``Request.spec_token_ids``. The n-gram
+  proposer (`ngram.py`, vLLM's prompt lookup) finds the most recent earlier occurrence of the
+  request's last ``prompt_lookup_max``..``prompt_lookup_min`` tokens and proposes what followed
+  it. It is pure Python over the token list: no KV, no forward.
+* Scheduler (scheduler.py). A decoding request with drafts is scheduled for ``1 + k`` tokens:
+  its last sampled token and k drafts, with k cut so that the budget
+  (``max_num_batched_tokens``) pays for every speculative token and the request cannot pass
+  ``max_len`` even if all are accepted. Its KV slots are allocated for all ``1 + k`` rows up
+  front (the lookahead), from free blocks only: when they are not there the request decodes
+  plainly this step, so guesses never preempt anyone (vLLM preempts for them; a recompute
+  costs more than a verification saves). Drafts are dropped on preemption (a resumed request
+  recomputes, then proposes again).
+* Verification. The runner lays a speculating request out as ``1 + k`` single-token rows
+  (input ids: last token then drafts, at consecutive positions), sorted and grouped with the
+  batch's decode rows: the attention backend writes every row's keys and values into the pool
+  before any row attends, so row i reads the rows before it exactly as a decode would, and ONE
+  forward of the target covers decodes, verifications and prefill chunks together. Logits
+  come back at all ``1 + k`` rows of a verification (other requests: only their last row).
+  `rejection.py` then keeps the longest accepted prefix plus one token from the target:
+  greedy accepts a draft iff it is the target's argmax; sampling accepts draft d with
+  probability ``min(1, p(d) / q(d))`` - for n-gram drafts q is a point mass, so ``p(d)`` - and
+  on rejection draws from ``max(0, p - q)`` renormalised, where p is the target's
+  distribution after temperature, top-k, top-p and min-p. Emitted tokens are distributed
+  exactly as non-speculative sampling; logprobs reported are the target's raw ones.
+* Given back. `Scheduler.update_from_output` counts as computed only the last token and the
+  accepted drafts; the KV written for rejected drafts sits past ``num_computed_tokens`` and is
+  overwritten before anything reads it, and whole blocks past the request's tokens are freed
+  back to the pool at once. Block hashes are made as tokens are appended (accepted tokens only),
+  and `cache_computed_blocks` registers only full blocks below ``num_computed_tokens``, so no
+  block holding an unverified token is ever hashed, cached or announced in a KV event.
+  A stop token, a stop string or ``max_tokens`` inside the accepted run cuts the run there.
+* Opt-out (no proposals): requests with repetition/presence/frequency penalties (the penalty at
+  each draft position depends on the drafts before it; not built), requests still under
+  ``min_tokens`` (the stop-token mask depends on the position), prefill-side P/D requests that
+  hold their blocks. n > 1, seeds, logprobs and stop strings speculate.
+* Seeds. A seeded request draws its acceptance uniforms and residual samples from its own
+  generator, so it is reproducible run to run with speculation on; it does not reproduce the
+  token stream of the same seed with speculation off (vLLM makes no such promise either).
+* Draft model (next slice; ``method: draft_model`` is refused now). It gets its own
+  `ModelRunner` and its own KV pool, indexed by the SAME block ids as the target's: the
+  scheduler's one allocation (lookahead included) then covers both models, prefix hits, frees,
+  preemption and block tables stay one piece of bookkeeping, and the pool is sized from the
+  sum of both models' bytes per block. Its proposer runs k single-token forwards of the draft
+  over the decoding requests after each target step (and the draft prefills prompts in the
+  same chunks as the target, in the step that computes them). EAGLE-style heads plug in at the
+  same `Proposer` seam, fed the target's last hidden states, which the runner would return next
+  to the logits; they need no KV of their own beyond one layer, kept in the same block ids.
+* Not built in this slice, refused at start-up (`EngineArgs._check_speculation`,
+  `LLMEngine._speculation`): tensor parallelism, disaggregated P/D, the Triton backend and
+  CUDA graphs (verify rows are single rows, so a captured decode graph would take them as
+  decodes; whether the Triton kernels see the same write-before-read order is unchecked on a
+  GPU), ``--simulate``, ``draft_model``. The fp8 KV cache and the CPU offload tier work.
+"""

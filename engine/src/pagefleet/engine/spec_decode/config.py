@@ -1,0 +1,65 @@
+"""`--speculative-config`: vLLM's JSON, parsed and validated (pure; no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagefleet.engine.json_flag import parse_json_object
+
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+_KEYS = frozenset(
+    {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None  # the draft checkpoint (draft_model)
+
+    @classmethod
+    def parse(
+        cls, raw: str | dict[str, Any] | SpeculativeConfig | None
+    ) -> SpeculativeConfig | None:
+        """A config from the flag's JSON (or LLM(...)'s dict); ValueError saying what is wrong."""
+        if raw is None or isinstance(raw, SpeculativeConfig):
+            return raw
+        raw = parse_json_object("--speculative-config", raw, _KEYS)
+        method = raw.get("method")
+        if method not in METHODS:
+            raise _error(f"method={method!r}: must be one of {', '.join(METHODS)}")
+        k = _int(raw, "num_speculative_tokens", None)
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise _error(f"num_speculative_tokens={k}: must be in 1..{MAX_SPECULATIVE_TOKENS}")
+        if method == "draft_model":
+            raise _error(
+                "method draft_model is not built yet in pagefleet (use ngram); "
+                "see engine/spec_decode/__init__.py for its design"
+            )
+        if "model" in raw:
+            raise _error("model is only for method draft_model")
+        lo = _int(raw, "prompt_lookup_min", 1)
+        hi = _int(raw, "prompt_lookup_max", max(lo, 4))
+        if not 1 <= lo <= hi:
+            raise _error(f"prompt_lookup_min={lo}, prompt_lookup_max={hi}: need 1 <= min <= max")
+        if hi > 64:
+            raise _error(f"prompt_lookup_max={hi}: must be <= 64")
+        return cls(method, k, lo, hi)
+
+
+def _int(raw: dict[str, Any], key: str, default: int | None) -> int:
+    value = raw.get(key, default)
+    if value is None:
+        raise _error(f"{key} is required")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _error(f"{key}={value!r}: must be an integer")
+    return value
+
+
+def _error(what: str) -> ValueError:
+    return ValueError(f"--speculative-config {what}")
