@@ -660,13 +660,7 @@ class LLMEngine:
         logits, sample_reqs, prompt_logprobs = self.runner.execute(out)
         step = self._sample(out, logits, sample_reqs)
         starts = [req.num_tokens for req in step.requests]
-        self.scheduler.update_from_output(
-            out,
-            [
-                tokens if req.request_id in out.spec_token_ids else tokens[0]
-                for req, tokens in zip(step.requests, step.token_ids, strict=True)
-            ],
-        )
+        self.scheduler.update_from_output(out, _scheduler_tokens(out, step))
         touched: dict[str, _Group] = {}
         for rid, (start, entries) in prompt_logprobs.items():
             group = self.groups[self._group_of[rid]]
@@ -814,3 +808,15 @@ def _eos_ids(hf_config: dict, tokenizer, model_path: str) -> frozenset[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
+
+
+def _scheduler_tokens(out, step: StepTokens) -> list:
+    """The step's tokens as update_from_output takes them: one per sampled request, a list for
+    a request that verified drafts (a plain step skips the per-request look-up)."""
+    spec = out.spec_token_ids
+    if not spec:
+        return [tokens[0] for tokens in step.token_ids]
+    return [
+        tokens if req.request_id in spec else tokens[0]
+        for req, tokens in zip(step.requests, step.token_ids, strict=True)
+    ]
