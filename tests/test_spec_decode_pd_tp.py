@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from test_pd import as_router, kv_flags, prefill_directly, pulls
 from test_spec_decode import GREEDY, NGRAM, _prompts, _tokens
 
@@ -90,5 +91,111 @@ def test_tp2_with_ngram_equals_tp1_without(tiny_checkpoints):
         assert engine.spec_counters.num_accepted_tokens > 0
         kv = engine.scheduler.kv_cache
         assert kv.num_free_blocks == kv.num_blocks
+    finally:
+        llm.engine.close()
+
+
+# ------------------------------------------------------------- lossless sampling, engine level
+
+# A constant prompt on a tied-embedding checkpoint with small weights: every position sees the
+# same context, the repeated token is the most likely of the top 4 (~0.27, the others ~0.24),
+# and after it the n-gram proposer drafts it again. The first generated token is sampled
+# plainly (no drafts exist at prefill); given it is REPEAT, tokens 2 and 3 are drafted
+# positions (token 3 when token 2 was the accepted draft), each accepted about a quarter of
+# the time.
+REPEAT = 7
+SAMPLE_PROMPT = [REPEAT] * 16
+TOP_K = 4
+NUM_SAMPLES = 2000
+# Chi-square critical value for 3 degrees of freedom (4 tokens) at p = 0.001 (tables).
+CHI2_DF3_P001 = 16.27
+SPEC_NGRAM_1 = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+
+
+def _echo_checkpoint(root: Path) -> str:
+    from pagefleet.engine.model.tiny import write_tiny_checkpoint
+
+    path = root / "echo"
+    return str(write_tiny_checkpoint(path, tie_word_embeddings=True, initializer_range=0.02))
+
+
+def _target_top_k(path: str, prefixes: list[list[int]]) -> list[dict[int, float]]:
+    """The target's exact next-token distribution after each prefix under top-k = TOP_K at
+    temperature 1 (its raw top-k probabilities renormalised), from an engine that does not
+    speculate."""
+    llm = LLM(path, max_model_len=256, num_gpu_blocks_override=64)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=1, logprobs=TOP_K)
+        outs = llm.generate([list(p) for p in prefixes], params, use_tqdm=False)
+    finally:
+        llm.engine.close()
+    dists = []
+    for out in outs:
+        top = sorted(out.outputs[0].logprobs[0].items(), key=lambda kv: kv[1].rank)[:TOP_K]
+        weights = {token: float(torch.tensor(lp.logprob).exp()) for token, lp in top}
+        total = sum(weights.values())
+        dists.append({token: w / total for token, w in weights.items()})
+    return dists
+
+
+def _chi_square(counts: dict[int, int], probs: dict[int, float]) -> float:
+    total = sum(counts.values())
+    stray = set(counts) - set(probs)
+    assert not stray, f"tokens outside the target's top {TOP_K}: {stray}"
+    return sum((counts.get(t, 0) - p * total) ** 2 / (p * total) for t, p in probs.items())
+
+
+def _drafted_counts(llm: LLM) -> tuple[dict[int, int], dict[int, int]]:
+    """Counts of token 2 given token 1 was REPEAT, and of token 3 given tokens 1 and 2 were."""
+    # Four tokens: room for two drafts after token 1 (tokens 2 and 3), and a bonus token.
+    params = SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([list(SAMPLE_PROMPT)] * NUM_SAMPLES, params, use_tqdm=False)
+    second: dict[int, int] = {}
+    third: dict[int, int] = {}
+    for out in outs:
+        t1, t2, t3 = out.outputs[0].token_ids[:3]
+        if t1 == REPEAT:
+            second[t2] = second.get(t2, 0) + 1
+            if t2 == REPEAT:
+                third[t3] = third.get(t3, 0) + 1
+    return second, third
+
+
+def _accept_always(probs, drafts, generator):
+    """A wrong rule: keep every draft, then draw the bonus token from the last row."""
+    bonus = torch.multinomial(probs[len(drafts)], 1, generator=generator)
+    return [*drafts, int(bonus.item())]
+
+
+def test_sampled_tokens_at_drafted_positions_follow_the_targets_distribution(tmp_path, monkeypatch):
+    """Through the engine (scheduler, verify rows, top-k, the rejection sampler): the tokens
+    at drafted positions match the target's top-k distribution within a chi-square bound at
+    p = 0.001; the same test fails for an engine that accepts every draft. Fails for: a
+    rejection rule that keeps drafts too often or too rarely, a residual that does not remove
+    the draft's mass, probabilities taken before top-k/temperature, and verify rows whose
+    logits belong to another position."""
+    path = _echo_checkpoint(tmp_path)
+    after_one, after_two = _target_top_k(
+        path, [[*SAMPLE_PROMPT, REPEAT], [*SAMPLE_PROMPT, REPEAT, REPEAT]]
+    )
+    # The drafts (REPEAT) are among the target's top k: both branches of the rule run.
+    assert REPEAT in after_one and REPEAT in after_two
+    llm = LLM(path, max_model_len=256, speculative_config=SPEC_NGRAM_1)
+    try:
+        second, third = _drafted_counts(llm)
+        counters = llm.engine.spec_counters
+        # Every request whose first token was REPEAT verified two drafts (tokens 2 and 3).
+        assert counters.num_drafts >= sum(second.values()) > 400
+        assert counters.num_draft_tokens >= 2 * sum(second.values())
+        assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+        assert sum(third.values()) > 100
+        assert _chi_square(second, after_one) < CHI2_DF3_P001
+        assert _chi_square(third, after_two) < CHI2_DF3_P001
+
+        monkeypatch.setattr(
+            "pagefleet.engine.spec_decode.verifier.rejection_sample", _accept_always
+        )
+        wrong_second, _ = _drafted_counts(llm)
+        assert _chi_square(wrong_second, after_one) > CHI2_DF3_P001
     finally:
         llm.engine.close()
