@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from test_pd import as_router, kv_flags, prefill_directly, pulls
 from test_spec_decode import GREEDY, NGRAM, _prompts, _tokens
 
 from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.distributed.step_codec import decode_step, encode_step
 from server_utils import FLEET_ENV, metric_value, running_server
 
 # Repetitive, so the decode engine's n-gram drafts get accepted; 3 full blocks and a partial.
@@ -65,7 +67,19 @@ def test_pd_decode_engine_speculates_on_pulled_kv_and_equals_colocated(tiny_chec
         assert "Speculative decoding: ngram" in decode_log
 
 
-def test_tp2_with_ngram_equals_tp1_without(tiny_checkpoints):
+TP_PATHS = {
+    "chunked-prefill": {"num_gpu_blocks_override": 64, "max_num_batched_tokens": 32},
+    # 9 blocks of 16 for 4 requests of up to 48 tokens (3 blocks each): preemption.
+    "tight-pool-preemption": {
+        "num_gpu_blocks_override": 9,
+        "max_num_batched_tokens": 32,
+        "max_model_len": 140,
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(TP_PATHS))
+def test_tp2_with_ngram_equals_tp1_without(tiny_checkpoints, name):
     """Rank 0 prepares the verify rows (1 + k single rows a request) and broadcasts them in the
     step body; the workers run them as given. Fails for: a step codec that drops or reorders
     verify rows (a worker's shard attends over other slots: the gathered logits change),
@@ -73,12 +87,7 @@ def test_tp2_with_ngram_equals_tp1_without(tiny_checkpoints):
     step between ranks (the output changes on the next verification)."""
     path = tiny_checkpoints["llama"]
     prompts = _prompts()
-    args = {
-        "max_model_len": 256,
-        "num_gpu_blocks_override": 64,
-        "max_num_batched_tokens": 32,
-        "max_num_seqs": 8,
-    }
+    args = {"max_model_len": 256, "max_num_seqs": 8} | TP_PATHS[name]
     base = LLM(path, **args)
     try:
         reference = _tokens(base.generate(prompts, GREEDY, use_tqdm=False))
@@ -89,10 +98,48 @@ def test_tp2_with_ngram_equals_tp1_without(tiny_checkpoints):
         assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
         engine = llm.engine
         assert engine.spec_counters.num_accepted_tokens > 0
+        if name == "tight-pool-preemption":
+            assert engine.scheduler.num_preemptions > 0, "the pool did not force preemption"
         kv = engine.scheduler.kv_cache
         assert kv.num_free_blocks == kv.num_blocks
     finally:
         llm.engine.close()
+
+
+def test_verify_rows_cross_the_step_broadcast_unchanged(tiny_checkpoints):
+    """Workers never see the drafts as such: rank 0's prepared step carries a verifying
+    request as 1 + k single rows (its last token, then the drafts, at consecutive positions
+    and slots) and 1 + k logit rows, and the body a worker decodes holds exactly those.
+    Fails for: a codec that truncates single rows to one a request, or drops logit rows."""
+    llm = LLM(tiny_checkpoints["llama"], max_model_len=256, speculative_config=NGRAM)
+    engine = llm.engine
+    try:
+        engine.add_request("r", list(PD_PROMPT), SamplingParams(temperature=0, max_tokens=16))
+        for _ in range(4):
+            engine.step()
+            req = engine.scheduler.running[0]
+            if req.spec_token_ids:
+                break
+        assert req.spec_token_ids, "the n-gram proposer proposed nothing"
+        out = engine.scheduler.schedule()
+        drafts = out.spec_token_ids[req.request_id]
+        inputs = engine.runner.prepare(out)
+        start = req.num_computed_tokens
+        assert inputs.input_ids.tolist() == [req.all_token_ids[start], *drafts]
+        assert inputs.positions.tolist() == list(range(start, start + 1 + len(drafts)))
+        assert len(inputs.sample_rows) == 1 + len(drafts)
+        head, body = encode_step(
+            inputs.input_ids, inputs.positions, inputs.meta, list(inputs.sample_rows)
+        )
+        ids, positions, meta, logit_rows = decode_step(body, head.tolist()[2], 16)
+        assert torch.equal(ids, inputs.input_ids) and torch.equal(positions, inputs.positions)
+        assert torch.equal(meta.slot_mapping, inputs.meta.slot_mapping)
+        assert meta.num_single == inputs.meta.num_single == 1 + len(drafts)
+        assert logit_rows.tolist() == list(inputs.sample_rows)
+        for a, b in zip(meta.single_groups, inputs.meta.single_groups, strict=True):
+            assert torch.equal(a.block_tables, b.block_tables) and torch.equal(a.mask, b.mask)
+    finally:
+        engine.close()
 
 
 # ------------------------------------------------------------- lossless sampling, engine level
