@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_pd import as_router, kv_flags, prefill_directly, pulls
+from test_pd import decode_directly, kv_flags, prefill_directly, pulls
 from test_spec_decode import GREEDY, NGRAM, _prompts, _tokens
 
 from pagefleet.engine import LLM, SamplingParams
@@ -21,14 +21,6 @@ from server_utils import FLEET_ENV, metric_value, running_server
 PD_PROMPT = [5, 6, 7, 8, 9, 10, 11] * 8 + [5, 6]
 PD_MAX_TOKENS = 32
 SPEC_FLAGS = ("--speculative-config", json.dumps(NGRAM))
-
-
-def _decode_with_pulled_kv(decode: str, prompt: list[int], params: dict) -> str:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": PD_MAX_TOKENS, "temperature": 0}
-    body |= {"ignore_eos": True, "kv_transfer_params": params}
-    r = as_router(decode, body)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
 
 
 def test_pd_decode_engine_speculates_on_pulled_kv_and_equals_colocated(tiny_checkpoints):
@@ -54,7 +46,7 @@ def test_pd_decode_engine_speculates_on_pulled_kv_and_equals_colocated(tiny_chec
         ),
     ):
         kv_params = prefill_directly(prefill, PD_PROMPT)
-        assert _decode_with_pulled_kv(decode, PD_PROMPT, kv_params) == expected
+        assert decode_directly(decode, PD_PROMPT, kv_params, PD_MAX_TOKENS) == expected
         assert pulls(decode, "nixl") == 1
         assert metric_value(decode, "pagefleet:kv_transfer_fallbacks_total") == 0
         # Only the prompt's last token is computed on the decode engine (for its logits).
