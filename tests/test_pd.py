@@ -277,8 +277,10 @@ def prefill_directly(prefill: str, prompt: list[int]) -> dict:
     return r.json()["kv_transfer_params"]
 
 
-def decode_directly(decode: str, prompt: list[int], params: dict) -> str:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+def decode_directly(
+    decode: str, prompt: list[int], params: dict, max_tokens: int = MAX_TOKENS
+) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     body |= {"ignore_eos": True, "kv_transfer_params": params}
     r = as_router(decode, body)
     assert r.status_code == 200, r.text

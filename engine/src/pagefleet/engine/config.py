@@ -120,8 +120,6 @@ class EngineArgs:
     def _check_speculation(self) -> None:
         """Combinations this slice of speculative decoding does not build (see spec_decode/)."""
         rules = (
-            (self.tensor_parallel_size == 1, "tensor parallelism (--tensor-parallel-size 1)"),
-            (self.kv_transfer_config is None, "P/D disaggregation (--kv-transfer-config)"),
             (self.simulate is None, "--simulate (it needs real weights)"),
             (self.attention_backend != "triton", "the Triton backend (--attention-backend torch)"),
         )

@@ -203,6 +203,9 @@ class LLMEngine:
         config = self.args.speculative_config
         if config is None:
             return None, None
+        if _prefill_only(self.args.kv_transfer_config):
+            logger.info("Speculative decoding off: a prefill engine (kv_producer) decodes nothing")
+            return None, None
         runner = self.runner
         if runner.backend.name != "torch" or runner.decode_graphs is not None:
             raise ValueError(
@@ -795,6 +798,16 @@ def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def _prefill_only(kv_transfer_config: str | None) -> bool:
+    """Whether --kv-transfer-config makes this a prefill engine (it computes prompts and one
+    token each for decode engines: nothing to speculate on)."""
+    if not kv_transfer_config:
+        return False
+    from pagefleet.engine.kv_transfer.connector import KVTransferConfig
+
+    return KVTransferConfig.parse(kv_transfer_config).kv_role == "kv_producer"
 
 
 def _eos_ids(hf_config: dict, tokenizer, model_path: str) -> frozenset[int]:

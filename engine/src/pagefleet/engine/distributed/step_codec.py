@@ -6,6 +6,8 @@ Body: descriptors (counts, then (start, end, width) per single-row group and (st
 computed, blocks) per prompt chunk), then the data: input ids, positions, slots, write rows,
 each group's block tables and context lengths (workers rebuild its mask), each chunk's block
 ids, and the rows whose logits are computed (sampled rows, then prompt-logprob rows).
+A request verifying k drafts is already 1 + k single rows and 1 + k logit rows here: the
+workers run rank 0's rows as given and never need the drafts themselves.
 """
 
 from __future__ import annotations

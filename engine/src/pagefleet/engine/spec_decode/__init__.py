@@ -53,8 +53,11 @@ Design (this slice builds the n-gram proposer; the seams below are where the res
   same `Proposer` seam, fed the target's last hidden states, which the runner would return next
   to the logits; they need no KV of their own beyond one layer, kept in the same block ids.
 * Not built in this slice, refused at start-up (`EngineArgs._check_speculation`,
-  `LLMEngine._speculation`): tensor parallelism, disaggregated P/D, the Triton backend and
-  CUDA graphs (verify rows are single rows, so a captured decode graph would take them as
-  decodes; whether the Triton kernels see the same write-before-read order is unchecked on a
-  GPU), ``--simulate``, ``draft_model``. The fp8 KV cache and the CPU offload tier work.
+  `LLMEngine._speculation`): the Triton backend and CUDA graphs (verify rows are single rows,
+  so a captured decode graph would take them as decodes; whether the Triton kernels see the
+  same write-before-read order is unchecked on a GPU), ``--simulate``, ``draft_model``. The
+  fp8 KV cache and the CPU offload tier work. Tensor parallelism works unchanged: rank 0
+  prepares the verify rows and broadcasts them as rows (distributed/step_codec.py). In P/D the
+  decode engine speculates on the KV it pulled; a prefill engine (kv_producer) ignores the
+  flag with a log line, since it computes one token a request.
 """
