@@ -202,3 +202,19 @@ def test_a_draft_of_another_tokenizer_or_a_missing_path_is_refused(tiny_checkpoi
     config_file.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="eos token ids"):
         _draft_llm(target, str(other_eos))
+
+
+def test_sampling_with_a_draft_is_seeded_reproducible(tiny_checkpoints, drafts):
+    """Random requests verify greedy drafts with the rejection sampler (q a point mass): a
+    seeded request gives the same tokens run to run, and drafts were both accepted and
+    rejected along the way."""
+    target = tiny_checkpoints["llama"]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=20, seed=11)
+    runs = []
+    for _ in range(2):
+        llm = _draft_llm(target, drafts["llama"]["itself"], num_gpu_blocks_override=128)
+        runs.append(_tokens(llm.generate(PROMPTS, params, use_tqdm=False)))
+        counters = llm.engine.spec_counters
+        assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+    assert runs[0] == runs[1]
+    assert all(len(tokens) == MAX_TOKENS for tokens in runs[0])
