@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_spec_decode import ENGINE_PATHS, _prompts, _tokens
 
 from hf_reference import assert_greedy_equal
 from pagefleet.engine import LLM, SamplingParams
@@ -21,30 +22,12 @@ from pagefleet.engine.spec_decode.config import SpeculativeConfig
 K = 4
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-PROMPTS = [
-    [5, 6, 7, 8, 9, 10] * 4 + [5, 6],
-    [11, 12, 13] * 7,
-    [40 + i for i in range(37)],
-    [3, 4] * 9 + [100, 101, 3, 4],
-]
-ENGINE_PATHS = {
-    "batched": {"num_gpu_blocks_override": 256},
-    "chunked-prefill": {
-        "num_gpu_blocks_override": 256,
-        "max_num_batched_tokens": 16,
-        "max_num_seqs": 8,
-    },
-    "tight-pool-preemption": {"num_gpu_blocks_override": 7, "max_model_len": 64},
-}
+PROMPTS = _prompts()
 
 
 def _draft_llm(target: str, draft: str, **args) -> LLM:
     config = {"method": "draft_model", "model": draft, "num_speculative_tokens": K}
     return LLM(target, speculative_config=config, **{"max_model_len": 256, **args})
-
-
-def _tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 def _perturbed_copy(source: str, dest: Path, scale: float) -> str:
