@@ -53,6 +53,7 @@ from pagefleet.engine.sampler import Sampler
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import Scheduler
 from pagefleet.engine.simulated import SimulatedRunner
+from pagefleet.engine.spec_decode.config import SpeculativeConfig
 from pagefleet.engine.spec_decode.draft import DraftModelProposer
 from pagefleet.engine.spec_decode.ngram import NgramProposer
 from pagefleet.engine.spec_decode.stats import SpecDecodeCounters
@@ -232,7 +233,7 @@ class LLMEngine:
         )
         return proposer, SpecDecodeCounters(config.num_speculative_tokens)
 
-    def _draft_proposer(self, config) -> DraftModelProposer:
+    def _draft_proposer(self, config: SpeculativeConfig) -> DraftModelProposer:
         """Load the draft checkpoint (same tokenizer as the target) next to the target: its
         own pool, with the target's block ids plus scratch blocks, on the same device."""
         path = config.model
@@ -241,13 +242,12 @@ class LLMEngine:
         except FileNotFoundError as e:
             raise ValueError(f"--speculative-config model: cannot load the draft: {e}") from e
         target_config = read_config(self.args.model)
-        for key in ("vocab_size",):
-            if draft_config.get(key) != target_config.get(key):
-                raise ValueError(
-                    f"--speculative-config model {path!r}: {key} {draft_config.get(key)} is "
-                    f"not the target's {target_config.get(key)} (the draft must share the "
-                    f"target's tokenizer)"
-                )
+        vocab, target_vocab = draft_config.get("vocab_size"), target_config.get("vocab_size")
+        if vocab != target_vocab:
+            raise ValueError(
+                f"--speculative-config model {path!r}: vocab_size {vocab} is not the target's "
+                f"{target_vocab} (the draft must share the target's tokenizer)"
+            )
         target_eos = _eos_ids(target_config, self.tokenizer, self.args.model)
         draft_eos = _eos_ids(draft_config, self.tokenizer, path)
         if draft_eos != target_eos:
