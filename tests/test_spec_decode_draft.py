@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -18,6 +19,7 @@ from hf_reference import assert_greedy_equal
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.model.tiny import write_tiny_checkpoint
 from pagefleet.engine.spec_decode.config import SpeculativeConfig
+from server_utils import metric_value, running_server
 
 K = 4
 MAX_TOKENS = 24
@@ -201,3 +203,27 @@ def test_sampling_with_a_draft_is_seeded_reproducible(tiny_checkpoints, drafts):
         assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
     assert runs[0] == runs[1]
     assert all(len(tokens) == MAX_TOKENS for tokens in runs[0])
+
+
+def test_serve_with_a_draft_model_end_to_end(tiny_checkpoints):
+    """`pagefleet serve --speculative-config` with vLLM's draft_model JSON: the completion
+    equals the offline engine's greedy output without speculation, and /metrics counts every
+    draft of the target-as-its-own-draft accepted."""
+    path = tiny_checkpoints["llama"]
+    want = LLM(path, max_model_len=256, num_gpu_blocks_override=256).generate(
+        [PROMPTS[2]], GREEDY, use_tqdm=False
+    )[0]
+    config = {"method": "draft_model", "model": path, "num_speculative_tokens": K}
+    with running_server(path, "--speculative-config", json.dumps(config)) as (base, _):
+        body = {
+            "model": "tiny",
+            "prompt": PROMPTS[2],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        got = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+        assert got["choices"][0]["text"] == want.outputs[0].text
+        drafted = metric_value(base, "vllm:spec_decode_num_draft_tokens_total")
+        assert drafted > 0
+        assert metric_value(base, "vllm:spec_decode_num_accepted_tokens_total") == drafted
