@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram) against none: output tokens/s, forwards and acceptance.
+"""Speculative decoding (n-gram, draft model) against none: output tokens/s, forwards and
+acceptance.
 
 Float32 on CPU (2 threads), greedy, ignore_eos, each pair of runs in this process, alternated
 (none, ngram, none, ngram; best of two each) so that machine load hits both sides alike.
@@ -8,8 +9,12 @@ Float32 on CPU (2 threads), greedy, ignore_eos, each pair of runs in this proces
   (b) a looping model: the tests' tiny Llama (write_tiny_checkpoint's default shape), whose
       greedy output falls into loops the proposer predicts: what accepted drafts save.
 A trained model quoting its prompt sits between the two; docs/benchmarks.md has the figures.
+The draft_model rows use a 2-layer draft of the same tokenizer: the target's own first two
+layers with its embeddings, final norm and head (an early-exit draft; a separately trained
+2-layer model would agree with a random target on nothing).
 
     .venv/bin/python benchmarks/spec_decode.py [--threads 2] [--requests 8] [--workloads ab]
+        [--methods ngram,draft_model]
 
 Wall-clock ratios swing with the load of a shared machine; the ratio per CPU second (this
 process's) is the steadier figure there.
@@ -18,8 +23,10 @@ process's) is the steadier figure there.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -28,13 +35,38 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from offline_throughput import SHAPE
+from safetensors.torch import load_file, save_file
 
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.client import EngineObserver, StepStats
 from pagefleet.engine.model.tiny import write_tiny_checkpoint
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+DRAFT_LAYERS = 2
 OUTPUT_TOKENS = 96
+
+
+def method_config(method: str, draft: str) -> dict:
+    if method == "ngram":
+        return NGRAM
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": 4}
+
+
+def early_exit_draft(target: str, dest: Path, num_layers: int = DRAFT_LAYERS) -> str:
+    """A copy of the checkpoint at `target` keeping only its first `num_layers` layers."""
+    shutil.copytree(target, dest)
+    config_file = dest / "config.json"
+    config = json.loads(config_file.read_text())
+    config["num_hidden_layers"] = num_layers
+    config_file.write_text(json.dumps(config))
+    for file in dest.glob("*.safetensors"):
+        kept = {
+            name: w
+            for name, w in load_file(file).items()
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
+        }
+        save_file(kept, file, metadata={"format": "pt"})
+    return str(dest)
 
 
 def copy_heavy(n: int, seed: int = 0) -> list[list[int]]:
@@ -94,23 +126,23 @@ def run(path: str, prompts: list[list[int]], concurrency: int, spec: dict | None
     return result
 
 
-def compare(path: str, prompts: list[list[int]], concurrency: int) -> str:
-    runs: dict[str, list[dict]] = {"none": [], "ngram": []}
+def compare(path: str, prompts: list[list[int]], concurrency: int, method: str, draft: str) -> str:
+    runs: dict[str, list[dict]] = {"none": [], method: []}
     for _ in range(2):
         runs["none"].append(run(path, prompts, concurrency, None))
-        runs["ngram"].append(run(path, prompts, concurrency, NGRAM))
+        runs[method].append(run(path, prompts, concurrency, method_config(method, draft)))
     none = max(runs["none"], key=lambda r: r["tok_s"])
-    ngram = max(runs["ngram"], key=lambda r: r["tok_s"])
-    assert ngram["outputs"] == none["outputs"], "greedy output changed with speculation"
+    spec = max(runs[method], key=lambda r: r["tok_s"])
+    assert spec["outputs"] == none["outputs"], "greedy output changed with speculation"
     none_cpu = max(r["tok_cpu_s"] for r in runs["none"])
-    ngram_cpu = max(r["tok_cpu_s"] for r in runs["ngram"])
+    spec_cpu = max(r["tok_cpu_s"] for r in runs[method])
     return (
         f"concurrency {concurrency}: none {none['tok_s']:.1f} tok/s ({none['steps']} forwards), "
-        f"ngram {ngram['tok_s']:.1f} tok/s ({ngram['steps']} forwards), "
-        f"ratio {ngram['tok_s'] / none['tok_s']:.2f}x wall, {ngram_cpu / none_cpu:.2f}x per "
-        f"CPU second; acceptance {ngram['acceptance']:.1%}, "
-        f"mean accepted length {ngram['mean_len']:.2f}, accepted per position "
-        f"{list(ngram['per_pos'])} over {ngram['drafts']} drafts"
+        f"{method} {spec['tok_s']:.1f} tok/s ({spec['steps']} forwards), "
+        f"ratio {spec['tok_s'] / none['tok_s']:.2f}x wall, {spec_cpu / none_cpu:.2f}x per "
+        f"CPU second; acceptance {spec['acceptance']:.1%}, "
+        f"mean accepted length {spec['mean_len']:.2f}, accepted per position "
+        f"{list(spec['per_pos'])} over {spec['drafts']} drafts"
     )
 
 
@@ -119,6 +151,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--workloads", default="ab", help="a, b or ab")
+    parser.add_argument("--methods", default="ngram,draft_model", help="ngram and/or draft_model")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,8 +163,11 @@ def main() -> None:
         ):
             if name[1] not in args.workloads:
                 continue
-            for concurrency in (1, 8):
-                print(f"{name}, {compare(path, prompts, concurrency)}", flush=True)
+            draft = early_exit_draft(path, Path(tmp) / f"draft-{name[1]}")
+            for method in args.methods.split(","):
+                for concurrency in (1, 8):
+                    line = compare(path, prompts, concurrency, method, draft)
+                    print(f"{name}, {line}", flush=True)
 
 
 def looping(n: int, seed: int = 1) -> list[list[int]]:

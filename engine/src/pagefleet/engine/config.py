@@ -122,6 +122,11 @@ class EngineArgs:
         rules = (
             (self.simulate is None, "--simulate (it needs real weights)"),
             (self.attention_backend != "triton", "the Triton backend (--attention-backend torch)"),
+            (
+                self.speculative_config.method != "draft_model"
+                or (self.tensor_parallel_size == 1 and not self.kv_transfer_config),
+                "a draft model under --tensor-parallel-size > 1 or --kv-transfer-config",
+            ),
         )
         for ok, what in rules:
             _require(

@@ -53,6 +53,8 @@ from pagefleet.engine.sampler import Sampler
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import Scheduler
 from pagefleet.engine.simulated import SimulatedRunner
+from pagefleet.engine.spec_decode.config import SpeculativeConfig
+from pagefleet.engine.spec_decode.draft import DraftModelProposer
 from pagefleet.engine.spec_decode.ngram import NgramProposer
 from pagefleet.engine.spec_decode.stats import SpecDecodeCounters
 from pagefleet.engine.spec_decode.verifier import StepTokens, propose, sample_with_drafts
@@ -198,7 +200,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ set-up
 
-    def _speculation(self) -> tuple[NgramProposer | None, SpecDecodeCounters | None]:
+    def _speculation(
+        self,
+    ) -> tuple[NgramProposer | DraftModelProposer | None, SpecDecodeCounters | None]:
         """The proposer and acceptance counters of --speculative-config, or (None, None)."""
         config = self.args.speculative_config
         if config is None:
@@ -212,6 +216,14 @@ class LLMEngine:
                 "--speculative-config: speculative decoding runs only on the torch attention "
                 "backend without CUDA graphs yet (--attention-backend torch --enforce-eager)"
             )
+        if config.method == "draft_model":
+            proposer = self._draft_proposer(config)
+            logger.info(
+                "Speculative decoding: draft_model %s, %d speculative tokens",
+                config.model,
+                config.num_speculative_tokens,
+            )
+            return proposer, SpecDecodeCounters(config.num_speculative_tokens)
         logger.info(
             "Speculative decoding: %s, %d speculative tokens, prompt lookup %d..%d",
             config.method,
@@ -223,6 +235,56 @@ class LLMEngine:
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
         )
         return proposer, SpecDecodeCounters(config.num_speculative_tokens)
+
+    def _draft_proposer(self, config: SpeculativeConfig) -> DraftModelProposer:
+        """Load the draft checkpoint (same tokenizer as the target) next to the target: its
+        own pool, with the target's block ids plus scratch blocks, on the same device."""
+        path = config.model
+        try:
+            draft_config = read_config(path)
+        except FileNotFoundError as e:
+            raise ValueError(f"--speculative-config model: cannot load the draft: {e}") from e
+        target_config = read_config(self.args.model)
+        vocab, target_vocab = draft_config.get("vocab_size"), target_config.get("vocab_size")
+        if vocab != target_vocab:
+            raise ValueError(
+                f"--speculative-config model {path!r}: vocab_size {vocab} is not the target's "
+                f"{target_vocab} (the draft must share the target's tokenizer)"
+            )
+        target_eos = _eos_ids(target_config, self.tokenizer, self.args.model)
+        draft_eos = _eos_ids(draft_config, self.tokenizer, path)
+        if draft_eos != target_eos:
+            raise ValueError(
+                f"--speculative-config model {path!r}: eos token ids {sorted(draft_eos)} are "
+                f"not the target's {sorted(target_eos)} (the draft must share its tokenizer)"
+            )
+        if draft_config.get("max_position_embeddings", 4096) < self.max_model_len:
+            raise ValueError(
+                f"--speculative-config model {path!r}: max_position_embeddings "
+                f"{draft_config.get('max_position_embeddings')} < max_model_len "
+                f"{self.max_model_len}"
+            )
+        model = load_model(path, self.dtype, self.device, self.max_model_len)
+        args, k = self.args, config.num_speculative_tokens
+        num_blocks = self.runner.kv_pool.shape[3]
+        scratch = DraftModelProposer.scratch_blocks(args.max_num_seqs, k, args.block_size)
+        runner = ModelRunner(
+            model,
+            args.block_size,
+            num_blocks + scratch,
+            self.runner.backend,
+            self.device,
+            self.dtype,
+        )
+        logger.info(
+            "Draft model: %d layers, KV pool of %d + %d scratch blocks (%.2f GiB, %s)",
+            model.config.num_layers,
+            num_blocks,
+            scratch,
+            runner.kv_pool.numel() * runner.kv_pool.element_size() / GiB,
+            runner.kv_cache_dtype,
+        )
+        return DraftModelProposer(runner, num_blocks, k)
 
     def _offload_tier(self):
         """The CPU offload tier's host pool (--kv-offloading-size GiB), or None."""

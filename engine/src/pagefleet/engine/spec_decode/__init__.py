@@ -1,7 +1,7 @@
 """Speculative decoding: a cheap proposer guesses tokens, the target model checks them all in
 one forward, and a rejection sampler keeps the output distribution the target's own.
 
-Design (this slice builds the n-gram proposer; the seams below are where the rest plugs in):
+Design (n-gram and draft-model proposers; the seams below are where the rest plugs in):
 
 * Proposals. After a step's tokens are applied, the engine asks the proposer for up to
   ``num_speculative_tokens`` draft tokens per running request that is decoding and has not
@@ -43,21 +43,36 @@ Design (this slice builds the n-gram proposer; the seams below are where the res
 * Seeds. A seeded request draws its acceptance uniforms and residual samples from its own
   generator, so it is reproducible run to run with speculation on; it does not reproduce the
   token stream of the same seed with speculation off (vLLM makes no such promise either).
-* Draft model (next slice; ``method: draft_model`` is refused now). It gets its own
-  `ModelRunner` and its own KV pool, indexed by the SAME block ids as the target's: the
-  scheduler's one allocation (lookahead included) then covers both models, prefix hits, frees,
-  preemption and block tables stay one piece of bookkeeping, and the pool is sized from the
-  sum of both models' bytes per block. Its proposer runs k single-token forwards of the draft
-  over the decoding requests after each target step (and the draft prefills prompts in the
-  same chunks as the target, in the step that computes them). EAGLE-style heads plug in at the
-  same `Proposer` seam, fed the target's last hidden states, which the runner would return next
-  to the logits; they need no KV of their own beyond one layer, kept in the same block ids.
+* Draft model (`draft.py`). A smaller checkpoint of the same tokenizer (vocab size and eos
+  ids checked at start-up) with its own `ModelRunner` and KV pool, on the target's device and
+  dtype, indexed by the SAME block ids as the target's: the scheduler's one allocation
+  (lookahead included) covers both models, and frees, preemption and block tables stay one
+  piece of bookkeeping. The draft pool has the target's number of blocks plus scratch blocks
+  (per running request ``k // block_size + 2``): positions past a request's allocated blocks
+  (its drafts, and its last token when that block comes only with the next step's lookahead)
+  are written there and forgotten after the call. It is extra memory next to the target's
+  pool (not taken out of the target's budget: for a 2-layer draft of an 8-layer target, about
+  a quarter more). After each step the proposer runs, batched over the decoding requests, one
+  forward with every request's tokens the draft has not seen (a prefill chunk each: the
+  previous step's accepted tokens, or the whole context the first time), then ``k - 1``
+  single-token forwards of its own greedy drafts. Its KV of a request is trusted only for
+  tokens it wrote into that request's blocks while they are still the request's and no other
+  request's draft wrote them since; a request not proposed for in a step is forgotten. So a
+  prefix hit (the draft pool's copy of a cached block may hold nothing valid), a preemption
+  (new blocks) or a block freed and handed back are all recomputed: the first proposal for a
+  request prefills the draft over its whole context. Drafts are greedy (q is a point mass),
+  so the rejection sampler above serves both methods. EAGLE-style heads plug in at the same
+  seam (`verifier.propose`), fed the target's last hidden states, which the runner would
+  return next to the logits; they need no KV of their own beyond one layer, kept in the same
+  block ids.
 * Not built in this slice, refused at start-up (`EngineArgs._check_speculation`,
   `LLMEngine._speculation`): the Triton backend and CUDA graphs (verify rows are single rows,
   so a captured decode graph would take them as decodes; whether the Triton kernels see the
-  same write-before-read order is unchecked on a GPU), ``--simulate``, ``draft_model``. The
-  fp8 KV cache and the CPU offload tier work. Tensor parallelism works unchanged: rank 0
-  prepares the verify rows and broadcasts them as rows (distributed/step_codec.py). In P/D the
-  decode engine speculates on the KV it pulled; a prefill engine (kv_producer) ignores the
-  flag with a log line, since it computes one token a request.
+  same write-before-read order is unchecked on a GPU), ``--simulate``, and ``draft_model``
+  under tensor parallelism or P/D (not tested yet). The fp8 KV cache (target only: the
+  draft's pool is in the model's dtype) and the CPU offload tier work. Tensor parallelism works
+  unchanged for n-gram: rank 0 prepares the verify rows and broadcasts them as rows
+  (distributed/step_codec.py). In P/D the decode engine speculates on the KV it pulled; a
+  prefill engine (kv_producer) ignores the flag with a log line, since it computes one token a
+  request.
 """

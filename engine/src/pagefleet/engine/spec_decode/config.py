@@ -10,7 +10,14 @@ from pagefleet.engine.json_flag import parse_json_object
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 _KEYS = frozenset(
-    {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+    {
+        "method",
+        "num_speculative_tokens",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
+        "model",
+        "draft_tensor_parallel_size",
+    }
 )
 
 
@@ -37,12 +44,9 @@ class SpeculativeConfig:
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise _error(f"num_speculative_tokens={k}: must be in 1..{MAX_SPECULATIVE_TOKENS}")
         if method == "draft_model":
-            raise _error(
-                "method draft_model is not built yet in pagefleet (use ngram); "
-                "see engine/spec_decode/__init__.py for its design"
-            )
-        if "model" in raw:
-            raise _error("model is only for method draft_model")
+            return cls._draft_model(raw, k)
+        if "model" in raw or "draft_tensor_parallel_size" in raw:
+            raise _error("model and draft_tensor_parallel_size are only for method draft_model")
         lo = _int(raw, "prompt_lookup_min", 1)
         hi = _int(raw, "prompt_lookup_max", max(lo, 4))
         if not 1 <= lo <= hi:
@@ -50,6 +54,17 @@ class SpeculativeConfig:
         if hi > 64:
             raise _error(f"prompt_lookup_max={hi}: must be <= 64")
         return cls(method, k, lo, hi)
+
+    @classmethod
+    def _draft_model(cls, raw: dict[str, Any], k: int) -> SpeculativeConfig:
+        model = raw.get("model")
+        if not isinstance(model, str) or not model:
+            raise _error("model (the draft checkpoint's path) is required for draft_model")
+        if _int(raw, "draft_tensor_parallel_size", 1) != 1:
+            raise _error("draft_tensor_parallel_size must be 1 (the draft runs on one device)")
+        if "prompt_lookup_min" in raw or "prompt_lookup_max" in raw:
+            raise _error("prompt_lookup_min/max are only for method ngram")
+        return cls("draft_model", k, model=model)
 
 
 def _int(raw: dict[str, Any], key: str, default: int | None) -> int:

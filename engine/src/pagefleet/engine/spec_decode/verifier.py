@@ -10,6 +10,7 @@ import torch
 from pagefleet.engine.outputs import TokenLogprobs
 from pagefleet.engine.request import Request
 from pagefleet.engine.sampler import Sampler, sampling_probs, top_logprobs
+from pagefleet.engine.spec_decode.draft import DraftModelProposer
 from pagefleet.engine.spec_decode.ngram import NgramProposer
 from pagefleet.engine.spec_decode.rejection import greedy_accept, rejection_sample
 from pagefleet.engine.spec_decode.stats import SpecDecodeCounters
@@ -34,14 +35,25 @@ def proposals_useful(req: Request) -> bool:
     )
 
 
-def propose(proposer: NgramProposer, requests: list[Request]) -> None:
+def propose(proposer: NgramProposer | DraftModelProposer, requests: list[Request]) -> None:
     """Set the drafts of the decoding `requests` for their next step (none for the others)."""
+    chosen: list[Request] = []
+    rooms: list[int] = []
     for req in requests:
         # Room for the drafts and the token the target adds after them.
         room = req.max_len - req.num_tokens - 1
         decoding = req.num_computed_tokens == req.num_tokens - 1
-        useful = decoding and room > 0 and not req.status.finished and proposals_useful(req)
-        req.spec_token_ids = proposer.propose(req.all_token_ids, room) if useful else []
+        req.spec_token_ids = []
+        if decoding and room > 0 and not req.status.finished and proposals_useful(req):
+            chosen.append(req)
+            rooms.append(room)
+    if isinstance(proposer, NgramProposer):
+        pairs = zip(chosen, rooms, strict=True)
+        drafts = [proposer.propose(r.all_token_ids, room) for r, room in pairs]
+    else:  # one batched forward per draft position
+        drafts = proposer.propose_batch(chosen, rooms)
+    for req, req_drafts in zip(chosen, drafts, strict=True):
+        req.spec_token_ids = req_drafts
 
 
 def sample_with_drafts(
