@@ -273,20 +273,35 @@ def test_disconnecting_streams_free_everything(server):
     async def main():
         await asyncio.gather(*(drop(i) for i in range(16)))
 
+    before = {reason: _finished(server, reason) for reason in ("abort", "length")}
     asyncio.run(main())
-    aborted = {"finished_reason": "abort"}
+
+    def ended(reason: str) -> float:
+        return _finished(server, reason) - before[reason]
+
+    # A tiny model can finish a stream's 200 tokens before its client's leaving reaches the
+    # server (CI caught it on a busy box): such a stream ends by length, not abort. Every one of
+    # the 16 must end either way, at least one by the disconnect, and nothing stays held.
     wait_until(
         lambda: (
             metric_value(server, "vllm:num_requests_running") == 0
-            and metric_value(server, "vllm:request_success_total", aborted) >= 16
+            and ended("abort") + ended("length") >= 16
         ),
         timeout=30,
-        what="every left stream to be aborted",
+        what="every left stream to end",
     )
+    assert ended("abort") >= 1
     assert metric_value(server, "vllm:num_requests_running") == 0
     assert metric_value(server, "vllm:num_requests_waiting") == 0
     assert metric_value(server, "vllm:kv_cache_usage_perc") == 0
-    assert metric_value(server, "vllm:request_success_total", {"finished_reason": "abort"}) >= 16
+
+
+def _finished(server: str, reason: str) -> float:
+    """vllm:request_success_total for one finished_reason (0 before the first such request)."""
+    try:
+        return metric_value(server, "vllm:request_success_total", {"finished_reason": reason})
+    except KeyError:
+        return 0.0
 
 
 def test_api_key_guards_the_api_but_not_health_or_metrics(tiny_checkpoints):
