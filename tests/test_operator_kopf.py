@@ -776,8 +776,10 @@ def test_a_builtin_pool_scaled_by_hand_is_put_back_with_one_event_naming_it():
             )
             next_pass(state)
             next_pass(state)
-            events = client.list("v1", "Event", NS, {})
-            reverted = [e for e in events if e["reason"] == "ManualScaleReverted"]
+            # The event is posted after the Deployment is put back: wait for it (CI saw the
+            # list read in between), then require exactly one.
+            wait_for(lambda: _reverted_events(client), what="the ManualScaleReverted event")
+            reverted = _reverted_events(client)
             assert len(reverted) == 1, [e["message"] for e in reverted]
             (event,) = reverted
             assert event["type"] == "Warning"
@@ -1006,3 +1008,8 @@ def test_a_pool_switching_to_several_nodes_and_back_moves_its_replicas_between_k
             )
             next_pass(state)
             assert pool_replicas(client) == 2
+
+
+def _reverted_events(client) -> list[dict]:
+    events = client.list("v1", "Event", NS, {})
+    return [e for e in events if e["reason"] == "ManualScaleReverted"]
