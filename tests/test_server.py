@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, settings
 
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.client import EngineLimits, EngineObserver, EngineStats
+from pagefleet.engine.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.validation import RequestRules
 from server_utils import metric_value, running_server, wait_until
 
@@ -494,3 +495,92 @@ def test_the_server_needs_only_the_engine_client_seam(tiny_checkpoints):
         assert too_long.status_code == 400 and "maximum context length is 64" in too_long.text
         app.state.server.draining = True
         assert http.get("/health").status_code == 503
+
+
+class _EndlessEngine(_StubEngine):
+    """Streams one more token per tick until its stream is closed (which aborts it)."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.open_streams = 0
+
+    def check_request(self, prompt, params) -> None:
+        pass
+
+    def generate(self, prompt, params, request_id):
+        return self._stream(prompt, request_id)
+
+    async def _stream(self, prompt, request_id):
+        self.open_streams += 1
+        try:
+            for n in range(1, 100_000):
+                await asyncio.sleep(0)
+                out = CompletionOutput(0, "a" * n, [5] * n)
+                yield RequestOutput(request_id, None, list(prompt), [out])
+        finally:
+            await asyncio.sleep(0)  # an abort that awaits, as the engine client's does
+            self.open_streams -= 1
+
+
+async def _leave_after_first_chunk(app, path: str, body: dict) -> int:
+    """One streamed request over ASGI the way uvicorn (spec 2.3) runs it; the client
+    disconnects once the first chunk arrived. Returns the number of chunks it saw."""
+    first_chunk = asyncio.Event()
+    chunks = []
+    request = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive():
+        if request:
+            return request.pop()
+        await first_chunk.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message.get("body"):
+            chunks.append(message["body"])
+            first_chunk.set()
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    await app(scope, receive, send)
+    return len(chunks)
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "hello", "stream": True, "n": 2}),
+        ("/v1/chat/completions", {"messages": MESSAGES, "stream": True}),
+    ],
+)
+def test_a_client_that_leaves_a_stream_aborts_it_at_once(tiny_checkpoints, path, body):
+    """Without relying on the garbage collector (off here): CI saw an idle server keep left
+    streams running, and their aborts uncounted, past a 30-second wait."""
+    import gc
+
+    from pagefleet.common.tokenizer import load_tokenizer
+    from pagefleet.engine.server.app import ServerConfig, build_app
+
+    engine = _EndlessEngine(load_tokenizer(tiny_checkpoints["llama"]))
+    app = build_app(engine, ServerConfig("stub"))
+    gc.disable()
+    try:
+        seen = asyncio.run(asyncio.wait_for(_leave_after_first_chunk(app, path, body), 60))
+        assert 1 <= seen < 1000
+        assert engine.open_streams == 0  # every stream closed, so aborted in the engine
+    finally:
+        gc.enable()
+    aborts = app.state.server.metrics.success.labels("stub", "abort")._value.get()
+    assert aborts == body.get("n", 1)

@@ -1,12 +1,13 @@
 """HTTP pieces the engine and the router share: OpenAI-shaped errors, the bearer-key check,
-the request-body limit, and waiting for a client to disconnect."""
+the request-body limit, waiting for a client to disconnect, and a streamed response that
+cleans up as soon as its client leaves."""
 
 from __future__ import annotations
 
 import hmac
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 
 class APIError(Exception):
@@ -107,3 +108,18 @@ async def wait_disconnect(request: Request) -> None:
     """Return once the client has gone (call after the body was read)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A streamed response that closes its body the moment it ends. Starlette leaves an
+    unfinished body to the garbage collector: a client that left would keep its requests
+    running, its upstream connection open and its counters unset until a collection happened
+    to find the generator. Once the client is gone Starlette cancels the response's scope
+    again at every await, so a body shields the awaits of its own cleanup
+    (`anyio.CancelScope(shield=True)`): an interrupted close is no close."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()

@@ -30,9 +30,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -46,6 +47,7 @@ from pagefleet.common.fleet_auth import FieldSigner, FleetSecret
 from pagefleet.common.http_errors import (
     APIError,
     BodyLimit,
+    ClosingStreamingResponse,
     check_api_key,
     error_response,
     wait_disconnect,
@@ -586,8 +588,8 @@ def _forward_headers(request_headers: dict, api_key: str | None) -> dict:
 
 def _relay(
     response: httpx.Response, hooks: Hooks, routed: RoutedRequest, attempt: Attempt
-) -> StreamingResponse:
-    return StreamingResponse(
+) -> ClosingStreamingResponse:
+    return ClosingStreamingResponse(
         _relayed_body(response, hooks, routed, attempt),
         status_code=response.status_code,
         headers={
@@ -617,4 +619,5 @@ async def _relayed_body(
             yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
     finally:
         hooks.finish(routed, attempt, Outcome.RELAYED)
-        await response.aclose()
+        with anyio.CancelScope(shield=True):  # see ClosingStreamingResponse
+            await response.aclose()

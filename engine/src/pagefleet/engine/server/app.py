@@ -12,12 +12,14 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -26,6 +28,7 @@ from pagefleet.common.fleet_auth import FieldSigner
 from pagefleet.common.http_errors import (
     APIError,
     BodyLimit,
+    ClosingStreamingResponse,
     check_api_key,
     error_body,
     error_response,
@@ -462,8 +465,8 @@ async def _cancel_and_close(tasks, gens) -> None:
         await g.aclose()
 
 
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
-    async def body():
+async def _sse_events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    async with aclosing(chunks):
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
@@ -472,10 +475,12 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
         except Exception as e:  # the engine failed mid-stream
             body = error_body(f"internal error: {e}", "internal_error", 500)
             yield f"data: {json.dumps(body)}\n\n"
-        yield "data: [DONE]\n\n"
+    yield "data: [DONE]\n\n"
 
-    return StreamingResponse(
-        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+
+def _sse(chunks: AsyncIterator[dict]) -> ClosingStreamingResponse:
+    return ClosingStreamingResponse(
+        _sse_events(chunks), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )
 
 
@@ -487,13 +492,14 @@ async def _merge(gens) -> AsyncIterator[tuple[int, RequestOutput]]:
     done = object()
 
     async def pump(i, gen):
+        # Nothing is put once cancelled: the consumer is gone and the queue may be full.
         try:
             async for out in gen:
                 await queue.put((i, out))
         except Exception as e:  # re-raised in the consumer
             await queue.put((i, e))
-        finally:
-            await queue.put((i, done))
+            return
+        await queue.put((i, done))
 
     tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
     remaining = len(tasks)
@@ -507,48 +513,50 @@ async def _merge(gens) -> AsyncIterator[tuple[int, RequestOutput]]:
             else:
                 yield i, item
     finally:
-        await _cancel_and_close(tasks, gens)
+        with anyio.CancelScope(shield=True):  # see ClosingStreamingResponse
+            await _cancel_and_close(tasks, gens)
 
 
 async def _completion_chunks(gens, rid, created, model, req: CompletionRequest, prompts, tokenizer):
     sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, sample) -> (chars, tokens)
     offsets: dict[tuple[int, int], int] = {}  # text_offset of the next token
     finals: dict[int, RequestOutput] = {}
-    async for i, out in _merge(gens):
-        for c in out.outputs:
-            key = (i, c.index)
-            chars, toks = sent.get(key, (0, 0))
-            if len(c.text) == chars and not c.finished and len(c.token_ids) == toks:
-                continue
-            if key in sent and sent[key] == (-1, -1):
-                continue  # its final chunk went out already
-            # The echo goes with each choice's first chunk.
-            echo = None if key in sent else echoed_prompt(req, req.prompts()[i], out, tokenizer)
-            part = choice_part(c, chars, toks, echo)
-            logprobs = None
-            if req.logprobs is not None and part.logprobs is not None:
-                logprobs = completion_logprobs(
-                    part.logprobs, part.token_ids, tokenizer, offsets.get(key, 0)
-                )
-                offsets[key] = next_text_offset(logprobs, offsets.get(key, 0))
-            choice = {
-                "index": i * req.n + c.index,
-                "text": part.text,
-                "logprobs": logprobs,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            sent[key] = (-1, -1) if c.finished else (len(c.text), len(c.token_ids))
-            yield {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [choice],
-                **continuous_usage(req, len(prompts[i]), len(c.token_ids)),
-            }
-        if out.finished:
-            finals[i] = out
+    async with aclosing(_merge(gens)) as merged:
+        async for i, out in merged:
+            for c in out.outputs:
+                key = (i, c.index)
+                chars, toks = sent.get(key, (0, 0))
+                if len(c.text) == chars and not c.finished and len(c.token_ids) == toks:
+                    continue
+                if key in sent and sent[key] == (-1, -1):
+                    continue  # its final chunk went out already
+                # The echo goes with each choice's first chunk.
+                echo = None if key in sent else echoed_prompt(req, req.prompts()[i], out, tokenizer)
+                part = choice_part(c, chars, toks, echo)
+                logprobs = None
+                if req.logprobs is not None and part.logprobs is not None:
+                    logprobs = completion_logprobs(
+                        part.logprobs, part.token_ids, tokenizer, offsets.get(key, 0)
+                    )
+                    offsets[key] = next_text_offset(logprobs, offsets.get(key, 0))
+                choice = {
+                    "index": i * req.n + c.index,
+                    "text": part.text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                sent[key] = (-1, -1) if c.finished else (len(c.text), len(c.token_ids))
+                yield {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                    **continuous_usage(req, len(prompts[i]), len(c.token_ids)),
+                }
+            if out.finished:
+                finals[i] = out
     if req.stream_options and req.stream_options.include_usage:
         yield {
             "id": rid,
@@ -586,36 +594,37 @@ async def _chat_chunks(gen, rid, created, model, req: ChatCompletionRequest, pro
     }
     sent: dict[int, tuple[int, int]] = {}
     final = None
-    async for _, out in _merge([gen]):
-        for c in out.outputs:
-            chars, toks = sent.get(c.index, (0, 0))
-            if chars < 0:
-                continue
-            if len(c.text) == chars and not c.finished and len(c.token_ids) == toks:
-                continue
-            logprobs = None
-            if req.logprobs and c.logprobs is not None:
-                logprobs = _chat_logprobs(
-                    c.logprobs[toks:], c.token_ids[toks:], tokenizer, req.top_logprobs or 0
-                )
-            delta = {"content": c.text[chars:]} if len(c.text) > chars else {}
-            sent[c.index] = (-1, -1) if c.finished else (len(c.text), len(c.token_ids))
-            yield {
-                **chunk(
-                    [
-                        {
-                            "index": c.index,
-                            "delta": delta,
-                            "logprobs": logprobs,
-                            "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason,
-                        }
-                    ]
-                ),
-                **continuous_usage(req, len(prompt), len(c.token_ids)),
-            }
-        if out.finished:
-            final = out
+    async with aclosing(_merge([gen])) as merged:
+        async for _, out in merged:
+            for c in out.outputs:
+                chars, toks = sent.get(c.index, (0, 0))
+                if chars < 0:
+                    continue
+                if len(c.text) == chars and not c.finished and len(c.token_ids) == toks:
+                    continue
+                logprobs = None
+                if req.logprobs and c.logprobs is not None:
+                    logprobs = _chat_logprobs(
+                        c.logprobs[toks:], c.token_ids[toks:], tokenizer, req.top_logprobs or 0
+                    )
+                delta = {"content": c.text[chars:]} if len(c.text) > chars else {}
+                sent[c.index] = (-1, -1) if c.finished else (len(c.text), len(c.token_ids))
+                yield {
+                    **chunk(
+                        [
+                            {
+                                "index": c.index,
+                                "delta": delta,
+                                "logprobs": logprobs,
+                                "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason,
+                            }
+                        ]
+                    ),
+                    **continuous_usage(req, len(prompt), len(c.token_ids)),
+                }
+            if out.finished:
+                final = out
     if req.stream_options and req.stream_options.include_usage and final is not None:
         yield {**chunk([]), "usage": _usage([prompt], [final])}
 
