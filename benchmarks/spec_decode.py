@@ -1,23 +1,22 @@
-"""Speculative decoding (n-gram, draft model) against none: output tokens/s, forwards and
-acceptance.
+"""Speculative decoding (n-gram, draft model) against none: output tokens/s, inter-token
+latency, forwards and acceptance.
 
-Float32 on CPU (2 threads), greedy, ignore_eos, each pair of runs in this process, alternated
-(none, ngram, none, ngram; best of two each) so that machine load hits both sides alike.
-  (a) copy-heavy on the 57M-parameter checkpoint of offline_throughput.py: prompts quoting a
-      passage. Its weights are random: its output copies nothing, so almost no draft is
-      accepted and the ratio measures what speculating costs when it does not pay.
-  (b) a looping model: the tests' tiny Llama (write_tiny_checkpoint's default shape), whose
-      greedy output falls into loops the proposer predicts: what accepted drafts save.
-A trained model quoting its prompt sits between the two; docs/benchmarks.md has the figures.
-The draft_model rows use a 2-layer draft of the same tokenizer: the target's own first two
-layers with its embeddings, final norm and head (an early-exit draft; a separately trained
-2-layer model would agree with a random target on nothing).
+Float32 on CPU, greedy, ignore_eos; each pair of runs in this process, alternated (none, spec,
+none, spec; best of two each by tokens/s) so that machine load hits both sides alike. The
+checkpoint has the 57M-parameter shape of offline_throughput.py, built to copy its context
+(copying_model.py: an induction circuit in two layers, the other six zero, so a forward costs
+what the random checkpoint's does; a random checkpoint quotes nothing and no draft of it is
+ever accepted). The draft is its first two layers with its embeddings, norm and head (an
+early-exit draft of the same tokenizer), so here it agrees with the target almost always:
+the draft rows measure the machinery at near-full acceptance.
+  (a) copy-heavy: a passage, some filler, then the passage again with 5% of tokens edited, cut
+      half-way: the continuation quotes the prompt.
+  (b) chat-like: random prompts that nothing quotes: what speculating costs when it misses.
+ITL is the gap between a request's successive outputs divided over the tokens each brought
+(vLLM's way), p50/p90 over every token of the run.
 
-    .venv/bin/python benchmarks/spec_decode.py [--threads 2] [--requests 8] [--workloads ab]
-        [--methods ngram,draft_model]
-
-Wall-clock ratios swing with the load of a shared machine; the ratio per CPU second (this
-process's) is the steadier figure there.
+    .venv/bin/python benchmarks/spec_decode.py [--threads 2] [--workloads ab]
+        [--methods ngram,draft_model] [--concurrency 1,8,64]
 """
 
 from __future__ import annotations
@@ -34,12 +33,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from copying_model import write_copying_checkpoint
 from offline_throughput import SHAPE
 from safetensors.torch import load_file, save_file
 
 from pagefleet.engine import LLM, SamplingParams
-from pagefleet.engine.client import EngineObserver, StepStats
-from pagefleet.engine.model.tiny import write_tiny_checkpoint
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 DRAFT_LAYERS = 2
@@ -81,12 +79,9 @@ def copy_heavy(n: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-class _Steps(EngineObserver):
-    def __init__(self) -> None:
-        self.steps = 0
-
-    def on_step(self, stats: StepStats) -> None:
-        self.steps += 1
+def chat_like(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 32000) for _ in range(rng.randint(32, 256))] for _ in range(n)]
 
 
 def run(path: str, prompts: list[list[int]], concurrency: int, spec: dict | None) -> dict:
@@ -97,23 +92,40 @@ def run(path: str, prompts: list[list[int]], concurrency: int, spec: dict | None
         num_gpu_blocks_override=64 * concurrency,
         speculative_config=spec,
     )
-    steps = _Steps()
-    llm.engine.subscribe(steps)
-    params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+    engine = llm.engine
     llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    steps.steps = 0
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+    order = [engine.add_request(None, p, params) for p in prompts]
+    seen: dict[str, tuple[float, int]] = {}  # request -> (time of its last output, tokens)
+    itl: list[float] = []
+    final: dict[str, list[int]] = {}
+    steps = 0
     start, cpu_start = time.perf_counter(), time.process_time()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for out in outs:
+            tokens = len(out.outputs[0].token_ids)
+            last, had = seen.get(out.request_id, (now, tokens))
+            if tokens > had:
+                itl.extend([(now - last) / (tokens - had)] * (tokens - had))
+            seen[out.request_id] = (now, tokens)
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
     seconds = time.perf_counter() - start
     cpu_seconds = time.process_time() - cpu_start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    total = sum(len(t) for t in final.values())
+    itl.sort()
     result = {
-        "tok_s": tokens / seconds,
-        "tok_cpu_s": tokens / cpu_seconds,
-        "steps": steps.steps,
-        "tokens": tokens,
+        "tok_s": total / seconds,
+        "tok_cpu_s": total / cpu_seconds,
+        "steps": steps,
+        "itl_p50_ms": 1e3 * itl[len(itl) // 2],
+        "itl_p90_ms": 1e3 * itl[int(len(itl) * 0.9)],
+        "outputs": [final[rid] for rid in order],
     }
-    counters = llm.engine.spec_counters
+    counters = engine.spec_counters
     if counters is not None:
         s = counters.snapshot()
         result.update(
@@ -122,7 +134,6 @@ def run(path: str, prompts: list[list[int]], concurrency: int, spec: dict | None
             per_pos=s.accepted_per_pos,
             drafts=s.num_drafts,
         )
-    result["outputs"] = [o.outputs[0].token_ids for o in outs]
     return result
 
 
@@ -136,44 +147,42 @@ def compare(path: str, prompts: list[list[int]], concurrency: int, method: str, 
     assert spec["outputs"] == none["outputs"], "greedy output changed with speculation"
     none_cpu = max(r["tok_cpu_s"] for r in runs["none"])
     spec_cpu = max(r["tok_cpu_s"] for r in runs[method])
-    return (
-        f"concurrency {concurrency}: none {none['tok_s']:.1f} tok/s ({none['steps']} forwards), "
-        f"{method} {spec['tok_s']:.1f} tok/s ({spec['steps']} forwards), "
+    line = (
+        f"concurrency {concurrency}: none {none['tok_s']:.1f} tok/s, ITL p50/p90 "
+        f"{none['itl_p50_ms']:.1f}/{none['itl_p90_ms']:.1f} ms ({none['steps']} forwards); "
+        f"{method} {spec['tok_s']:.1f} tok/s, ITL p50/p90 {spec['itl_p50_ms']:.1f}/"
+        f"{spec['itl_p90_ms']:.1f} ms ({spec['steps']} forwards); "
         f"ratio {spec['tok_s'] / none['tok_s']:.2f}x wall, {spec_cpu / none_cpu:.2f}x per "
-        f"CPU second; acceptance {spec['acceptance']:.1%}, "
-        f"mean accepted length {spec['mean_len']:.2f}, accepted per position "
-        f"{list(spec['per_pos'])} over {spec['drafts']} drafts"
+        f"CPU second"
     )
+    if spec["drafts"]:
+        line += (
+            f"; acceptance {spec['acceptance']:.1%}, mean accepted length "
+            f"{spec['mean_len']:.2f}, accepted per position {list(spec['per_pos'])} over "
+            f"{spec['drafts']} drafts"
+        )
+    return line
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--workloads", default="ab", help="a, b or ab")
     parser.add_argument("--methods", default="ngram,draft_model", help="ngram and/or draft_model")
+    parser.add_argument("--concurrency", default="1,8,64")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        big = str(write_tiny_checkpoint(Path(tmp) / "57m", "LlamaForCausalLM", **SHAPE))
-        tiny = str(write_tiny_checkpoint(Path(tmp) / "tiny", "LlamaForCausalLM"))
-        for name, path, prompts in (
-            ("(a) 57M, copy-heavy", big, copy_heavy(args.requests)),
-            ("(b) looping tiny model", tiny, looping(args.requests)),
-        ):
+        path = str(write_copying_checkpoint(Path(tmp) / "57m-copying", **SHAPE))
+        draft = early_exit_draft(path, Path(tmp) / "draft")
+        for name, make in (("(a) copy-heavy", copy_heavy), ("(b) chat-like", chat_like)):
             if name[1] not in args.workloads:
                 continue
-            draft = early_exit_draft(path, Path(tmp) / f"draft-{name[1]}")
             for method in args.methods.split(","):
-                for concurrency in (1, 8):
+                for concurrency in map(int, args.concurrency.split(",")):
+                    prompts = make(max(8, concurrency))
                     line = compare(path, prompts, concurrency, method, draft)
                     print(f"{name}, {line}", flush=True)
-
-
-def looping(n: int, seed: int = 1) -> list[list[int]]:
-    """Short repetitive prompts in the tiny model's vocabulary."""
-    rng = random.Random(seed)
-    return [[rng.randrange(5, 500) for _ in range(rng.randint(2, 6))] * 6 for _ in range(n)]
 
 
 if __name__ == "__main__":

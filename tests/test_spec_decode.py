@@ -8,6 +8,7 @@ import json
 import math
 import os
 import subprocess
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -75,6 +76,11 @@ def _tokens(outputs) -> list[list[int]]:
             "need 1 <= min <= max",
         ),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model (the draft"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, ">= 1"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": True},
+            "must be an integer",
+        ),
     ],
 )
 def test_bad_speculative_config_is_refused_with_its_reason(raw, message):
@@ -351,6 +357,30 @@ def test_accepted_drafts_take_fewer_forwards_than_tokens(tiny_checkpoints):
     out = llm.generate([[11, 12, 13] * 7], params, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 48 == counter.generated
     assert counter.steps < 48, f"{counter.steps} forwards for 48 tokens: nothing accepted"
+
+
+def test_speculation_stops_while_the_batch_is_at_disable_by_batch_size(tiny_checkpoints):
+    """vLLM's disable_by_batch_size: no drafts while that many requests run, drafts again once
+    the batch shrinks below it; greedy output unchanged either way."""
+    path = tiny_checkpoints["llama"]
+    prompts = _prompts()
+    # Requests of different lengths: the batch shrinks as they finish.
+    params = [replace(GREEDY, max_tokens=8 * (i + 1)) for i in range(len(prompts))]
+    want = _tokens(LLM(path, max_model_len=256).generate(prompts, params, use_tqdm=False))
+    for limit, drafts_while_full in ((len(prompts), False), (len(prompts) + 1, True)):
+        config = {**NGRAM, "disable_by_batch_size": limit}
+        llm = LLM(path, max_model_len=256, speculative_config=config)
+        engine = llm.engine
+        for p, sp in zip(prompts, params, strict=True):
+            engine.add_request(None, p, sp)
+        engine.step()  # every prompt is admitted and prefilled in the first step
+        while len(engine.scheduler.running) == len(prompts):  # until the shortest finishes
+            engine.step()
+        assert (engine.spec_counters.snapshot().num_drafts > 0) == drafts_while_full
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.spec_counters.snapshot().num_drafts > 0  # the tail speculated
+        assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
 
 
 def test_aborts_mid_verification_leak_no_block(tiny_checkpoints):

@@ -758,7 +758,9 @@ class LLMEngine:
                 self._forget(group)
         if self.proposer is not None:
             running = RequestStatus.RUNNING
-            propose(self.proposer, [r for r in step.requests if r.status is running])
+            limit = self.args.speculative_config.disable_by_batch_size
+            enabled = limit is None or len(self.scheduler.running) < limit
+            propose(self.proposer, [r for r in step.requests if r.status is running], enabled)
         stats = StepStats(num_prompt, num_generated, len(out.preempted))
         for observer in self.observers:
             observer.on_step(stats)

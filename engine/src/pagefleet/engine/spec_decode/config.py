@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pagefleet.engine.json_flag import parse_json_object
@@ -17,6 +17,7 @@ _KEYS = frozenset(
         "prompt_lookup_max",
         "model",
         "draft_tensor_parallel_size",
+        "disable_by_batch_size",
     }
 )
 
@@ -28,6 +29,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: str | None = None  # the draft checkpoint (draft_model)
+    # No drafts while this many requests or more are running (vLLM's key): a full batch
+    # already keeps the device busy, and verifying guesses only adds work to every step.
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(
@@ -43,8 +47,16 @@ class SpeculativeConfig:
         k = _int(raw, "num_speculative_tokens", None)
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise _error(f"num_speculative_tokens={k}: must be in 1..{MAX_SPECULATIVE_TOKENS}")
-        if method == "draft_model":
-            return cls._draft_model(raw, k)
+        config = cls._draft_model(raw, k) if method == "draft_model" else cls._ngram(raw, k)
+        if "disable_by_batch_size" not in raw:
+            return config
+        limit = _int(raw, "disable_by_batch_size", None)
+        if limit < 1:
+            raise _error(f"disable_by_batch_size={limit}: must be >= 1")
+        return replace(config, disable_by_batch_size=limit)
+
+    @classmethod
+    def _ngram(cls, raw: dict[str, Any], k: int) -> SpeculativeConfig:
         if "model" in raw or "draft_tensor_parallel_size" in raw:
             raise _error("model and draft_tensor_parallel_size are only for method draft_model")
         lo = _int(raw, "prompt_lookup_min", 1)
@@ -53,7 +65,7 @@ class SpeculativeConfig:
             raise _error(f"prompt_lookup_min={lo}, prompt_lookup_max={hi}: need 1 <= min <= max")
         if hi > 64:
             raise _error(f"prompt_lookup_max={hi}: must be <= 64")
-        return cls(method, k, lo, hi)
+        return cls("ngram", k, lo, hi)
 
     @classmethod
     def _draft_model(cls, raw: dict[str, Any], k: int) -> SpeculativeConfig:

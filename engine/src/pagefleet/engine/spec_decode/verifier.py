@@ -35,8 +35,11 @@ def proposals_useful(req: Request) -> bool:
     )
 
 
-def propose(proposer: NgramProposer | DraftModelProposer, requests: list[Request]) -> None:
-    """Set the drafts of the decoding `requests` for their next step (none for the others)."""
+def propose(
+    proposer: NgramProposer | DraftModelProposer, requests: list[Request], enabled: bool = True
+) -> None:
+    """Set the drafts of the decoding `requests` for their next step (none for the others;
+    none at all when not `enabled`)."""
     chosen: list[Request] = []
     rooms: list[int] = []
     for req in requests:
@@ -44,7 +47,7 @@ def propose(proposer: NgramProposer | DraftModelProposer, requests: list[Request
         room = req.max_len - req.num_tokens - 1
         decoding = req.num_computed_tokens == req.num_tokens - 1
         req.spec_token_ids = []
-        if decoding and room > 0 and not req.status.finished and proposals_useful(req):
+        if enabled and decoding and room > 0 and not req.status.finished and proposals_useful(req):
             chosen.append(req)
             rooms.append(room)
     if isinstance(proposer, NgramProposer):
