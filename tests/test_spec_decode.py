@@ -31,6 +31,7 @@ from server_utils import PAGEFLEET, metric_value, running_server
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 MAX_TOKENS = 24
+DRAFT_CONFIG = {"method": "draft_model", "num_speculative_tokens": 3}
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
@@ -100,11 +101,17 @@ def test_speculative_config_json_as_serve_passes_it():
 
 @pytest.mark.parametrize(
     "args, what",
-    [({"attention_backend": "triton"}, "Triton")],
+    [
+        ({"simulate": "{}"}, "--simulate"),
+        (
+            {"speculative_config": {**DRAFT_CONFIG, "model": "d"}, "tensor_parallel_size": 2},
+            "a draft model under",
+        ),
+    ],
 )
 def test_combinations_not_built_are_refused_at_startup(args, what):
     with pytest.raises(ValueError, match=what):
-        EngineArgs(model="m", speculative_config=NGRAM, **args)
+        EngineArgs(model="m", **{"speculative_config": NGRAM, **args})
 
 
 def test_serve_flag_reaches_engine_args():

@@ -128,6 +128,30 @@ def test_static_decode_path_with_padding_equals_hf(interpreter, tiny_checkpoints
         assert_greedy_equal(path, prompt, out, 5)
 
 
+@pytest.mark.parametrize("static_decode", [False, True], ids=["eager", "graph-path"])
+def test_speculation_on_triton_equals_hf(interpreter, tiny_checkpoints, static_decode):
+    """n-gram drafts verified by the Triton kernels (a verification is 1 + k single rows, the
+    pool written before any row attends); graph-path: verify steps through the CUDA-graph
+    path's static buffers (sized for max_num_seqs x (1 + k) rows), run eagerly."""
+    path = tiny_checkpoints["llama"]
+    prompts = [[11, 12, 13] * 5, [5, 6, 7, 8] * 4]  # repetitive: drafts get accepted
+    outs, graph_steps, accepted = interpreter(
+        cases.speculative_greedy_case,
+        path,
+        prompts,
+        12,
+        static_decode,
+        max_num_seqs=2,
+        max_model_len=64,
+        num_gpu_blocks_override=32,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    assert accepted > 0
+    assert (graph_steps > 0) == static_decode
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_greedy_equal(path, prompt, out, 12)
+
+
 # ---------------------------------------------------------------- pure parts
 
 

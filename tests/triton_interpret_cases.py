@@ -155,6 +155,16 @@ def greedy_case(
 ) -> tuple[list[list[int]], int]:
     """Greedy token ids of the offline engine with the Triton backend, and how many steps the
     decode-graph path served (static_decode: that path, run eagerly, as on CPU it must)."""
+    tokens, served, _ = speculative_greedy_case(
+        path, prompts, max_tokens, static_decode, **engine_args
+    )
+    return tokens, served
+
+
+def speculative_greedy_case(
+    path: str, prompts: list[list[int]], max_tokens: int, static_decode: bool = False, **engine_args
+) -> tuple[list[list[int]], int, int]:
+    """greedy_case, and the draft tokens accepted (0 without speculative_config)."""
     from pagefleet.engine import LLM, SamplingParams
 
     llm = LLM(path, attention_backend="triton", **engine_args)
@@ -162,7 +172,7 @@ def greedy_case(
     served = []
     if static_decode:
         runner.capture_decode_graphs(
-            engine_args["max_num_seqs"], engine_args["max_model_len"], use_graphs=False
+            llm.engine._max_decode_rows(), engine_args["max_model_len"], use_graphs=False
         )
         graphs = runner.decode_graphs
         run = graphs.run
@@ -175,7 +185,9 @@ def greedy_case(
         graphs.run = counting_run
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs], sum(served)
+    counters = llm.engine.spec_counters
+    accepted = counters.snapshot().num_accepted_tokens if counters else 0
+    return [o.outputs[0].token_ids for o in outputs], sum(served), accepted
 
 
 def fp8_agreement_case(

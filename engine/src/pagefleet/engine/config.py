@@ -121,7 +121,6 @@ class EngineArgs:
         """Combinations this slice of speculative decoding does not build (see spec_decode/)."""
         rules = (
             (self.simulate is None, "--simulate (it needs real weights)"),
-            (self.attention_backend != "triton", "the Triton backend (--attention-backend torch)"),
             (
                 self.speculative_config.method != "draft_model"
                 or (self.tensor_parallel_size == 1 and not self.kv_transfer_config),

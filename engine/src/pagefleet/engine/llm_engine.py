@@ -210,12 +210,6 @@ class LLMEngine:
         if _prefill_only(self.args.kv_transfer_config):
             logger.info("Speculative decoding off: a prefill engine (kv_producer) decodes nothing")
             return None, None
-        runner = self.runner
-        if runner.backend.name != "torch" or runner.decode_graphs is not None:
-            raise ValueError(
-                "--speculative-config: speculative decoding runs only on the torch attention "
-                "backend without CUDA graphs yet (--attention-backend torch --enforce-eager)"
-            )
         if config.method == "draft_model":
             proposer = self._draft_proposer(config)
             logger.info(
@@ -398,8 +392,19 @@ class LLMEngine:
             model, args.block_size, num_blocks, backend, self.device, kv_dtype, kv_scales
         )
         if self.device.type == "cuda" and not args.enforce_eager:
-            runner.capture_decode_graphs(args.max_num_seqs, self.max_model_len)
+            runner.capture_decode_graphs(self._max_decode_rows(), self.max_model_len)
         return runner, num_blocks
+
+    def _max_decode_rows(self) -> int:
+        """Rows of the largest decode-only step: a verification is 1 + k single rows per
+        request, so with speculation the graphs cover verify steps too (larger ones, or ones
+        mixed with prefill chunks, run eagerly)."""
+        args = self.args
+        spec = args.speculative_config
+        if spec is None:
+            return args.max_num_seqs
+        rows = args.max_num_seqs * (1 + spec.num_speculative_tokens)
+        return min(rows, args.max_num_batched_tokens)
 
     def _load_parallel_runner(self) -> tuple[ModelRunner, int]:
         """Start ranks 1..N-1, load rank 0's shard and size the pool with them. No CUDA graphs
