@@ -284,3 +284,22 @@ def test_held_requests_are_released_round_robin_across_tenants():
                 thread.join(timeout=60)
             assert [r.status_code for r in results] == [200] * 4
             assert [body["prompt"] for body in engine.received] == ["a1", "b1", "a2", "a3"]
+
+
+def test_requests_wait_while_every_engine_is_saturated_and_go_once_one_has_room():
+    """The only engine reports 5 waiting requests, over --saturation-waiting 2: a request is
+    held, not sent; when the engine's queue drains it is released and answered. Catches the
+    saturation rule ignored (the engine gets the request at once) or never lifted."""
+    with FakeEngine("busy", waiting=5.0) as engine:
+        flags = ("--model", "tiny", "--saturation-waiting", "2", "--scrape-interval", "0.05")
+        with running_router("--endpoints", engine.url, *flags) as (router, _):
+            wait_scraped(engine)
+            results: list[httpx.Response] = []
+            thread = post_in_background(router, results)
+            wait_until(lambda: queued(router) == 1, what="the request held")
+            wait_scraped(engine)  # more scrapes of a saturated engine release nothing
+            assert engine.received == [] and queued(router) == 1
+            engine.waiting = 0.0
+            thread.join(timeout=60)
+            assert [r.status_code for r in results] == [200]
+            assert len(engine.received) == 1 and queued(router) == 0

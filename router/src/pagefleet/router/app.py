@@ -597,12 +597,17 @@ async def _release_loop(state: AppState) -> None:
     router = state.router
     while True:
         await asyncio.sleep(router.registry.interval)
-        if router.flow.held:
+        if not router.flow.held:
+            continue
+        try:
             settled = router.flow.settle(router.clock(), router.ready_pods)
-            for item in settled.expired:
-                _wake(item, "deadline")
-            for item in settled.released:
-                _wake(item, None)
+        except Exception:  # one bad round must not strand every held request
+            logger.exception("flow control: the release round failed")
+            continue
+        for item in settled.expired:
+            _wake(item, "deadline")
+        for item in settled.released:
+            _wake(item, None)
 
 
 def _wake(item: Held, refusal: str | None) -> None:
