@@ -1,5 +1,6 @@
 """The router's probes as Kubernetes reads them: liveness says only that the process serves;
-readiness says whether an engine can take a request."""
+readiness says whether an engine can take a request (with --queue-size 0; a router that
+holds requests is ready at zero engines, see test_router_flow_control.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def test_liveness_holds_while_no_engine_is_healthy():
                 f"http://127.0.0.1:{dead_engine}",
                 "--api-key",
                 "secret",
+                "--queue-size",
+                "0",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -28,7 +28,7 @@ import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 import httpx
@@ -52,6 +52,7 @@ from pagefleet.common.http_errors import (
     error_response,
     wait_disconnect,
 )
+from pagefleet.router.flow_control import FlowConfig, FlowControl, Held, tenant_of
 from pagefleet.router.pd import (
     decode_body,
     refuse_fleet_fields,
@@ -74,13 +75,17 @@ from pagefleet.router.routed import (
     PrefixRecording,
     RoutedRequest,
 )
-from pagefleet.router.scoring import Candidate, Pipeline, RoutingRequest
+from pagefleet.router.scoring import Candidate, Pipeline, Pod, RoutingRequest
 
 logger = logging.getLogger("pagefleet.router")
 CHARS_PER_TOKEN = 4  # the tokenizer-less fallback hashes fixed character chunks
 # How much of a prompt routing tokenizes and hashes: a prefix is all it needs.
 ROUTING_PREFIX_CHARS = 256 * 1024
 ROUTING_PREFIX_TOKENS = 64 * 1024
+RETRY_AFTER_S = 1  # a refused held request may retry this soon: a scrape can find capacity
+# Held requests wait for the release loop; this much past their deadline they stop waiting
+# on their own, should the loop ever not settle them.
+HOLD_BACKSTOP_S = 5.0
 
 
 @dataclass
@@ -95,6 +100,7 @@ class RouterConfig:
     prefill_timeout: float = 60.0  # a prefill pod slower than this: decode prefills itself
     fleet_secret: FleetSecret | None = None  # signs kv_transfer_params; none: no P/D
     max_body_bytes: int = 4 << 20  # 413 beyond
+    flow: FlowConfig = field(default_factory=FlowConfig)  # holding requests without capacity
 
 
 @dataclass
@@ -105,11 +111,16 @@ class RouterMetrics:
     decision: Histogram
     pd: Counter  # per P/D decision
     dispatch: DispatchCounters
+    queue_rejections: Counter  # per model and reason: full, deadline
+    queue_wait: Histogram  # per model: how long released requests were held
 
     @classmethod
-    def create(cls, pods: PodRegistry) -> RouterMetrics:
+    def create(
+        cls, pods: PodRegistry, flow: FlowControl, clock: Callable[[], float]
+    ) -> RouterMetrics:
         m = CollectorRegistry()
         m.register(_RegistryCollector(pods))
+        m.register(_FlowCollector(flow, clock))
         return cls(
             m,
             Histogram(
@@ -147,6 +158,20 @@ class RouterMetrics:
                     "pagefleet_router:retries", "Requests retried on another pod.", registry=m
                 ),
             ),
+            Counter(
+                "pagefleet_router:queue_rejections",
+                "Held requests refused with 503, per model: the queue was full, or the "
+                "request's deadline passed.",
+                ["model", "reason"],
+                registry=m,
+            ),
+            Histogram(
+                "pagefleet_router:queue_wait_seconds",
+                "Seconds a request was held before an engine could take it, per model.",
+                ["model"],
+                buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+                registry=m,
+            ),
         )
 
 
@@ -171,7 +196,11 @@ class Router:
         self.rng = random.Random(seed)
         # Optional: a factory(callback) -> discovery with start()/stop(), for dynamic pods.
         self.discovery = None
-        self.metrics = RouterMetrics.create(registry)
+        self.flow = FlowControl(config.flow, config.model)
+        self.metrics = RouterMetrics.create(registry, self.flow, clock)
+        if config.model is not None:  # the rejection series read 0 before the first one
+            for reason in ("full", "deadline"):
+                self.metrics.queue_rejections.labels(self.flow.label(config.model), reason)
         self.hooks = Hooks(
             [
                 PrefixRecording(index, registry.block_size, clock),
@@ -258,6 +287,12 @@ class Router:
         self.metrics.decision.observe(time.perf_counter() - started)
         return RoutedRequest(path, body, hashes, routing, candidates)
 
+    def ready_pods(self, model: str) -> list[Pod]:
+        """The pods a request for `model` could go to now (the pipeline's filters)."""
+        role = "decode" if self.registry.has_role("decode") else None
+        routing = RoutingRequest(model=model, block_hashes=[], role=role)
+        return self.pipeline.candidates(routing, self.registry.pods(self.clock()))
+
     def prefill_candidates(self, routed: RoutedRequest) -> list[Candidate]:
         """Prefill pods for a request, in the picker's order (matched as for its decode pod)."""
         pods = [p for p in self.registry.pods(self.clock()) if p.role == "prefill"]
@@ -284,6 +319,33 @@ class _RegistryCollector:
         for name, status in self.registry.status.items():
             inflight.add_metric([name], status.pod.inflight)
         yield inflight
+
+
+class _FlowCollector:
+    """The queue gauges, read when scraped: right at zero engines, where autoscalers need
+    them."""
+
+    def __init__(self, flow: FlowControl, clock: Callable[[], float]) -> None:
+        self.flow, self.clock = flow, clock
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        queued = GaugeMetricFamily(
+            "pagefleet_router:queued_requests",
+            "Requests held until an engine can take them, per model.",
+            labels=["model"],
+        )
+        oldest = GaugeMetricFamily(
+            "pagefleet_router:oldest_queued_seconds",
+            "Age of the oldest held request, per model (0 when none).",
+            labels=["model"],
+        )
+        for model, (count, age) in self.flow.stats(self.clock()).items():
+            queued.add_metric([model], count)
+            oldest.add_metric([model], age)
+        yield queued
+        yield oldest
 
 
 def _text(content) -> str:
@@ -365,7 +427,9 @@ async def _lifespan(app: FastAPI):
             functools.partial(loop.call_soon_threadsafe, router.registry.set_pods)
         ).start()
     scraper = asyncio.ensure_future(router.registry.run(state.client))
+    releaser = asyncio.ensure_future(_release_loop(state))
     yield
+    releaser.cancel()
     scraper.cancel()
     if discovery is not None:
         discovery.stop()
@@ -395,7 +459,9 @@ async def livez() -> Response:
 
 async def health(request: Request) -> Response:
     router = _state(request).router
-    if not any(p.healthy for p in router.registry.pods(router.clock())):
+    # Holding requests, the router can take them with no engine up (at zero replicas it must,
+    # or nothing would reach it to wake the pool).
+    if not router.flow.enabled and not any(p.healthy for p in router.registry.pods(router.clock())):
         return error_response(503, "no healthy engine", "service_unavailable")
     return Response(status_code=200)
 
@@ -446,6 +512,13 @@ async def proxy(state: AppState, path: str, request: Request) -> Response:
             state, router.hashes_by_size, path, body, router.block_sizes()
         )
         routed = router.decide(path, body, role, hashes)
+        model = _model_of(config, body)
+        if router.flow.must_hold(model, routed.candidates):
+            refused = await _hold(state, model, request)
+            if refused is not None:
+                return refused
+            role = "decode" if router.registry.has_role("decode") else None
+            routed = router.decide(path, body, role, hashes)  # the fleet as it is now
     except (TypeError, AttributeError, ValueError, KeyError) as e:
         # The engine would refuse it too; say so here rather than with a 500.
         return error_response(400, f"invalid request body: {e}")
@@ -463,6 +536,83 @@ async def proxy(state: AppState, path: str, request: Request) -> Response:
         # No decode pod took the blocks (a 200 means one did, and it releases them).
         await release_prefill_soon(routed.kv_transfer_params, config.fleet_secret)
     return response
+
+
+def _model_of(config: RouterConfig, body: dict) -> str:
+    model = config.model or body.get("model")
+    return model if isinstance(model, str) else ""
+
+
+async def _hold(state: AppState, model: str, request: Request) -> Response | None:
+    """Hold a request until the release loop finds an engine for it: None once released,
+    else the answer (503 when the queue is full or the deadline passes, 499 when the client
+    left, which takes it out of the queue at once)."""
+    router, flow = state.router, state.router.flow
+    tenant = tenant_of(
+        request.headers.get(flow.config.tenant_header), request.headers.get("authorization")
+    )
+    waiter = asyncio.get_running_loop().create_future()
+    held = flow.hold(model, tenant, waiter, router.clock())
+    if held is None:
+        return _refuse(router, flow.label(model), "full")
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait(
+            {waiter, gone},
+            timeout=flow.config.queue_timeout + HOLD_BACKSTOP_S,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        left = gone.done()
+    finally:
+        gone.cancel()
+        if not waiter.done():  # the client left, or this handler was cancelled
+            flow.leave(held)
+            waiter.cancel()
+    if waiter.cancelled():
+        return Response(status_code=499) if left else _refuse(router, held.model, "deadline")
+    if waiter.result() is not None:
+        return _refuse(router, held.model, waiter.result())
+    router.metrics.queue_wait.labels(held.model).observe(router.clock() - held.enqueued_at)
+    return None
+
+
+def _refuse(router: Router, label: str, reason: str) -> Response:
+    router.metrics.queue_rejections.labels(label, reason).inc()
+    message = {
+        "full": "too many requests are waiting for an engine of this model",
+        "deadline": "no engine of this model could take the request in time",
+    }[reason]
+    return error_response(
+        503,
+        f"{message}; retry later",
+        "service_unavailable",
+        None,
+        {"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+async def _release_loop(state: AppState) -> None:
+    """Every scrape interval while requests are held: refuse those past their deadline, and
+    release what the ready pods can take (a scrape or discovery found capacity)."""
+    router = state.router
+    while True:
+        await asyncio.sleep(router.registry.interval)
+        if not router.flow.held:
+            continue
+        try:
+            settled = router.flow.settle(router.clock(), router.ready_pods)
+        except Exception:  # one bad round must not strand every held request
+            logger.exception("flow control: the release round failed")
+            continue
+        for item in settled.expired:
+            _wake(item, "deadline")
+        for item in settled.released:
+            _wake(item, None)
+
+
+def _wake(item: Held, refusal: str | None) -> None:
+    if not item.waiter.done():
+        item.waiter.set_result(refusal)
 
 
 async def disaggregate(state: AppState, routed: RoutedRequest, request: Request) -> None:

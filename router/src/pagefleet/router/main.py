@@ -126,6 +126,39 @@ def add_router_parser(sub) -> None:
         default=4 << 20,
         help="answer 413 beyond this request body size, before reading it (4 MiB)",
     )
+    p.add_argument(
+        "--queue-size",
+        type=int,
+        default=256,
+        help="requests held per model while no engine can take them (none ready, or all "
+        "saturated); beyond it 503 + Retry-After; 0: never hold, 503 at once (256)",
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a request may be held before a 503 + Retry-After (120)",
+    )
+    p.add_argument(
+        "--saturation-waiting",
+        type=float,
+        default=None,
+        help="an engine with at least this many waiting requests (vllm:num_requests_waiting) "
+        "counts as saturated: requests are held while every engine is (default: off)",
+    )
+    p.add_argument(
+        "--saturation-kv",
+        type=float,
+        default=None,
+        help="an engine whose KV cache use (vllm:kv_cache_usage_perc, 0-1) is at least this "
+        "counts as saturated (default: off)",
+    )
+    p.add_argument(
+        "--tenant-header",
+        default="x-tenant-id",
+        help="held requests are released round robin across tenants named by this header; "
+        "without it, by bearer token, else one shared tenant (x-tenant-id)",
+    )
     p.add_argument("--seed", type=int, default=0, help="tie-break seed (0)")
     p.add_argument("--uvicorn-log-level", default="warning")
     p.set_defaults(func=run_router)
@@ -188,6 +221,7 @@ def run_router(args: argparse.Namespace) -> int:
 
     from pagefleet.common.fleet_auth import curve_keys, load_fleet_secret
     from pagefleet.router.app import Router, RouterConfig, build_router_app
+    from pagefleet.router.flow_control import FlowConfig
     from pagefleet.router.kv_subscriber import KVEventSubscriber
     from pagefleet.router.pods import PodRegistry
     from pagefleet.router.prefix_index import PrefixIndex
@@ -256,6 +290,13 @@ def run_router(args: argparse.Namespace) -> int:
             args.prefill_timeout,
             secret,
             args.max_request_body_bytes,
+            flow=FlowConfig(
+                args.queue_size,
+                args.queue_timeout,
+                args.saturation_waiting,
+                args.saturation_kv,
+                args.tenant_header.lower(),
+            ),
         ),
         tokenizer,
         seed=args.seed,
