@@ -67,6 +67,7 @@ AUTOSCALING_DEFAULTS: dict[str, Any] = {
     "scaleUpStabilizationSeconds": 0,
     "scaleDownStabilizationSeconds": 300,
     "maxScaleUpStep": 4,
+    "scaleToZeroIdleSeconds": 300,
 }
 SCORER_DEFAULTS: dict[str, float] = {"prefix": 3, "queue": 2, "kv-usage": 2, "inflight": 1}
 ROUTER_DEFAULTS: dict[str, Any] = {

@@ -97,6 +97,8 @@ class Autoscaling:
     scale_up_stabilization_s: float = AUTOSCALING_DEFAULTS["scaleUpStabilizationSeconds"]
     scale_down_stabilization_s: float = AUTOSCALING_DEFAULTS["scaleDownStabilizationSeconds"]
     max_scale_up_step: int = AUTOSCALING_DEFAULTS["maxScaleUpStep"]
+    # minReplicas 0 only: how long nothing may run, wait or queue before the pool goes to 0.
+    scale_to_zero_idle_s: float = AUTOSCALING_DEFAULTS["scaleToZeroIdleSeconds"]
     keda: KedaOptions = field(default_factory=KedaOptions)
 
 
@@ -354,6 +356,9 @@ def parse_autoscaling(raw: Any, where: str) -> Autoscaling:
             a["scaleDownStabilizationSeconds"], f"{where}.scaleDownStabilizationSeconds", 0
         ),
         max_scale_up_step=_int(a["maxScaleUpStep"], f"{where}.maxScaleUpStep", 1),
+        scale_to_zero_idle_s=_int(
+            a["scaleToZeroIdleSeconds"], f"{where}.scaleToZeroIdleSeconds", 0
+        ),
         keda=keda,
     )
     if keda != KedaOptions() and parsed.mode != "keda":
