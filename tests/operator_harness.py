@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import kopf
 
@@ -142,3 +144,37 @@ def wait_degraded(client: KubeClient, reason: str, name: str = "llama") -> dict:
 
 def delete(client: KubeClient, api_version: str, kind: str, name: str) -> None:
     client.request("DELETE", KubeClient.path(api_version, kind, NS, name))
+
+
+class _MetricsPage(BaseHTTPRequestHandler):
+    """Any GET: the server's `page(server)` now, as a Prometheus text page."""
+
+    def do_GET(self) -> None:
+        body = self.server.page(self.server).encode()  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextmanager
+def metrics_server(page: Callable[[Any], str], **state: Any) -> Iterator[ThreadingHTTPServer]:
+    """A stand-in pod's /metrics on 127.0.0.1 (where the test's pods have their podIP): the
+    text `page(server)` returns, `state` set on the server before it starts (a test changes
+    it to change what the operator reads)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _MetricsPage)
+    server.page = page  # type: ignore[attr-defined]
+    for key, value in state.items():
+        setattr(server, key, value)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        thread.join(5)
+        server.server_close()

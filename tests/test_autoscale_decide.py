@@ -47,7 +47,7 @@ def test_without_pod_metrics_the_current_replicas_hold_within_bounds():
     holding = "no pod metrics: holding"
     assert summary(decide(obs(0, 0, 0), (), PoolReplicas(0, 0), SPEC, 0.0)) == (
         1,
-        f"{holding} -> 1",
+        "nothing waiting or queued with no pods -> 1",
         1,
     )
     assert summary(decide(obs(0, 0, 12), (), PoolReplicas(12, 12), SPEC, 0.0)) == (
@@ -67,7 +67,10 @@ def test_recommendations_without_pod_metrics():
     holds them), then start enough pods. Fails for: `and` turned into `or` (scaling on a
     blind reading), a single waiting request not waking a pool at zero, reasons changed."""
     assert recommend(obs(40, pods=0, replicas=3), SPEC) == (3, "no pod metrics: holding")
-    assert recommend(obs(0, pods=0, replicas=0), FROM_ZERO) == (0, "no pod metrics: holding")
+    assert recommend(obs(0, pods=0, replicas=0), FROM_ZERO) == (
+        0,
+        "nothing waiting or queued with no pods",
+    )
     assert recommend(obs(1, pods=0, replicas=0), FROM_ZERO) == (1, "1 waiting with no pods")
     assert recommend(obs(9, pods=0, replicas=0), FROM_ZERO) == (3, "9 waiting with no pods")
 
@@ -81,10 +84,13 @@ def test_recommendation_reasons_show_the_formula():
     assert (replicas, why.endswith(": within tolerance")) == (3, True)
 
 
-def test_the_last_running_pod_is_kept_for_a_single_running_request():
-    """Fails for: the guard needing more than one running request."""
+def test_the_formula_never_recommends_zero_for_a_serving_pool():
+    """Zero is the idle window's call: the formula keeps the last pod whether or not a
+    request runs on it. Fails for: the floor of one dropped (a pool with minReplicas 0
+    dropping its last pod between two requests, or under a running one)."""
     assert recommend(obs(0, pods=1, replicas=1, running=1), FROM_ZERO)[0] == 1
-    assert recommend(obs(0, pods=1, replicas=1, running=0), FROM_ZERO)[0] == 0
+    assert recommend(obs(0, pods=1, replicas=1, running=0), FROM_ZERO)[0] == 1
+    assert recommend(obs(0, pods=3, replicas=3, running=0), FROM_ZERO)[0] == 1
 
 
 def test_a_plain_scale_up_reports_only_its_formula():
@@ -153,3 +159,113 @@ def test_a_scale_down_that_goes_through_is_not_noted_as_held():
     instant = Autoscaling(**{**SPEC.__dict__, "scale_down_stabilization_s": 0})
     decision = decide(obs(4, pods=4, replicas=4), (), PoolReplicas(4, 4), instant, 0.0)
     assert decision.replicas == 1 and "held" not in decision.reason
+
+
+IDLE_S = 300.0
+TO_ZERO = Autoscaling(
+    **{
+        **SPEC.__dict__,
+        "min_replicas": 0,
+        "scale_up_stabilization_s": 60,
+        "scale_to_zero_idle_s": IDLE_S,
+    }
+)
+
+
+def at_zero(queued: float, queue_read: bool = True) -> Observation:
+    """A pool at 0 replicas: no engine to read, only the router's queue."""
+    return Observation(0.0, 0.0, pods=0, replicas=0, queued=queued, queue_read=queue_read)
+
+
+def test_a_pool_at_zero_wakes_at_once_on_the_routers_queue():
+    """One request held at the router wakes a pool at 0 to its first replica in the same
+    evaluation, even with an up-window and a window full of zeros. Catches the one-way trip
+    (a pool at 0 read "no pod metrics: holding" forever) and a cold start delayed by the
+    up-window."""
+    zeros = tuple(Recommendation(t, 0) for t in (0.0, 15.0, 30.0))
+    woken = decide(at_zero(1), zeros, PoolReplicas(0, 0), TO_ZERO, 45.0)
+    assert summary(woken) == (1, "0 waiting + 1 queued with no pods -> 1", 1)
+    assert woken.idle_since is None
+
+
+def test_a_pool_at_zero_stays_there_while_nothing_is_queued():
+    """Fails for: a pool at 0 woken by nothing, or by a router that did not answer."""
+    idle = decide(at_zero(0), (), PoolReplicas(0, 0), TO_ZERO, 0.0)
+    assert summary(idle) == (0, "nothing waiting or queued with no pods -> 0", 0)
+    blind = decide(at_zero(0, queue_read=False), (), PoolReplicas(0, 0), TO_ZERO, 0.0)
+    assert summary(blind) == (0, "no pod metrics: holding -> 0", 0)
+
+
+def test_a_burst_at_zero_wakes_to_the_target_per_replica_within_max():
+    """A burst wakes to ceil(queued / target), bounded by maxReplicas and the step limit.
+    Fails for: waking to one pod for any burst, or to more than the target asks, or past
+    maxReplicas."""
+    wide = Autoscaling(**{**TO_ZERO.__dict__, "max_scale_up_step": 100})
+    assert decide(at_zero(9), (), PoolReplicas(0, 0), wide, 0.0).replicas == 3  # ceil(9/4)
+    assert decide(at_zero(8), (), PoolReplicas(0, 0), wide, 0.0).replicas == 2
+    assert decide(at_zero(1000), (), PoolReplicas(0, 0), wide, 0.0).replicas == 10
+    stepped = decide(at_zero(1000), (), PoolReplicas(0, 0), TO_ZERO, 0.0)
+    assert stepped.replicas == 4 and "step limited to +4" in stepped.reason
+
+
+def serving(waiting=0.0, running=0.0, queued=0.0, pods=1, queue_read=True) -> Observation:
+    return Observation(waiting, running, pods, 1, queued, queue_read)
+
+
+def run_idle(observations: list[Observation], spec: Autoscaling = TO_ZERO) -> list[Decision]:
+    """Evaluations every 15 s of a 1-replica pool, carrying window and idle start along."""
+    decisions, window, idle, replicas = [], (), None, 1
+    for i, observation in enumerate(observations):
+        pool = PoolReplicas(replicas, replicas)
+        if replicas == 0:
+            observation = at_zero(observation.queued)
+        decision = decide(observation, window, pool, spec, i * 15.0, idle)
+        decisions.append(decision)
+        window, idle, replicas = decision.window, decision.idle_since, decision.replicas
+    return decisions
+
+
+def test_zero_comes_only_after_a_whole_idle_window():
+    """Idle from t=0: 1 replica through t=285 s, 0 at t=300 s (scaleToZeroIdleSeconds), and
+    0 after. Fails for: zero before the window (the formula's own 0, or the scale-down
+    window), or never."""
+    decisions = run_idle([serving()] * 25)
+    replicas = [d.replicas for d in decisions]
+    assert replicas == [1] * 20 + [0] * 5
+    assert decisions[20].reason == (
+        "nothing running, waiting or queued for 300s (scaleToZeroIdleSeconds 300) -> 0"
+    )
+    assert all(d.idle_since == 0.0 for d in decisions[:21])
+    kept = Autoscaling(**{**TO_ZERO.__dict__, "min_replicas": 1})
+    assert {d.replicas for d in run_idle([serving()] * 40, kept)} == {1}
+
+
+def test_never_to_zero_while_anything_is_in_flight():
+    """Long idle before, then one reading of anything in flight (running, waiting, queued at
+    the router), or a reading that cannot tell (the router or every engine unread): not 0,
+    and the idle window starts over. Fails for: any of the four sources ignored, or an
+    interruption that does not restart the window."""
+    busy = [
+        serving(running=1),
+        serving(waiting=1),
+        serving(queued=1),
+        serving(queue_read=False),
+        serving(pods=0),
+    ]
+    for interruption in busy:
+        trace = [serving()] * 19 + [interruption] + [serving()] * 21
+        decisions = run_idle(trace)
+        assert decisions[19].replicas == 1 and decisions[19].idle_since is None, interruption
+        replicas = [d.replicas for d in decisions]
+        # Idle again from t=300 s (step 20): zero one whole window later, at step 40.
+        assert replicas[:40] == [1] * 40 and replicas[40] == 0, interruption
+
+
+def test_the_routers_queue_counts_as_waiting_on_a_serving_pool():
+    """Requests held at the router (all engines saturated) are demand like the engines' own
+    queues. Fails for: a saturated pool that never grows because its engines' queues are
+    capped."""
+    saturated = Observation(waiting=0, running=16, pods=2, replicas=2, queued=16)
+    replicas, why = recommend(saturated, SPEC)
+    assert replicas == 4
+    assert why == "0 waiting + 16 queued / 2 pods (target 4/pod, 16 running): ceil(2 x 8/4)=4"

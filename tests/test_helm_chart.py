@@ -18,6 +18,7 @@ import celpy
 import jsonschema
 import pytest
 import yaml
+from keda_schema import validate_scaled_object
 from lws_schema import validate_builtin as validate_kubernetes
 from lws_schema import validate_leader_worker_set
 
@@ -191,9 +192,9 @@ def _cel_rules(schema: Any) -> set[str]:
     return found
 
 
-# prometheus-operator and KEDA CRDs are not available offline: these schemas hold the fields
-# the chart and the operator use (from the monitoring.coreos.com/v1 and keda.sh/v1alpha1 API
-# references), closed with additionalProperties so a misspelt field fails.
+# prometheus-operator's CRDs are not available offline: this schema holds the fields the chart
+# uses (from the monitoring.coreos.com/v1 API reference), closed with additionalProperties so a
+# misspelt field fails. KEDA's ScaledObject: tests/keda_schema.py.
 _LABEL_SELECTOR = {
     "type": "object",
     "additionalProperties": False,
@@ -255,106 +256,10 @@ SERVICE_MONITOR_SCHEMA = {
         }
     },
 }
-SCALED_OBJECT_SCHEMA = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "spec": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["scaleTargetRef", "triggers"],
-            "properties": {
-                "scaleTargetRef": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["name"],
-                    "properties": {
-                        "apiVersion": {"type": "string"},
-                        "kind": {"type": "string"},
-                        "name": {"type": "string"},
-                    },
-                },
-                "minReplicaCount": {"type": "integer", "minimum": 0},
-                "maxReplicaCount": {"type": "integer", "minimum": 1},
-                "cooldownPeriod": {"type": "integer", "minimum": 0},
-                "pollingInterval": {"type": "integer", "minimum": 1},
-                "fallback": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["failureThreshold", "replicas"],
-                    "properties": {
-                        "failureThreshold": {"type": "integer", "minimum": 1},
-                        "replicas": {"type": "integer", "minimum": 0},
-                    },
-                },
-                "advanced": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {
-                        "horizontalPodAutoscalerConfig": {
-                            "type": "object",
-                            "additionalProperties": False,
-                            "properties": {"behavior": {"type": "object"}, "name": {}},
-                        }
-                    },
-                },
-                "triggers": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {
-                        "type": "object",
-                        "additionalProperties": False,
-                        "required": ["type", "metadata"],
-                        "properties": {
-                            "type": {"type": "string"},
-                            "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
-                            "authenticationRef": {
-                                "type": "object",
-                                "additionalProperties": False,
-                                "required": ["name"],
-                                "properties": {
-                                    "name": {"type": "string", "minLength": 1},
-                                    "kind": {
-                                        "enum": [
-                                            "TriggerAuthentication",
-                                            "ClusterTriggerAuthentication",
-                                        ]
-                                    },
-                                },
-                            },
-                            "metadata": {
-                                "type": "object",
-                                "additionalProperties": {"type": "string"},
-                            },
-                        },
-                    },
-                },
-            },
-        }
-    },
-}
 
 
 def validate_builtin(obj: dict) -> None:
     validate_kubernetes(obj, KUBERNETES_VERSIONS)
-
-
-def validate_scaled_object(obj: dict) -> None:
-    jsonschema.Draft7Validator(SCALED_OBJECT_SCHEMA).validate(obj)
-    # The HPA behavior KEDA passes through is the autoscaling/v2 type: check it as one.
-    behavior = obj["spec"].get("advanced", {}).get("horizontalPodAutoscalerConfig", {})
-    if "behavior" in behavior:
-        hpa = {
-            "apiVersion": "autoscaling/v2",
-            "kind": "HorizontalPodAutoscaler",
-            "metadata": {"name": obj["metadata"]["name"]},
-            "spec": {
-                "scaleTargetRef": obj["spec"]["scaleTargetRef"],
-                "maxReplicas": obj["spec"].get("maxReplicaCount", 100),
-                "behavior": behavior["behavior"],
-            },
-        }
-        validate_builtin(hpa)
 
 
 VALIDATORS: dict[tuple[str, str], Callable[[dict], None]] = {
@@ -379,7 +284,8 @@ VALIDATORS: dict[tuple[str, str], Callable[[dict], None]] = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): lambda o: jsonschema.Draft7Validator(
         SERVICE_MONITOR_SCHEMA
     ).validate(o),
-    ("keda.sh/v1alpha1", "ScaledObject"): validate_scaled_object,
+    # KEDA's published CRD's fields, closed (tests/keda_schema.py).
+    ("keda.sh/v1alpha1", "ScaledObject"): lambda o: validate_scaled_object(o, KUBERNETES_VERSIONS),
     # The LeaderWorkerSet API reference's fields, closed; its pod templates by
     # kubernetes-validate (tests/lws_schema.py).
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): lambda o: validate_leader_worker_set(
@@ -809,6 +715,7 @@ def test_keda_values_reach_the_spec_and_the_operator_emits_a_scaled_object(rende
         "scaleUpStabilizationSeconds": 30,
         "scaleDownStabilizationSeconds": 600,
         "maxScaleUpStep": 2,
+        "scaleToZeroIdleSeconds": 300,
     }
     assert md["spec"]["model"]["pvc"]["claimName"] == f"{RELEASE}-pagefleet-models"
     pvc = one(rendered["keda"], "PersistentVolumeClaim")
@@ -823,6 +730,69 @@ def test_keda_values_reach_the_spec_and_the_operator_emits_a_scaled_object(rende
     assert "vllm:num_requests_waiting" in trigger["metadata"]["query"]
     # KEDA's HPA owns the replica count: the operator leaves it out of the Deployment.
     assert "replicas" not in one(owned, "Deployment", "engine")["spec"]
+
+
+def test_router_queue_and_scale_to_zero_values_reach_the_router_args(helm):
+    """The chart's router.queue values reach spec.router.queue and, through the operator, the
+    router's flags by the router's names; minReplicas 0 with an idle window reaches the spec,
+    and the router then stays ready without engines (its Service must take the requests that
+    wake the pool). Fails for: a queue value dropped by the template, a flag misnamed, or a
+    router left unready at zero."""
+    flags = [
+        "--set",
+        "modelDeployment.router.queue.size=32",
+        "--set",
+        "modelDeployment.router.queue.timeoutSeconds=600",
+        "--set",
+        "modelDeployment.router.queue.saturationWaiting=8",
+        "--set-json",  # --set reads 0.9 as a string
+        "modelDeployment.router.queue.saturationKv=0.9",
+        "--set",
+        "modelDeployment.pools.colocated.autoscaling.mode=builtin",
+        "--set",
+        "modelDeployment.pools.colocated.autoscaling.minReplicas=0",
+        "--set",
+        "modelDeployment.pools.colocated.autoscaling.scaleToZeroIdleSeconds=900",
+    ]
+    docs = template(helm, "-f", str(VALUES_FILES["colocated"]), *flags)
+    md = one(docs, "ModelDeployment")
+    validate(md)
+    assert md["spec"]["router"]["queue"] == {
+        "size": 32,
+        "timeoutSeconds": 600,
+        "saturationWaiting": 8,
+        "saturationKv": 0.9,
+    }
+    auto = md["spec"]["pools"]["colocated"]["autoscaling"]
+    assert (auto["minReplicas"], auto["scaleToZeroIdleSeconds"]) == (0, 900)
+    router = one(owned_objects(md, ci_values("colocated"), docs), "Deployment", "router")
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    command = container["command"]
+    tail = command[command.index("--queue-size") :]
+    assert tail[:8] == [
+        "--queue-size",
+        "32",
+        "--queue-timeout",
+        "600",
+        "--saturation-waiting",
+        "8",
+        "--saturation-kv",
+        "0.9",
+    ]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/livez"
+    # The defaults: no saturation key in the spec (null values are left out), no flag.
+    md = one(template(helm, "-f", str(VALUES_FILES["colocated"])), "ModelDeployment")
+    assert md["spec"]["router"]["queue"] == {"size": 256, "timeoutSeconds": 120}
+    # A bound outside the router's range fails install with the key's path.
+    out = run_helm(
+        helm,
+        "template",
+        RELEASE,
+        str(CHART),
+        "--set-json",
+        "modelDeployment.router.queue.saturationKv=1.5",
+    )
+    assert out.returncode != 0 and "saturationKv" in out.stderr
 
 
 def test_minimal_values_run_only_the_operator(rendered):
@@ -1899,13 +1869,17 @@ def test_keda_auth_values_reach_the_scaled_object(rendered):
     spec = scaled["spec"]
     assert (spec["pollingInterval"], spec["cooldownPeriod"]) == (10, 900)
     assert spec["fallback"] == {"failureThreshold": 3, "replicas": 2}
-    (trigger,) = spec["triggers"]
-    assert trigger["authenticationRef"] == {
-        "name": "prometheus-bearer",
-        "kind": "TriggerAuthentication",
-    }
-    assert trigger["metadata"]["authModes"] == "bearer"
-    assert trigger["metadata"]["activationThreshold"] == "1"
+    # Every trigger reads the same secured Prometheus: each carries the authentication.
+    for trigger in spec["triggers"]:
+        assert trigger["authenticationRef"] == {
+            "name": "prometheus-bearer",
+            "kind": "TriggerAuthentication",
+        }
+        assert trigger["metadata"]["authModes"] == "bearer"
+    # The pool wakes from 0 above the user's activation threshold, on the engines' queue or
+    # the router's; running requests keep it active from the first one.
+    thresholds = {t["name"]: t["metadata"]["activationThreshold"] for t in spec["triggers"]}
+    assert thresholds == {"engines-waiting": "1", "router-queued": "1", "engines-running": "0"}
     assert spec["minReplicaCount"] == 0
 
 

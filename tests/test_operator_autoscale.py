@@ -115,11 +115,21 @@ def test_no_further_scale_up_while_pods_are_pending():
 
 
 def test_scale_to_zero_and_back():
-    spec = Autoscaling(**{**SPEC.__dict__, "min_replicas": 0, "scale_down_stabilization_s": 60})
+    """An idle pool goes to 0 one idle window (not the scale-down window) after it was first
+    seen idle, stays there while nothing waits, and wakes to ceil(demand / target) at once."""
+    spec = Autoscaling(
+        **{
+            **SPEC.__dict__,
+            "min_replicas": 0,
+            "scale_down_stabilization_s": 30,
+            "scale_to_zero_idle_s": 60,
+        }
+    )
     running = Observation(waiting=0.0, running=2.0, pods=1, replicas=1)
     assert decide(running, (), PoolReplicas(1, 1), spec, 0.0).replicas == 1  # still running
     steps = simulate_queue([0.0] * 8 + [9.0] * 2, spec, replicas=1)
-    assert steps[7].replicas == 0
+    assert [s.replicas for s in steps[:8]] == [1, 1, 1, 1, 0, 0, 0, 0]  # idle since t=0
+    assert steps[4].time == 60.0 and "scaleToZeroIdleSeconds 60" in steps[4].reason
     assert steps[8].replicas == 3  # ceil(9/4) with no pods to average over
 
 

@@ -186,7 +186,9 @@ def test_router_probes_discovery_and_precise_index(name):
     assert flag(command, "--prefix-index") == "precise"
     assert flag(command, "--kv-events-port") == "5557"
     assert flag(command, "--tokenizer") == MODEL_PATHS[name]
-    # Alive while it serves; ready while an engine is healthy.
+    # spec.router.queue at its defaults (the router's own): no flow-control flag.
+    assert not [f for f in command if f.startswith(("--queue-", "--saturation-"))]
+    # Alive while it serves; ready while an engine is healthy (no pool here scales to 0).
     assert probe_path(c, "livenessProbe") == ("/livez", "http")
     assert probe_path(c, "readinessProbe") == ("/health", "http")
     assert router["spec"]["template"]["spec"]["serviceAccountName"] == f"{md}-router"
@@ -203,11 +205,51 @@ def test_keda_leaves_replicas_to_the_scaled_object():
         "name": "qwen-colocated",
     }
     assert scaled["metadata"]["annotations"] == {"autoscaling.keda.sh/paused": "false"}
-    (trigger,) = scaled["spec"]["triggers"]
-    assert trigger["metadata"]["query"] == (
-        'sum(vllm:num_requests_waiting{namespace="serving",pod=~"qwen-colocated-.*",'
-        'model_name="qwen2-7b"})'
-    )
+    server = "http://prometheus-operated.monitoring.svc:9090"
+    waiting, queued, running = scaled["spec"]["triggers"]
+    # The engines' queue sizes the pool: ceil(sum / 8) replicas (targetWaitingPerReplica 8).
+    assert waiting == {
+        "type": "prometheus",
+        "name": "engines-waiting",
+        "metricType": "AverageValue",
+        "metadata": {
+            "serverAddress": server,
+            "query": 'sum(vllm:num_requests_waiting{namespace="serving",'
+            'pod=~"qwen-colocated-.*",model_name="qwen2-7b"})',
+            "threshold": "8",
+        },
+    }
+    # The router's queue for the model: the demand Prometheus sees at zero pods. Active
+    # (wakes a pool at 0) above 0, and sized like waiting requests after that.
+    assert queued == {
+        "type": "prometheus",
+        "name": "router-queued",
+        "metricType": "AverageValue",
+        "metadata": {
+            "serverAddress": server,
+            "query": 'sum(pagefleet_router:queued_requests{namespace="serving",'
+            'pod=~"qwen-router-.*",model="qwen2-7b"})',
+            "threshold": "8",
+            "activationThreshold": "0",
+        },
+    }
+    # Running requests keep the trigger active (KEDA never scales to 0 under them) but, at
+    # a threshold no pool reaches, never ask for more than one pod.
+    assert running == {
+        "type": "prometheus",
+        "name": "engines-running",
+        "metricType": "AverageValue",
+        "metadata": {
+            "serverAddress": server,
+            "query": 'sum(vllm:num_requests_running{namespace="serving",'
+            'pod=~"qwen-colocated-.*",model_name="qwen2-7b"})',
+            "threshold": "1000000",
+            "activationThreshold": "0",
+        },
+    }
+    # minReplicas 1 here: KEDA's cooldownPeriod (which only acts at 0) follows the
+    # scale-down window, 600 s.
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["cooldownPeriod"]) == (1, 600)
 
 
 def secret_ref(env: list[dict], name: str) -> dict | None:

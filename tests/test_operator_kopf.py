@@ -8,9 +8,6 @@ import datetime
 import signal
 import subprocess
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import kubernetes_validate
 from operator_harness import (
@@ -21,6 +18,7 @@ from operator_harness import (
     emulator,
     get,
     md_status,
+    metrics_server,
     model_deployment,
     next_pass,
     operator,
@@ -149,39 +147,18 @@ def test_bad_spec_is_degraded_not_a_crash():
             )
 
 
-class QueueMetrics(BaseHTTPRequestHandler):
+def queue_page(server) -> str:
     """A fake engine's /metrics: the queue depth the test sets."""
-
-    def do_GET(self) -> None:
-        waiting = self.server.waiting  # type: ignore[attr-defined]
-        body = (
-            "# TYPE vllm:num_requests_waiting gauge\n"
-            f'vllm:num_requests_waiting{{model_name="llama-3-8b"}} {waiting}\n'
-            "# TYPE vllm:num_requests_running gauge\n"
-            'vllm:num_requests_running{model_name="llama-3-8b"} 8\n'
-        ).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:
-        pass
+    return (
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f'vllm:num_requests_waiting{{model_name="llama-3-8b"}} {server.waiting}\n'
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{model_name="llama-3-8b"} 8\n'
+    )
 
 
-@contextmanager
-def fake_metrics(waiting: float) -> Iterator[ThreadingHTTPServer]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), QueueMetrics)
-    server.waiting = waiting  # type: ignore[attr-defined]
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        thread.join(5)
-        server.server_close()
+def fake_metrics(waiting: float):
+    return metrics_server(queue_page, waiting=waiting)
 
 
 def ready_pod(name: str, pool: str) -> dict:

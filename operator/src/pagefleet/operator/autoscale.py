@@ -1,6 +1,9 @@
 """The builtin autoscaler's decision: a pure function of the observation, the earlier
 recommendations, the pool's replicas, its autoscaling spec and the time, shaped like the
-HorizontalPodAutoscaler's; and the window's form in the ModelDeployment's status."""
+HorizontalPodAutoscaler's; and the window's form in the ModelDeployment's status. Zero is
+its own trip: a pool at 0 wakes as soon as the router holds a request for it, and goes to 0
+only after a whole idle window (scaleToZeroIdleSeconds) with nothing running, waiting or
+queued."""
 
 from __future__ import annotations
 
@@ -22,6 +25,25 @@ class Observation:
     running: float  # sum of vllm:num_requests_running
     pods: int  # ready pods whose metrics were read
     replicas: int  # the Deployment's replicas when this was observed
+    # Requests the router holds for the pool's model (no engine ready, or all saturated):
+    # the only demand there is to see at zero pods.
+    queued: float = 0.0
+    # False when the router has pods but none answered: its queue is unknown, so the pool
+    # counts as busy (never scaled to 0 on a blind reading).
+    queue_read: bool = True
+
+    @property
+    def demand(self) -> float:
+        """Requests waiting for an engine: in the engines' queues and in the router's."""
+        return self.waiting + self.queued
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running, waiting or queued, as far as every source could tell: the
+        engines were read (or there are none) and the router answered."""
+        engines_read = self.pods > 0 or self.replicas == 0
+        nothing = self.waiting == 0 and self.running == 0 and self.queued == 0
+        return engines_read and self.queue_read and nothing
 
 
 @dataclass(frozen=True)
@@ -45,17 +67,26 @@ class Decision:
     reason: str
     recommendation: int  # this observation's own recommendation, before stabilisation
     window: tuple[Recommendation, ...] = ()  # what later decisions still need (see `needed`)
+    # Since when the pool has been seen idle without a break (None: busy now); the next
+    # decision's `idle_since`.
+    idle_since: float | None = None
 
 
 def recommend(obs: Observation, spec: Autoscaling) -> tuple[int, str]:
-    """The HPA formula on one observation, clamped to min/max: ceil(replicas * avg / target)."""
+    """The HPA formula on one observation, clamped to min/max and, for a pool with replicas,
+    to at least one: ceil(replicas * avg / target), the router's queued requests counted as
+    waiting. Only `decide`'s idle window takes a pool to zero; a pool at zero wakes to what
+    its demand needs at the target per replica."""
     target = spec.target_waiting_per_replica
+    queued = f" + {obs.queued:g} queued" if obs.queued else ""
     if obs.pods == 0:
-        if obs.replicas == 0 and obs.waiting > 0:
-            raw = math.ceil(obs.waiting / target)
-            return _clamp(raw, spec), f"{obs.waiting:g} waiting with no pods"
+        if obs.replicas == 0 and obs.demand > 0:
+            raw = math.ceil(obs.demand / target)
+            return _clamp(raw, spec), f"{obs.waiting:g} waiting{queued} with no pods"
+        if obs.replicas == 0 and obs.queue_read:
+            return _clamp(0, spec), "nothing waiting or queued with no pods"
         return _clamp(obs.replicas, spec), "no pod metrics: holding"
-    average = obs.waiting / obs.pods
+    average = obs.demand / obs.pods
     ratio = average / target
     if abs(ratio - 1.0) <= TOLERANCE:
         raw = obs.replicas
@@ -63,10 +94,13 @@ def recommend(obs: Observation, spec: Autoscaling) -> tuple[int, str]:
     else:
         raw = math.ceil(obs.replicas * ratio)
         why = f"ceil({obs.replicas} x {average:.3g}/{target:g})={raw}"
-    if raw == 0 and obs.running > 0:
-        raw = 1  # requests still running: never scale the last pod away under them
+    if raw == 0:
+        # A pool that serves keeps a pod: zero is the idle window's call, never the
+        # formula's (which would drop the last pod under a running request, or between two).
+        raw = 1
+        why += ", the last pod kept"
     return _clamp(raw, spec), (
-        f"{obs.waiting:g} waiting / {obs.pods} pods (target {target:g}/pod, "
+        f"{obs.waiting:g} waiting{queued} / {obs.pods} pods (target {target:g}/pod, "
         f"{obs.running:g} running): {why}"
     )
 
@@ -100,20 +134,44 @@ def needed(
     return tuple(r for i, r in enumerate(recommendations) if i in keep)
 
 
+def idle_since_now(observation: Observation, idle_since: float | None, now: float) -> float | None:
+    """When the pool's unbroken idle stretch began, this observation included."""
+    if not observation.idle:
+        return None
+    return now if idle_since is None else min(idle_since, now)
+
+
 def decide(
     observation: Observation,
     window: tuple[Recommendation, ...],
     pool: PoolReplicas,
     spec: Autoscaling,
     now: float,
+    idle_since: float | None = None,
 ) -> Decision:
-    """Replicas for the pool now, from this observation and the earlier recommendations
-    (`window`, oldest first; the previous decision's `window`).
+    """Replicas for the pool now, from this observation, the earlier recommendations
+    (`window`, oldest first; the previous decision's `window`) and the start of the pool's
+    idle stretch (the previous decision's `idle_since`).
 
     Like the HPA: a scale-up goes to the lowest recommendation of the up-window, a scale-down
     to the highest of the down-window (so a dip must last the whole window); then the step
-    limit and min/max. No scale-up while pods of the last step are still not ready."""
+    limit and min/max. No scale-up while pods of the last step are still not ready. Zero has
+    its own rules: a pool at 0 with demand wakes at once (no window holds a cold start back),
+    and a pool with minReplicas 0 goes to 0 once it has been idle for scaleToZeroIdleSeconds."""
+    idle = idle_since_now(observation, idle_since, now)
+    if pool.current > 0 and spec.min_replicas == 0 and idle is not None:
+        idle_for = now - idle
+        if idle_for >= spec.scale_to_zero_idle_s:
+            reason = (
+                f"nothing running, waiting or queued for {idle_for:g}s "
+                f"(scaleToZeroIdleSeconds {spec.scale_to_zero_idle_s:g}) -> 0"
+            )
+            return Decision(0, reason, 0, (), idle)
     latest, latest_reason = recommend(observation, spec)
+    if pool.current == 0 and latest > 0:
+        # Waking: the up-window exists to ignore blips on a serving pool; at zero a request
+        # is held at the router until a pod loads, so every second of delay is the client's.
+        window = ()
     recommendations = (*window, Recommendation(now, latest))
     up = [r.replicas for r in recommendations if now - r.time <= spec.scale_up_stabilization_s]
     down = [r.replicas for r in recommendations if now - r.time <= spec.scale_down_stabilization_s]
@@ -143,7 +201,7 @@ def decide(
         desired = floor
         notes.append(f"waiting for {current - pool.ready} pod(s) of the last step to be ready")
     reason = latest_reason + "".join(f"; {n}" for n in notes) + f" -> {desired}"
-    return Decision(desired, reason, latest, needed(recommendations, spec, now))
+    return Decision(desired, reason, latest, needed(recommendations, spec, now), idle)
 
 
 def window_to_status(window: tuple[Recommendation, ...]) -> list[dict[str, int | str]]:

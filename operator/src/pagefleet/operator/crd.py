@@ -67,6 +67,7 @@ AUTOSCALING_DEFAULTS: dict[str, Any] = {
     "scaleUpStabilizationSeconds": 0,
     "scaleDownStabilizationSeconds": 300,
     "maxScaleUpStep": 4,
+    "scaleToZeroIdleSeconds": 300,
 }
 SCORER_DEFAULTS: dict[str, float] = {"prefix": 3, "queue": 2, "kv-usage": 2, "inflight": 1}
 ROUTER_DEFAULTS: dict[str, Any] = {
@@ -74,6 +75,9 @@ ROUTER_DEFAULTS: dict[str, Any] = {
     "pdThresholdTokens": 512,
     "prefixIndex": "precise",
 }
+# The router's queue (spec.router.queue): requests it holds while no engine of the model is
+# ready or all are saturated (the router's --queue-size and --queue-timeout defaults).
+ROUTER_QUEUE_DEFAULTS: dict[str, Any] = {"size": 256, "timeoutSeconds": 120}
 # The router's requests and limits unless spec.router.resources says otherwise (a router
 # without any would be BestEffort: the first pod evicted under node pressure).
 ROUTER_RESOURCES: dict[str, dict[str, str]] = {
@@ -191,7 +195,14 @@ def autoscaling_schema() -> dict:
     return _obj(
         {
             "mode": {"type": "string", "enum": list(AUTOSCALING_MODES), "default": d["mode"]},
-            "minReplicas": _int(0, d["minReplicas"]),
+            "minReplicas": _int(
+                0,
+                d["minReplicas"],
+                "0 lets an idle pool scale to zero (builtin and keda modes): the router holds "
+                "requests (spec.router.queue) and wakes it, and the first request after idle "
+                "pays a cold start: pod scheduling, image pull and model load (minutes for "
+                "large models; set router.queue.timeoutSeconds above it)",
+            ),
             "maxReplicas": _int(1, d["maxReplicas"]),
             "targetWaitingPerReplica": {
                 "type": "number",
@@ -203,6 +214,14 @@ def autoscaling_schema() -> dict:
             "scaleUpStabilizationSeconds": _int(0, d["scaleUpStabilizationSeconds"]),
             "scaleDownStabilizationSeconds": _int(0, d["scaleDownStabilizationSeconds"]),
             "maxScaleUpStep": _int(1, d["maxScaleUpStep"], "most replicas added per decision"),
+            "scaleToZeroIdleSeconds": _int(
+                0,
+                d["scaleToZeroIdleSeconds"],
+                "minReplicas 0 only: seconds with nothing running, waiting or queued at the "
+                "router before the pool goes to 0 (the builtin autoscaler; KEDA's "
+                "cooldownPeriod unless keda.cooldownPeriod is set). Never while a request is "
+                "in flight",
+            ),
             "keda": keda_schema(),
         },
         default={},
@@ -225,12 +244,13 @@ def keda_schema() -> dict:
             "cooldownPeriod": _int(
                 0,
                 description="seconds after the last active trigger before scaling to "
-                "minReplicas 0 (default: scaleDownStabilizationSeconds)",
+                "minReplicas 0 (default: scaleToZeroIdleSeconds)",
             ),
             "activationThreshold": {
                 "type": "number",
                 "minimum": 0,
-                "description": "waiting requests above which a pool at 0 replicas activates",
+                "description": "waiting (engines) or queued (router) requests above which "
+                "a pool at 0 replicas activates (default 0: the first queued request)",
             },
             "fallback": _obj(
                 {"failureThreshold": _int(1), "replicas": _int(0)},
@@ -408,8 +428,46 @@ def router_schema() -> dict:
                 "description": "precise: engines publish KV events (on their pod IP) and the "
                 "router follows them; approximate: no events, the router remembers what it sent",
             },
+            "queue": router_queue_schema(),
         },
         default={},
+    )
+
+
+def router_queue_schema() -> dict:
+    d = ROUTER_QUEUE_DEFAULTS
+    return _obj(
+        {
+            "size": _int(
+                0,
+                d["size"],
+                "requests the router holds per model while no engine is ready or all are "
+                "saturated (a pool waking from 0 replicas); beyond it a 503 with Retry-After. "
+                "0: never hold (503 at once)",
+            ),
+            "timeoutSeconds": _int(
+                1,
+                d["timeoutSeconds"],
+                "longest a request is held before a 503 with Retry-After: cover the pool's "
+                "cold start (pod start + model load) if it scales to 0",
+            ),
+            "saturationWaiting": _int(
+                1,
+                description="an engine with this many waiting requests counts as saturated "
+                "(unset: never by its queue)",
+            ),
+            "saturationKv": {
+                "type": "number",
+                "exclusiveMinimum": True,
+                "minimum": 0,
+                "maximum": 1,
+                "description": "an engine whose KV cache is this full (0-1] counts as saturated "
+                "(unset: never by its KV cache)",
+            },
+        },
+        default={},
+        description="the router's flow control: what it holds, for how long, and when engines "
+        "count as full",
     )
 
 

@@ -37,16 +37,22 @@ from pagefleet.operator.metrics_source import (
     PodScraper,
     PoolPods,
     PrometheusSource,
+    RouterPods,
+    RouterQueue,
+    RouterScraper,
     ready_pod_ips,
+    running_pod_ips,
 )
 from pagefleet.operator.network_policy import PolicyPeers
 from pagefleet.operator.reconcile import (
     ENGINE_API_KEY,
     FLEET_SECRET_KEY,
+    ROUTER_PORT,
     EngineImages,
     RenderOptions,
     desired_objects,
     retired_objects,
+    router_selector,
     serving_selector,
     workload_kind,
     workload_ref,
@@ -75,6 +81,7 @@ class OperatorConfig:
     router_image: str = DEFAULT_ROUTER_IMAGE
     prometheus_url: str | None = None
     metrics_port: int = 8000
+    router_metrics_port: int = ROUTER_PORT  # where the router's queue is read (/metrics)
     # One periodic pass per ModelDeployment does both the drift check and the autoscaler's
     # evaluation, so the two never race on the same Deployment.
     autoscale_interval: float = 15.0
@@ -372,6 +379,9 @@ class PoolMemory:
     window: tuple[Recommendation, ...] = ()
     replicas: int | None = None
     reason: str = ""
+    # Start of the pool's unbroken idle stretch (in memory: a restarted operator starts the
+    # idle window over, which only ever delays a scale to zero).
+    idle_since: float | None = None
 
 
 @dataclass
@@ -466,10 +476,26 @@ def remembered(state: OperatorState, md: dict, pool: Pool, now: float) -> PoolMe
     return memory
 
 
+def router_queue(state: OperatorState, md: dict, spec: Spec) -> RouterQueue:
+    """What the ModelDeployment's router holds for its model: from Prometheus when the
+    operator has one, else from the router pods' /metrics."""
+    meta = md["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    if state.config.prometheus_url:
+        source: PrometheusSource | RouterScraper = PrometheusSource(state.config.prometheus_url)
+        ips: tuple[str, ...] = ()
+    else:
+        source = RouterScraper(state.config.router_metrics_port)
+        pods = state.client.list("v1", "Pod", namespace, router_selector(name))
+        ips = running_pod_ips(pods)
+    return source.read_queue(RouterPods(namespace, name, spec.model.name, ips))
+
+
 def autoscale_pool(
-    state: OperatorState, md: dict, spec: Spec, pool: Pool, now: float
+    state: OperatorState, md: dict, spec: Spec, pool: Pool, now: float, queue: RouterQueue
 ) -> PoolMemory:
-    """One builtin evaluation: read the pool's queue, decide, remember the decision."""
+    """One builtin evaluation: read the pool's queue, decide with the router's, remember
+    the decision."""
     meta = md["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     memory = remembered(state, md, pool, now)
@@ -486,14 +512,21 @@ def autoscale_pool(
         else PodScraper(state.config.metrics_port)
     )
     reading = source.read(pool_pods)
-    observation = Observation(reading.waiting, reading.running, reading.pods, current)
+    observation = Observation(
+        reading.waiting, reading.running, reading.pods, current, queue.queued, queue.read
+    )
     decision = decide(
-        observation, memory.window, PoolReplicas(current, ready), pool.autoscaling, now
+        observation,
+        memory.window,
+        PoolReplicas(current, ready),
+        pool.autoscaling,
+        now,
+        memory.idle_since,
     )
     if decision.replicas != memory.replicas:
         log.info("%s/%s pool %s: %s", namespace, name, pool.name, decision.reason)
     memory.replicas, memory.reason = decision.replicas, decision.reason
-    memory.window = decision.window
+    memory.window, memory.idle_since = decision.window, decision.idle_since
     return memory
 
 
@@ -665,14 +698,16 @@ def _decide_replicas(
     replicas: dict[str, int] = {}
     memories: dict[str, PoolMemory] = {}
     keep: set[str] = set()
+    queue: RouterQueue | None = None  # read once per pass, for every builtin pool
     for pool in spec.pools:
         mode = pool.autoscaling.mode
         if mode == "builtin":
             memory = remembered(state, md, pool, now)
             _notice_manual_scale(state, md, pool, memory.replicas)
-            memories[pool.name] = (
-                autoscale_pool(state, md, spec, pool, now) if autoscale else memory
-            )
+            if autoscale:
+                queue = queue or router_queue(state, md, spec)
+                memory = autoscale_pool(state, md, spec, pool, now, queue)
+            memories[pool.name] = memory
             if memories[pool.name].replicas is not None:
                 replicas[pool.name] = memories[pool.name].replicas
         elif mode == "none":

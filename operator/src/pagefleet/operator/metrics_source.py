@@ -1,14 +1,20 @@
 """Where the builtin autoscaler reads queue depth: each ready pod's /metrics (default), or a
-Prometheus server's query API when the operator is given --prometheus-url."""
+Prometheus server's query API when the operator is given --prometheus-url; and the requests
+the ModelDeployment's router holds for its model (the only demand visible at zero pods), from
+the router pods' /metrics or the same Prometheus."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagefleet.common.metrics_text import parse_metrics
-from pagefleet.operator.reconcile import waiting_query
+from pagefleet.operator.reconcile import ROUTER_PORT, queued_query, waiting_query
+
+# The router's gauge of requests it holds per model (no engine ready, or all saturated).
+QUEUED_REQUESTS = "pagefleet_router:queued_requests"
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,50 @@ def ready_pod_ips(pods: list[dict]) -> tuple[str, ...]:
     return tuple(sorted(ips))
 
 
+def running_pod_ips(pods: list[dict]) -> tuple[str, ...]:
+    """IPs of pods that run, ready or not: the router is unready while no engine is healthy
+    (its /health), which is exactly when its queue must be read."""
+    ips = []
+    for pod in pods:
+        status = pod.get("status") or {}
+        gone = pod.get("metadata", {}).get("deletionTimestamp")
+        if status.get("podIP") and status.get("phase", "Running") == "Running" and not gone:
+            ips.append(status["podIP"])
+    return tuple(sorted(ips))
+
+
+@dataclass(frozen=True)
+class RouterQueue:
+    queued: float  # requests held for the model, summed over router replicas
+    read: bool  # False: router pods run but none answered (the queue is unknown)
+
+
+@dataclass(frozen=True)
+class RouterPods:
+    """The ModelDeployment's router pods, as the API reports them."""
+
+    namespace: str
+    deployment: str  # the ModelDeployment's name
+    model: str
+    ips: tuple[str, ...]
+
+
+def queued_requests(text: str, model: str) -> float:
+    """The router's queued requests for `model` on one /metrics page (0 when absent: a
+    router that never queued for it). Raises ValueError on a page that does not parse."""
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == QUEUED_REQUESTS and sample.labels.get("model") == model:
+                total += sample.value
+    return total
+
+
+def _url(ip: str, port: int, path: str) -> str:
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{port}{path}"
+
+
 @dataclass(frozen=True)
 class PodScraper:
     """GET http://<podIP>:<port>/metrics of every ready pod; pods that fail are left out
@@ -56,9 +106,8 @@ class PodScraper:
         answered = 0
         with httpx.Client(timeout=self.timeout) as client:
             for ip in pods.ips:
-                host = f"[{ip}]" if ":" in ip else ip
                 try:
-                    response = client.get(f"http://{host}:{self.port}/metrics")
+                    response = client.get(_url(ip, self.port, "/metrics"))
                     response.raise_for_status()
                     gauges = parse_metrics(response.text)
                 except (httpx.HTTPError, ValueError):
@@ -92,3 +141,36 @@ class PrometheusSource:
         except (httpx.HTTPError, KeyError, IndexError, ValueError):
             return QueueReading(0.0, 0.0, 0)  # no data: the autoscaler holds
         return QueueReading(waiting, running, len(pods.ips))
+
+    def read_queue(self, router: RouterPods) -> RouterQueue:
+        query = queued_query(router.namespace, router.deployment, router.model)
+        try:
+            with httpx.Client(timeout=self.timeout) as client:
+                return RouterQueue(self._query(client, query), True)
+        except (httpx.HTTPError, KeyError, IndexError, ValueError):
+            return RouterQueue(0.0, False)
+
+
+@dataclass(frozen=True)
+class RouterScraper:
+    """GET http://<podIP>:<port>/metrics of every running router pod, summing their queues
+    (each replica holds its own). No router pod: nothing can be queued. Pods that fail are
+    left out; none answering leaves the queue unknown."""
+
+    port: int = ROUTER_PORT
+    timeout: float = 2.0
+
+    def read_queue(self, router: RouterPods) -> RouterQueue:
+        if not router.ips:
+            return RouterQueue(0.0, True)
+        queued, answered = 0.0, 0
+        with httpx.Client(timeout=self.timeout) as client:
+            for ip in router.ips:
+                try:
+                    response = client.get(_url(ip, self.port, "/metrics"))
+                    response.raise_for_status()
+                    queued += queued_requests(response.text, router.model)
+                except (httpx.HTTPError, ValueError):
+                    continue
+                answered += 1
+        return RouterQueue(queued, answered > 0)

@@ -53,7 +53,9 @@ from pagefleet.operator.spec import (
     DEFAULT_IMAGE,
     DEFAULT_ROUTER_IMAGE,
     RAY_OBJECT_STORE_GI,
+    Autoscaling,
     Pool,
+    QueueBounds,
     SecretKeyRef,
     Spec,
     SpecError,
@@ -111,6 +113,9 @@ LOCAL_PORT_RANGE_SYSCTL = "net.ipv4.ip_local_port_range"
 RAY_OBJECT_STORE_BYTES = RAY_OBJECT_STORE_GI * 2**30  # in /dev/shm (spec.default_shm_size)
 # KEDA (2.13+) stops scaling a ScaledObject with this annotation set to "true".
 KEDA_PAUSED = "autoscaling.keda.sh/paused"
+# The engines-running trigger's target per replica: beyond any pool's running requests, so
+# that trigger keeps a pool from 0 but never sizes it (ceil(running / this) <= 1).
+IN_FLIGHT_THRESHOLD = 1_000_000
 MULTUS_NETWORKS = "k8s.v1.cni.cncf.io/networks"
 
 
@@ -757,6 +762,13 @@ def waiting_query(ctx_namespace: str, md_name: str, pool: str, model: str) -> st
     return f"sum(vllm:num_requests_waiting{{{matchers}}})"
 
 
+def queued_query(namespace: str, md_name: str, model: str) -> str:
+    """PromQL: requests the ModelDeployment's router holds for its model, over its replicas
+    (router pods are named after their Deployment, <name>-router)."""
+    matchers = f'namespace="{namespace}",pod=~"{md_name}-router-.*",model="{model}"'
+    return f"sum(pagefleet_router:queued_requests{{{matchers}}})"
+
+
 def scaled_object(ctx: _Context, pool: Pool, prometheus_url: str | None) -> dict:
     if not prometheus_url:
         raise SpecError(
@@ -771,35 +783,33 @@ def scaled_object(ctx: _Context, pool: Pool, prometheus_url: str | None) -> dict
         },
         "scaleDown": {"stabilizationWindowSeconds": a.scale_down_stabilization_s},
     }
-    trigger: dict[str, Any] = {
-        "type": "prometheus",
-        # AverageValue: KEDA's HPA computes ceil(sum / threshold) replicas.
-        "metricType": "AverageValue",
-        "metadata": {
-            "serverAddress": prometheus_url,
-            "query": waiting_query(ctx.namespace, ctx.name, pool.name, ctx.spec.model.name),
-            "threshold": f"{a.target_waiting_per_replica:g}",
-        },
-    }
     keda = a.keda
+    waiting = waiting_query(ctx.namespace, ctx.name, pool.name, ctx.spec.model.name)
+    waiting_trigger = _prometheus_trigger("engines-waiting", waiting, a, prometheus_url)
     if keda.activation_threshold is not None:
-        trigger["metadata"]["activationThreshold"] = f"{keda.activation_threshold:g}"
-    if keda.auth_modes:
-        trigger["metadata"]["authModes"] = keda.auth_modes
-    if keda.authentication:
-        kind, auth_name = keda.authentication
-        trigger["authenticationRef"] = {"name": auth_name, "kind": kind}
+        waiting_trigger["metadata"]["activationThreshold"] = f"{keda.activation_threshold:g}"
+    # The router's queue is the only demand Prometheus sees at zero pods (no engine, no
+    # vllm:* series): KEDA activates the pool from 0 when it exceeds the activation threshold
+    # (strictly: 0 wakes on the first held request), and counts it as waiting after that.
+    queued = queued_query(ctx.namespace, ctx.name, ctx.spec.model.name)
+    queue_trigger = _prometheus_trigger("router-queued", queued, a, prometheus_url)
+    queue_trigger["metadata"]["activationThreshold"] = f"{keda.activation_threshold or 0:g}"
+    # Running requests wait for nothing, so no trigger above sees them; yet KEDA scales to 0
+    # once every trigger has been inactive for cooldownPeriod. This one is active while any
+    # request runs (never to 0 under one), and its threshold is so high that it never asks
+    # the HPA for more than one pod.
+    running = waiting.replace("vllm:num_requests_waiting", "vllm:num_requests_running")
+    running_trigger = _prometheus_trigger("engines-running", running, a, prometheus_url)
+    running_trigger["metadata"].update(threshold=str(IN_FLIGHT_THRESHOLD), activationThreshold="0")
     spec: dict[str, Any] = {
         "scaleTargetRef": dict(
             zip(("apiVersion", "kind", "name"), workload_ref(ctx.name, pool), strict=True)
         ),
         "minReplicaCount": a.min_replicas,
         "maxReplicaCount": a.max_replicas,
-        "cooldownPeriod": (
-            keda.cooldown_s if keda.cooldown_s is not None else a.scale_down_stabilization_s
-        ),
+        "cooldownPeriod": keda_cooldown(a),
         "advanced": {"horizontalPodAutoscalerConfig": {"behavior": behavior}},
-        "triggers": [trigger],
+        "triggers": [waiting_trigger, queue_trigger, running_trigger],
     }
     if keda.polling_interval_s is not None:
         spec["pollingInterval"] = keda.polling_interval_s
@@ -816,6 +826,37 @@ def scaled_object(ctx: _Context, pool: Pool, prometheus_url: str | None) -> dict
         },
         "spec": spec,
     }
+
+
+def keda_cooldown(a: Autoscaling) -> float:
+    """KEDA's cooldownPeriod: how long every trigger must be inactive before it scales the
+    pool to 0, which is scaleToZeroIdleSeconds' meaning (KEDA ignores it above 0 replicas,
+    where the HPA's scale-down window rules)."""
+    if a.keda.cooldown_s is not None:
+        return a.keda.cooldown_s
+    return a.scale_to_zero_idle_s if a.min_replicas == 0 else a.scale_down_stabilization_s
+
+
+def _prometheus_trigger(name: str, query: str, a: Autoscaling, prometheus_url: str) -> dict:
+    """A KEDA prometheus trigger at the pool's target per replica (KEDA's metadata values
+    are strings), with the pool's TriggerAuthentication if it names one."""
+    trigger: dict[str, Any] = {
+        "type": "prometheus",
+        "name": name,
+        # AverageValue: KEDA's HPA computes ceil(sum / threshold) replicas.
+        "metricType": "AverageValue",
+        "metadata": {
+            "serverAddress": prometheus_url,
+            "query": query,
+            "threshold": f"{a.target_waiting_per_replica:g}",
+        },
+    }
+    if a.keda.auth_modes:
+        trigger["metadata"]["authModes"] = a.keda.auth_modes
+    if a.keda.authentication:
+        kind, auth_name = a.keda.authentication
+        trigger["authenticationRef"] = {"name": auth_name, "kind": kind}
+    return trigger
 
 
 def network_policies(ctx: _Context, peers: PolicyPeers) -> list[dict]:
@@ -871,6 +912,32 @@ def router_config(spec: Spec) -> str:
         "pd_threshold_tokens": spec.router.pd_threshold_tokens,
     }
     return yaml.safe_dump(config, sort_keys=False)
+
+
+def queue_flags(queue: QueueBounds) -> list[str]:
+    """The router's flow-control flags from spec.router.queue, those at the router's own
+    defaults (the CRD's) left out: a router image without flow control still starts for a
+    ModelDeployment that does not use it."""
+    flags = []
+    if queue.size != QueueBounds.size:
+        flags += ["--queue-size", str(queue.size)]
+    if queue.timeout_s != QueueBounds.timeout_s:
+        flags += ["--queue-timeout", str(queue.timeout_s)]
+    if queue.saturation_waiting is not None:
+        flags += ["--saturation-waiting", str(queue.saturation_waiting)]
+    if queue.saturation_kv is not None:
+        flags += ["--saturation-kv", f"{queue.saturation_kv:g}"]
+    return flags
+
+
+def scales_to_zero(pool: Pool) -> bool:
+    return pool.autoscaling.mode in ("builtin", "keda") and pool.autoscaling.min_replicas == 0
+
+
+def router_readiness_path(spec: Spec) -> str:
+    """/health (an engine is healthy) unless a pool can scale to zero: then /livez, or no
+    request would reach the router to wake the pool."""
+    return "/livez" if any(scales_to_zero(p) for p in spec.pools) else "/health"
 
 
 def router_objects(ctx: _Context) -> list[dict]:
@@ -938,6 +1005,7 @@ def router_objects(ctx: _Context) -> list[dict]:
         # Follow the engines' KV events (replayed from port + 1 when the router starts, so a
         # restarted router rebuilds its index).
         command += ["--kv-events-port", str(KV_EVENTS_PORT)]
+    command += queue_flags(spec.router.queue)
     env = [
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "HOME", "value": "/tmp"},
@@ -955,9 +1023,11 @@ def router_objects(ctx: _Context) -> list[dict]:
         "command": command,
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "env": env,
-        # Ready while an engine is healthy; alive while the process serves (/health would
-        # restart the router while engines load, in an outage and at zero replicas).
-        "readinessProbe": _http_probe("/health", "http", 5, 3),
+        # Ready while an engine is healthy, or, where a pool can sit at zero, while the
+        # process serves: it holds requests and its queue wakes the pool, so its Service must
+        # send them. Alive while the process serves (/health would restart the router while
+        # engines load, in an outage and at zero replicas).
+        "readinessProbe": _http_probe(router_readiness_path(spec), "http", 5, 3),
         "livenessProbe": _http_probe("/livez", "http", 10, 6),
         "securityContext": security,
         "resources": spec.router.resources,

@@ -20,7 +20,10 @@ from pagefleet.operator.autoscale import (
 from pagefleet.operator.spec import Autoscaling
 
 Window = tuple[Recommendation, ...]
-Controller = Callable[[Observation, Window, PoolReplicas, Autoscaling, float], Decision]
+# (observation, window, pool, spec, now, idle_since): `decide`'s arguments.
+Controller = Callable[
+    [Observation, Window, PoolReplicas, Autoscaling, float, float | None], Decision
+]
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,12 @@ class Step:
 
 
 def plain_hpa(
-    observation: Observation, window: Window, pool: PoolReplicas, spec: Autoscaling, now: float
+    observation: Observation,
+    window: Window,
+    pool: PoolReplicas,
+    spec: Autoscaling,
+    now: float,
+    idle_since: float | None = None,
 ) -> Decision:
     """The bare HPA formula (with its 10% tolerance and min/max) on the newest observation:
     no stabilisation windows, no step limit, no waiting for pending pods."""
@@ -70,22 +78,28 @@ def simulate_queue(
     """`waiting[i]` is the pool's total queue at evaluation i (independent of replicas)."""
     pods = _Pods([-start_delay] * replicas, start_delay)
     window: Window = ()
+    idle: float | None = None
     steps = []
     for i, queue in enumerate(waiting):
         now = i * period
-        decision, ready = _evaluate(pods, window, queue, now, spec, controller)
-        window = decision.window
+        decision, ready = _evaluate(pods, (window, idle), queue, now, spec, controller)
+        window, idle = decision.window, decision.idle_since
         pods.scale(decision.replicas, now)
         steps.append(Step(now, queue, decision.replicas, ready, decision.reason))
     return steps
 
 
-def _evaluate(pods: _Pods, window: Window, queue: float, now: float, spec, controller):
-    """One autoscaler evaluation: observe the pool, decide; returns (decision, ready)."""
+def _evaluate(
+    pods: _Pods, memory: tuple[Window, float | None], queue: float, now: float, spec, controller
+):
+    """One autoscaler evaluation: observe the pool, decide from the previous decision's
+    (window, idle_since); returns (decision, ready)."""
     ready = pods.ready(now)
     current = len(pods.ready_at)
     observation = Observation(queue, 0.0, ready, current)
-    return controller(observation, window, PoolReplicas(current, ready), spec, now), ready
+    window, idle = memory
+    decision = controller(observation, window, PoolReplicas(current, ready), spec, now, idle)
+    return decision, ready
 
 
 def simulate_load(
@@ -101,12 +115,13 @@ def simulate_load(
     requests/s; what is not served waits (the queue the autoscaler reads)."""
     pods = _Pods([-start_delay] * replicas, start_delay)
     window: Window = ()
+    idle: float | None = None
     backlog = 0.0
     steps = []
     for i, rate in enumerate(arrivals):
         now = i * period
-        decision, ready = _evaluate(pods, window, backlog, now, spec, controller)
-        window = decision.window
+        decision, ready = _evaluate(pods, (window, idle), backlog, now, spec, controller)
+        window, idle = decision.window, decision.idle_since
         steps.append(Step(now, backlog, decision.replicas, ready, decision.reason))
         pods.scale(decision.replicas, now)
         backlog = max(0.0, backlog + (rate - service_rate * pods.ready(now)) * period)

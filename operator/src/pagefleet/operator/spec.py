@@ -34,6 +34,7 @@ from pagefleet.operator.crd import (
     RESERVED_ENGINE_ARGS,
     RESOURCE_KINDS,
     ROUTER_DEFAULTS,
+    ROUTER_QUEUE_DEFAULTS,
     ROUTER_RESOURCES,
     SCORER_DEFAULTS,
     SECRET_KEY_PATTERN,
@@ -97,6 +98,8 @@ class Autoscaling:
     scale_up_stabilization_s: float = AUTOSCALING_DEFAULTS["scaleUpStabilizationSeconds"]
     scale_down_stabilization_s: float = AUTOSCALING_DEFAULTS["scaleDownStabilizationSeconds"]
     max_scale_up_step: int = AUTOSCALING_DEFAULTS["maxScaleUpStep"]
+    # minReplicas 0 only: how long nothing may run, wait or queue before the pool goes to 0.
+    scale_to_zero_idle_s: float = AUTOSCALING_DEFAULTS["scaleToZeroIdleSeconds"]
     keda: KedaOptions = field(default_factory=KedaOptions)
 
 
@@ -169,6 +172,16 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class QueueBounds:
+    """spec.router.queue: the router's --queue-size, --queue-timeout, --saturation-*."""
+
+    size: int = ROUTER_QUEUE_DEFAULTS["size"]
+    timeout_s: int = ROUTER_QUEUE_DEFAULTS["timeoutSeconds"]
+    saturation_waiting: int | None = None
+    saturation_kv: float | None = None
+
+
+@dataclass(frozen=True)
 class RouterSpec:
     replicas: int = ROUTER_DEFAULTS["replicas"]
     scorer_weights: dict[str, float] = field(default_factory=lambda: dict(SCORER_DEFAULTS))
@@ -176,6 +189,7 @@ class RouterSpec:
     prefix_index: str = ROUTER_DEFAULTS["prefixIndex"]  # precise: follow the engines' KV events
     resources: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(ROUTER_RESOURCES))
     pod: PodOverrides = field(default_factory=PodOverrides)
+    queue: QueueBounds = field(default_factory=QueueBounds)
 
     @property
     def precise(self) -> bool:
@@ -354,6 +368,9 @@ def parse_autoscaling(raw: Any, where: str) -> Autoscaling:
             a["scaleDownStabilizationSeconds"], f"{where}.scaleDownStabilizationSeconds", 0
         ),
         max_scale_up_step=_int(a["maxScaleUpStep"], f"{where}.maxScaleUpStep", 1),
+        scale_to_zero_idle_s=_int(
+            a["scaleToZeroIdleSeconds"], f"{where}.scaleToZeroIdleSeconds", 0
+        ),
         keda=keda,
     )
     if keda != KedaOptions() and parsed.mode != "keda":
@@ -578,7 +595,7 @@ def parse_model_uri(name: str, m: dict[str, Any]) -> Model:
 
 def parse_router(raw: Any) -> RouterSpec:
     r = {**ROUTER_DEFAULTS, **_mapping(raw, "spec.router")}
-    known = {"replicas", "scorerWeights", "pdThresholdTokens", "prefixIndex", "resources"}
+    known = {"replicas", "scorerWeights", "pdThresholdTokens", "prefixIndex", "resources", "queue"}
     _reject_unknown(r, known | set(POD_FIELDS), "spec.router")
     weights = {**SCORER_DEFAULTS, **_mapping(r.get("scorerWeights"), "spec.router.scorerWeights")}
     _reject_unknown(weights, set(SCORER_DEFAULTS), "spec.router.scorerWeights")
@@ -592,6 +609,22 @@ def parse_router(raw: Any) -> RouterSpec:
         prefix_index=_choice(r["prefixIndex"], "spec.router.prefixIndex", PREFIX_INDEXES),
         resources=parse_resources(r.get("resources", ROUTER_RESOURCES), "spec.router.resources"),
         pod=parse_overrides(r, "spec.router"),
+        queue=parse_queue(r.get("queue")),
+    )
+
+
+def parse_queue(raw: Any) -> QueueBounds:
+    where = "spec.router.queue"
+    q = {**ROUTER_QUEUE_DEFAULTS, **_mapping(raw, where)}
+    _reject_unknown(q, {"size", "timeoutSeconds", "saturationWaiting", "saturationKv"}, where)
+    kv = q.get("saturationKv")
+    if kv is not None and _bounded(kv, f"{where}.saturationKv", 0, 1) == 0:
+        raise SpecError(f"{where}.saturationKv must be above 0, not {kv!r}")
+    return QueueBounds(
+        size=_int(q["size"], f"{where}.size", 0),
+        timeout_s=_int(q["timeoutSeconds"], f"{where}.timeoutSeconds", 1),
+        saturation_waiting=_optional_int(q, "saturationWaiting", where, 1),
+        saturation_kv=float(kv) if kv is not None else None,
     )
 
 
