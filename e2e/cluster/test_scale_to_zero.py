@@ -3,7 +3,13 @@ them (its queued gauge says so), the builtin autoscaler reads that gauge and set
 Deployment to one replica, the lab starts the pod, the router releases the held requests to
 it and every one is answered in full; after the idle window (scaleToZeroIdleSeconds) the
 pool goes back to zero and the pod leaves with a SIGTERM drain. Then it wakes again: the
-trip is not one-way."""
+trip is not one-way.
+
+What it catches: an autoscaler that reads only the engines' queues (none exist at zero pods,
+so the pool never wakes and the wait for replicas 1 times out: seen failing with the wake on
+the router's queue removed from autoscale.recommend), a router that answers 503 at zero
+engines instead of holding, a router Service without endpoints at zero engines (readiness on
+/health), a request lost or cut short across the wake, and a pool that never returns to 0."""
 
 from __future__ import annotations
 
