@@ -243,3 +243,35 @@ def test_serve_with_a_draft_model_end_to_end(tiny_checkpoints):
         drafted = metric_value(base, "vllm:spec_decode_num_draft_tokens_total")
         assert drafted > 0
         assert metric_value(base, "vllm:spec_decode_num_accepted_tokens_total") == drafted
+
+
+def test_the_draft_pool_is_paid_from_the_kv_budget(tiny_checkpoints):
+    """The target's pool and the draft's (a block for each of the target's, plus scratch)
+    fit together in --kv-cache-memory (the GPU's budget is split the same way): a draft as
+    large as the target halves the target's blocks rather than doubling the memory."""
+    path = tiny_checkpoints["llama"]
+    budget_gib = 0.004
+    alone = LLM(path, max_model_len=256, kv_cache_memory=budget_gib).engine.runner
+    engine = _draft_llm(path, path, kv_cache_memory=budget_gib, max_num_seqs=8).engine
+    draft_pool = engine.proposer.runner.kv_pool
+    used = sum(p.numel() * p.element_size() for p in (engine.runner.kv_pool, draft_pool))
+    assert used <= budget_gib * (1 << 30)
+    per_block = alone.kv_pool.numel() * alone.kv_pool.element_size() / alone.kv_pool.shape[3]
+    assert alone.kv_pool.shape[3] == int(budget_gib * (1 << 30) // per_block)
+    assert engine.runner.kv_pool.shape[3] < alone.kv_pool.shape[3] / 2
+
+
+def test_a_draft_model_on_cpu_pauses_at_eight_running_requests_unless_told(tiny_checkpoints):
+    """benchmarks/spec_decode.py: on CPU a draft model's forwards cost more than they save
+    at 8 running requests, so the engine pauses speculation there by itself; an explicit
+    disable_by_batch_size wins, and n-gram drafts (almost free to propose) never pause."""
+    from pagefleet.engine.llm_engine import DRAFT_CPU_DISABLE_AT
+
+    path = tiny_checkpoints["llama"]
+    assert DRAFT_CPU_DISABLE_AT == 8
+    assert _draft_llm(path, path).engine.spec_disable_at == DRAFT_CPU_DISABLE_AT
+    told = {"method": "draft_model", "model": path, "num_speculative_tokens": K}
+    told["disable_by_batch_size"] = 32
+    assert LLM(path, max_model_len=256, speculative_config=told).engine.spec_disable_at == 32
+    ngram = {"method": "ngram", "num_speculative_tokens": K}
+    assert LLM(path, max_model_len=256, speculative_config=ngram).engine.spec_disable_at is None

@@ -8,6 +8,7 @@ plan` and the operator's admission check."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,9 +56,12 @@ def kv_pool_blocks(
     device: torch.device,
     max_model_len: int,
     group: RankGroup | None = None,
+    draft: DraftPool | None = None,
 ) -> int:
     """Blocks the pool holds (--num-gpu-blocks-override wins): with a rank group, every rank
-    calls this and all get the smallest rank's figure (block ids are the same on every rank)."""
+    calls this and all get the smallest rank's figure (block ids are the same on every rank).
+    A draft model's pool has a block for each of the target's, plus scratch: the budget
+    holds both."""
     if args.num_gpu_blocks_override:
         blocks = args.num_gpu_blocks_override
     else:
@@ -65,8 +69,25 @@ def kv_pool_blocks(
             budget = cuda_kv_budget(args, model, device, max_model_len)
         else:
             budget = int(args.kv_cache_memory * GiB)
+        if draft is not None:
+            target = kv_pool_plan_of(args, model, kv_dtype, 0).bytes_per_block
+            budget = draft.target_share(budget, target)
         blocks = kv_pool_plan_of(args, model, kv_dtype, budget).kv_blocks
     return blocks if group is None else group.min_over_ranks(blocks)
+
+
+@dataclass(frozen=True)
+class DraftPool:
+    """What a draft model's KV pool takes next to the target's: bytes per block (one for
+    each of the target's blocks) and its scratch blocks."""
+
+    bytes_per_block: int
+    scratch_blocks: int
+
+    def target_share(self, budget: int, target_bytes_per_block: int) -> int:
+        """The part of `budget` left for the target's blocks once the draft's are paid."""
+        left = max(budget - self.scratch_blocks * self.bytes_per_block, 0)
+        return left * target_bytes_per_block // (target_bytes_per_block + self.bytes_per_block)
 
 
 def kv_pool_plan_of(

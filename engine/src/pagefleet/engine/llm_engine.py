@@ -33,14 +33,19 @@ from pagefleet.engine.client import (
 )
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.detokenizer import Detokenizer
-from pagefleet.engine.kv_sizing import host_memory_bytes, kv_pool_blocks, kv_pool_plan_of
+from pagefleet.engine.kv_sizing import (
+    DraftPool,
+    host_memory_bytes,
+    kv_pool_blocks,
+    kv_pool_plan_of,
+)
 from pagefleet.engine.model.loader import (
     kv_cache_format,
     load_model,
     read_config,
     resolve_dtype,
 )
-from pagefleet.engine.model.transformer import ModelConfig
+from pagefleet.engine.model.transformer import CausalLM, ModelConfig
 from pagefleet.engine.outputs import (
     CompletionOutput,
     RequestMetrics,
@@ -60,6 +65,7 @@ from pagefleet.engine.spec_decode.stats import SpecDecodeCounters
 from pagefleet.engine.spec_decode.verifier import StepTokens, propose, sample_with_drafts
 
 FAILED_RANK_GRACE_S = 5.0
+DRAFT_CPU_DISABLE_AT = 8  # see _spec_disable_at
 logger = logging.getLogger("pagefleet.engine")
 GiB = 1 << 30
 
@@ -125,15 +131,21 @@ class LLMEngine:
                 f"the model uses sliding-window attention ({window} tokens), which pagefleet "
                 f"does not implement; set --max-model-len {window} or less"
             )
+        self.draft_model: CausalLM | None = None
         if args.simulate is not None:
             self.model_config = ModelConfig.from_hf(hf_config)
             num_blocks = args.num_gpu_blocks_override or args.simulate.num_gpu_blocks
             self._log_kv_size(num_blocks, None)
             runner = SimulatedRunner(args.simulate, self.model_config.vocab_size)
         else:
+            # The draft first: its weights and pool come out of the memory the KV's does.
+            self.draft_model = self._load_draft()
             runner, num_blocks = self._load_model_runner()
         self.runner = runner
         self.proposer, self.spec_counters = self._speculation()
+        self.spec_disable_at = self._spec_disable_at()
+        if self.spec_disable_at is not None:
+            logger.info("Speculation pauses while %d or more requests run", self.spec_disable_at)
         self.tier_copier = self._offload_tier()
         num_host_blocks = self.tier_copier.host_blocks.shape[0] if self.tier_copier else 0
         self.scheduler = Scheduler.create(
@@ -230,9 +242,27 @@ class LLMEngine:
         )
         return proposer, SpecDecodeCounters(config.num_speculative_tokens)
 
-    def _draft_proposer(self, config: SpeculativeConfig) -> DraftModelProposer:
-        """Load the draft checkpoint (same tokenizer as the target) next to the target: its
-        own pool, with the target's block ids plus scratch blocks, on the same device."""
+    def _spec_disable_at(self) -> int | None:
+        """Running requests at which speculation stops: disable_by_batch_size if given; else,
+        for a draft model on CPU, DRAFT_CPU_DISABLE_AT (benchmarks/spec_decode.py: there its
+        draft forwards cost more than they save at 8 running requests; see
+        docs/benchmarks.md). n-gram drafts cost almost nothing to propose, and a GPU stays
+        memory-bound to far larger batches: no default there."""
+        config = self.args.speculative_config
+        if config is None or config.disable_by_batch_size is not None:
+            return config.disable_by_batch_size if config else None
+        if config.method == "draft_model" and self.device.type == "cpu":
+            return DRAFT_CPU_DISABLE_AT
+        return None
+
+    def _load_draft(self) -> CausalLM | None:
+        """The draft checkpoint of --speculative-config draft_model (same tokenizer as the
+        target), on the target's device and dtype; None without one, or on a prefill engine."""
+        config = self.args.speculative_config
+        if config is None or config.method != "draft_model":
+            return None
+        if _prefill_only(self.args.kv_transfer_config):
+            return None
         path = config.model
         try:
             draft_config = read_config(path)
@@ -258,7 +288,23 @@ class LLMEngine:
                 f"{draft_config.get('max_position_embeddings')} < max_model_len "
                 f"{self.max_model_len}"
             )
-        model = load_model(path, self.dtype, self.device, self.max_model_len)
+        return load_model(path, self.dtype, self.device, self.max_model_len)
+
+    def _draft_pool(self) -> DraftPool | None:
+        """The draft's pool as the KV sizing must pay for it, or None."""
+        if self.draft_model is None:
+            return None
+        args = self.args
+        k = args.speculative_config.num_speculative_tokens
+        return DraftPool(  # the draft's pool keeps the model's dtype (see _draft_proposer)
+            kv_bytes_per_block(self.draft_model, args.block_size, self.dtype),
+            DraftModelProposer.scratch_blocks(args.max_num_seqs, k, args.block_size),
+        )
+
+    def _draft_proposer(self, config: SpeculativeConfig) -> DraftModelProposer:
+        """The draft's own pool, with the target's block ids plus scratch blocks, on the
+        same device (its memory was set aside when the target's pool was sized)."""
+        model = self.draft_model
         args, k = self.args, config.num_speculative_tokens
         num_blocks = self.runner.kv_pool.shape[3]
         scratch = DraftModelProposer.scratch_blocks(args.max_num_seqs, k, args.block_size)
@@ -513,7 +559,9 @@ class LLMEngine:
 
     def _size_kv_pool(self, model, kv_dtype: torch.dtype, group=None) -> int:
         args = self.args
-        num_blocks = kv_pool_blocks(args, model, kv_dtype, self.device, self.max_model_len, group)
+        num_blocks = kv_pool_blocks(
+            args, model, kv_dtype, self.device, self.max_model_len, group, self._draft_pool()
+        )
         per_block = kv_bytes_per_block(model, args.block_size, kv_dtype)
         plan = kv_pool_plan_of(args, model, kv_dtype, num_blocks * per_block)
         self._log_kv_size(plan.kv_blocks, plan, model.num_kv_heads)
@@ -763,7 +811,7 @@ class LLMEngine:
                 self._forget(group)
         if self.proposer is not None:
             running = RequestStatus.RUNNING
-            limit = self.args.speculative_config.disable_by_batch_size
+            limit = self.spec_disable_at
             enabled = limit is None or len(self.scheduler.running) < limit
             propose(self.proposer, [r for r in step.requests if r.status is running], enabled)
         stats = StepStats(num_prompt, num_generated, len(out.preempted))
