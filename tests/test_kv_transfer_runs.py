@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_block_pool import count_runs
 
 from conftest import check_invariants, make_request, make_scheduler
 from pagefleet.engine.kv_cache.block_pool import mirror_runs, source_runs
@@ -108,6 +109,36 @@ def test_mirror_runs_lays_our_run_out_like_the_source_runs():
     pairs = list(zip(source, mirrored, strict=False))
     assert len(block_runs(pairs)) == 3
     assert mirror_runs(ours, []) == ours  # no source ids: ascending as allocated
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 40), min_size=1, max_size=30, unique=True),
+    st.lists(st.integers(0, 40), max_size=30),
+)
+def test_mirror_runs_is_a_layout_of_the_same_blocks_that_splits_no_run_it_can_keep(ids, source):
+    """Every allocated block is used once; each source run is cut only where it cannot fit in
+    one of our runs: with one run of ours, the READ has exactly one region per source run.
+    Fails for: a block dropped or doubled, a run laid the wrong way, a greedy walk that cuts
+    source runs at our runs' boundaries needlessly."""
+    ids = sorted(ids)
+    mirrored = mirror_runs(ids, source)
+    assert sorted(mirrored) == ids
+    positions = source[: len(ids)]
+    num_source_runs = len(source_runs(positions)) + (len(positions) < len(ids))
+    runs = num_aligned_runs(list(zip(positions, mirrored, strict=False)))
+    runs += len(positions) < len(ids)  # the tail past the source, read from nowhere
+    assert runs <= num_source_runs + count_runs(ids) - 1
+    one_run = list(range(100, 100 + len(ids)))
+    laid = mirror_runs(one_run, source)
+    assert num_aligned_runs(list(zip(positions, laid, strict=False))) == len(source_runs(positions))
+
+
+def test_mirror_runs_fits_source_runs_into_our_runs_whole():
+    """Two runs of ours (3 and 5 blocks) and a source of a 5-run then a 3-run: best fit puts
+    each whole. Fails for: walking our ids in order (the 5-run cut over the gap)."""
+    laid = mirror_runs([0, 1, 2, 10, 11, 12, 13, 14], [50, 51, 52, 53, 54, 9, 8, 7])
+    assert laid == [10, 11, 12, 13, 14, 2, 1, 0]
 
 
 PROMPT = list(range(1, 19))  # 18 tokens: 5 blocks of 4

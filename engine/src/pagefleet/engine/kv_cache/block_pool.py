@@ -11,6 +11,8 @@ only among blocks whose reuse evicts no cached prefix that `allocate` would have
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 
@@ -286,18 +288,46 @@ def pick_runs(candidates: np.ndarray, n: int) -> list[int]:
 
 
 def mirror_runs(ids: list[int], source: Sequence[int]) -> list[int]:
-    """Reorder `ids` (ascending, as allocate_runs returns them) over a transfer's positions so
-    that each run of `source` block ids going up or down by one lands on ids going the same
-    way: a READ then needs one region per run and plane (kv_transfer.layout.block_runs)
-    where the source's runs and ours line up. Positions past the source keep their order."""
-    out: list[int] = []
-    start = 0
+    """Lay `ids` (the blocks allocate_runs took, ascending) over a transfer's positions so that
+    each run of `source` block ids going up or down by one lands on ids going the same way: a
+    READ is then one region per run and plane (kv_transfer.layout.block_runs) where the
+    source's runs fit in ours. Longest source runs first, each into the shortest of our runs
+    that holds it (best fit), cut over our longest run where none does. Positions past the
+    source count as one more run."""
+    positions: list[tuple[int, int, int]] = []  # (-length, first position, step)
+    first = 0
     for length, step in source_runs(source[: len(ids)]):
-        piece = ids[start : start + length]
-        out.extend(piece if step == 1 else reversed(piece))
-        start += length
-    out.extend(ids[start:])
+        positions.append((-length, first, step))
+        first += length
+    if first < len(ids):
+        positions.append((first - len(ids), first, 1))
+    heapq.heapify(positions)
+    free = sorted((length, start) for start, length in id_runs(ids))  # (room, first id)
+    out = [0] * len(ids)
+    while positions:
+        neg_length, first, step = heapq.heappop(positions)
+        length = -neg_length
+        i = bisect.bisect_left(free, (length, -1))
+        room, start = free.pop(i) if i < len(free) else free.pop()
+        take = min(room, length)
+        chunk = range(start, start + take)
+        out[first : first + take] = chunk if step == 1 else reversed(chunk)
+        if room > take:
+            bisect.insort(free, (room - take, start + take))
+        if length > take:
+            heapq.heappush(positions, (take - length, first + take, step))
     return out
+
+
+def id_runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """(first id, length) of the runs of ascending ids going up by one."""
+    runs: list[list[int]] = []
+    for block_id in ids:
+        if runs and block_id == runs[-1][0] + runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([block_id, 1])
+    return [(start, length) for start, length in runs]
 
 
 def source_runs(source: Sequence[int]) -> list[tuple[int, int]]:
