@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from test_block_pool import count_runs
 
 from conftest import check_invariants, make_request, make_scheduler
+from pagefleet.engine.kv_cache import KVCacheManager
 from pagefleet.engine.kv_cache.block_pool import mirror_runs, source_runs
 from pagefleet.engine.kv_transfer.connector import RemoteSource
 from pagefleet.engine.kv_transfer.layout import PoolGeometry, block_regions, block_runs
@@ -178,3 +179,24 @@ def test_a_pull_gets_a_run_of_blocks_mirroring_the_prefill_side():
     assert ("d", 1) in [(r.request_id, n) for r, n in out.scheduled]
     sched.update_from_output(out, [7 for _ in out.scheduled])
     check_invariants(sched)
+
+
+def test_after_a_local_prefix_hit_the_pulled_blocks_mirror_the_source_past_the_hit():
+    """The pull skips blocks found in the local prefix cache, so block i of the table pairs
+    with source block i: the mirrored layout must start at the first pulled position. Fails
+    for: mirroring the source from its start (the hit's ids shift every run by one)."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    warm = make_request("warm", [*PROMPT[:4], 90], max_tokens=1)
+    assert kv.allocate_slots(warm, 5, [])
+    warm.num_computed_tokens = 5
+    kv.cache_computed_blocks(warm)
+    kv.free(warm)
+    pulled = make_request("d", PROMPT, max_tokens=2)
+    hits = kv.find_cached_prefix(pulled)
+    assert [b.block_id for b in hits] == [0]
+    source = (77, 12, 11, 10, 40)  # block 0 is cached here; then a descending run of three
+    remaining = pulled.num_tokens - kv.num_computed_after_hit(pulled, hits)
+    assert kv.allocate_slots(pulled, remaining, hits, transfer_source=source)
+    assert pulled.block_ids == [0, 3, 2, 1, 4]
+    pairs = list(zip(source[1:], pulled.block_ids[1:], strict=True))
+    assert num_aligned_runs(pairs) == 2
