@@ -255,7 +255,7 @@ def transfer_pairs(layout: str, num: int, pool_blocks: int, seed: int = 0) -> li
 def run_transfer_throughput(
     prompt_tokens: tuple[int, ...] = (1024, 8192, 32768),
     shape: KVShape | None = None,
-    layouts: tuple[str, ...] = ("contiguous", "scattered"),
+    layouts: tuple[str, ...] = ("contiguous", "scattered", *CHURNED),
     repeats: int = 5,
     pool_tokens: int = 0,
 ) -> list[TransferRow]:
@@ -331,7 +331,7 @@ class _Paths:
 
 
 TABLE_HEADER = (
-    "| prompt | local blocks | MiB | descriptors | memcpy | bare NIXL | bare NIXL, our descs "
+    "| prompt | block ids | MiB | descriptors | memcpy | bare NIXL | bare NIXL, our descs "
     "| pagefleet NIXL | pagefleet TCP | NIXL / bare NIXL | NIXL / bare, our descs "
     "| NIXL / memcpy | TCP / memcpy |\n"
     "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
