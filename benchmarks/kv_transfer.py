@@ -1,12 +1,19 @@
-"""KV transfer benchmark (issue 6).
+"""KV transfer benchmark (issues 6 and 22).
 
 Part `transfer`: throughput of pulling one prompt's KV blocks from a peer process, for prompts
 of 1k, 8k and 32k tokens on a benchmark model's KV shape (Llama-3-8B: 8 KV heads, head dim
 128, bf16, block 16; fewer layers by default so two 32k-token pools fit this machine):
 pagefleet's NIXL path (NixlTransport: coalesced descriptors, READ, poll) and TCP path (gRPC
 ReadBlocks), against a raw in-process memcpy of the same bytes and a bare NIXL READ of the
-same bytes as one contiguous descriptor (nixl's API only). Local block ids are either
-contiguous (one run) or scattered (a random permutation: one descriptor per block and plane).
+same bytes as one contiguous descriptor (nixl's API only). Block id layouts (remote, local):
+`contiguous` (both one run), `scattered` (local ids a random sample of the pool: one
+descriptor per block and plane), and from churned pools (`churned_pool`: a simulated
+history of requests coming and going with prefix caching, so free lists are scattered):
+`decode-lru` / `decode-runs` take the local ids from a churned decode pool with
+BlockPool.allocate (the LRU head, before) or allocate_runs (after), remote ids contiguous;
+`pd-lru` / `pd-runs` do the same with remote ids from a churned prefill pool too, taken
+chunk by chunk as a prefill engine does (after: local runs laid out like the remote's).
+Before and after start from the same simulated pools.
 
     .venv/bin/python benchmarks/kv_transfer.py --part transfer [--num-layers 8] [--repeats 3]
 
@@ -31,6 +38,7 @@ import numpy as np
 import torch
 
 from pagefleet.common.fleet_auth import FleetSecret
+from pagefleet.engine.kv_cache.block_pool import BlockPool, mirror_runs
 from pagefleet.engine.kv_transfer.layout import CompatRecord, block_regions
 from pagefleet.engine.kv_transfer.nixl_transport import NixlTransport
 from pagefleet.engine.kv_transfer.service import KVTransferClient, KVTransferServer, PeerInfo
@@ -62,7 +70,7 @@ class KVShape:
 @dataclass(frozen=True)
 class TransferRow:
     tokens: int
-    layout: str  # "contiguous" | "scattered" local block ids
+    layout: str  # how the block ids are laid out (transfer_pairs)
     num_bytes: int
     descriptors: int
     gbps: dict[str, float]  # path -> median GB/s
@@ -180,21 +188,81 @@ class BareNixlRead:
             raise RuntimeError(f"bare NIXL READ ended {state}")
 
 
-def local_block_ids(layout: str, num: int, pool_blocks: int, seed: int = 0) -> list[int]:
+# Local ids from a churned decode pool, LRU head (before) or run-aware (after), with the
+# remote ids contiguous ("decode-") or from a churned prefill pool too ("pd-").
+CHURNED = ("decode-lru", "decode-runs", "pd-lru", "pd-runs")
+PREFILL_CHUNK_BLOCKS = 128  # max_num_batched_tokens 2048 / block 16: one prefill chunk
+
+
+def churned_pool(num_blocks: int, seed: int, rounds: int = 400) -> tuple[BlockPool, list]:
+    """A pool after `rounds` requests of random length came and went: allocated from the LRU
+    head chunk by chunk, full blocks cached (prefix caching), freed tail-first when done in
+    random order; as a serving engine's pool looks after a while, its LRU list scattered
+    over ids. Returns the pool and the tables still live."""
+    rng = random.Random(seed)
+    pool = BlockPool(num_blocks)
+    live: list[list[int]] = []
+    next_hash = 0
+    for _ in range(rounds):
+        size = rng.randint(1, max(1, num_blocks // 8))
+        while pool.num_free_blocks < size:
+            pool.free(live.pop(rng.randrange(len(live))))
+        table = allocate_chunked(pool, size)
+        hashes = [(next_hash + i).to_bytes(8, "big") for i in range(size)]
+        next_hash += size
+        pool.cache_blocks(table, hashes, None, [], 1)
+        live.append(table)
+    return pool, live
+
+
+def allocate_chunked(pool: BlockPool, num: int) -> list[int]:
+    """A prompt's blocks as a prefill engine takes them: one prefill chunk at a time."""
+    table: list[int] = []
+    while len(table) < num:
+        table += pool.allocate(min(PREFILL_CHUNK_BLOCKS, num - len(table)))
+    return table
+
+
+def churned_pool_with_room(num_blocks: int, seed: int, num: int) -> BlockPool:
+    """churned_pool, then requests finished (random order) until `num` blocks are free."""
+    pool, live = churned_pool(num_blocks, seed)
+    rng = random.Random(seed + 1)
+    while pool.num_free_blocks < num:
+        pool.free(live.pop(rng.randrange(len(live))))
+    return pool
+
+
+def transfer_pairs(layout: str, num: int, pool_blocks: int, seed: int = 0) -> list:
+    """(remote, local) block id pairs of one prompt's transfer in the given layout."""
+    if layout in CHURNED:
+        if layout.startswith("pd-"):
+            remote = allocate_chunked(churned_pool_with_room(pool_blocks, seed, num), num)
+        else:
+            remote = list(range(num))
+        local_pool = churned_pool_with_room(pool_blocks, seed + 100, num)
+        if layout.endswith("-lru"):
+            local = local_pool.allocate(num)
+        else:
+            local = mirror_runs(local_pool.allocate_runs(num), remote)
+        return list(zip(remote, local, strict=True))
     if layout == "contiguous":
-        return list(range(num))
-    return random.Random(seed).sample(range(pool_blocks), num)
+        local = list(range(num))
+    else:
+        local = random.Random(seed).sample(range(pool_blocks), num)
+    return list(zip(range(num), local, strict=True))
 
 
 def run_transfer_throughput(
     prompt_tokens: tuple[int, ...] = (1024, 8192, 32768),
     shape: KVShape | None = None,
-    layouts: tuple[str, ...] = ("contiguous", "scattered"),
+    layouts: tuple[str, ...] = ("contiguous", "scattered", *CHURNED),
     repeats: int = 5,
+    pool_tokens: int = 0,
 ) -> list[TransferRow]:
-    """Median GB/s of each path for each prompt size and local block layout."""
+    """Median GB/s of each path for each prompt size and block id layout; both pools hold
+    max(pool_tokens, the longest prompt) tokens."""
     shape = shape or KVShape()
-    num_blocks = max(prompt_tokens) // shape.block_size
+    num_blocks = max(pool_tokens, *prompt_tokens) // shape.block_size
     local_pool = torch.zeros(shape.pool_shape(num_blocks), dtype=getattr(torch, shape.dtype))
     rows: list[TransferRow] = []
     with (
@@ -215,7 +283,9 @@ def run_transfer_throughput(
             n = tokens // shape.block_size
             num_bytes = n * shape.block_size * shape.bytes_per_token()
             for layout in layouts:
-                pairs = list(zip(range(n), local_block_ids(layout, n, num_blocks), strict=True))
+                if layout in CHURNED and 2 * n > num_blocks:
+                    continue  # a prompt of more than half the pool leaves nothing to churn
+                pairs = transfer_pairs(layout, n, num_blocks)
                 # The same descriptors as ours, computed outside the timed READ.
                 regions = block_regions(peer.geometry, nixl.geometry, pairs)
                 paths = {
@@ -261,7 +331,7 @@ class _Paths:
 
 
 TABLE_HEADER = (
-    "| prompt | local blocks | MiB | descriptors | memcpy | bare NIXL | bare NIXL, our descs "
+    "| prompt | block ids | MiB | descriptors | memcpy | bare NIXL | bare NIXL, our descs "
     "| pagefleet NIXL | pagefleet TCP | NIXL / bare NIXL | NIXL / bare, our descs "
     "| NIXL / memcpy | TCP / memcpy |\n"
     "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
@@ -295,8 +365,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=KVShape.block_size)
     parser.add_argument("--dtype", default=KVShape.dtype)
     parser.add_argument("--tokens", default="1024,8192,32768", help="prompt sizes")
-    parser.add_argument("--layouts", default="contiguous,scattered")
+    parser.add_argument(
+        "--layouts",
+        default="contiguous,scattered," + ",".join(CHURNED),
+        help="block id layouts (see the module docstring); churned ones only for prompts "
+        "of at most half the pool",
+    )
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--pool-tokens", type=int, default=0, help="KV pool size (default: the longest prompt)"
+    )
     parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--peer-blocks", type=int, default=0, help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args(argv)
@@ -321,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             shape,
             tuple(args.layouts.split(",")),
             args.repeats,
+            args.pool_tokens,
         )
     return 0
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
 from pagefleet.engine.kv_cache import (
@@ -164,3 +166,118 @@ def test_block_repr_shows_id_references_and_whether_cached():
     pool.cache_blocks([a], [b"h"], None, [1], 1)
     assert repr(pool.blocks[a]) == "Block(id=0, ref=1, cached=True)"
     assert repr(pool.blocks[b]) == "Block(id=1, ref=1, cached=False)"
+
+
+def _pool_freed_in_order(num_blocks: int, order: list[int], cached: dict[int, bytes] = {}):  # noqa: B006
+    """A pool whose every block was taken one at a time, `cached` ones given hashes, then the
+    blocks of `order` freed one by one (so the LRU list is `order`, the rest stay in use)."""
+    events: list = []
+    pool = BlockPool(num_blocks, listener=events.append)
+    for block_id in pool.allocate(num_blocks):
+        if block_id in cached:
+            pool.cache_blocks([block_id], [cached[block_id]], None, [block_id], 1)
+    for block_id in order:
+        pool.free([block_id])
+    events.clear()
+    return pool, events
+
+
+def count_runs(ids: list[int]) -> int:
+    """Runs of ids going up by one (the test's own count, independent of the pool's)."""
+    return 1 + sum(1 for a, b in pairwise(ids) if b != a + 1)
+
+
+def _check_books(pool: BlockPool) -> None:
+    """The id-indexed mirrors agree with the linked list and the blocks' own state."""
+    queued = [b.block_id for b in pool.free_queue]
+    assert len(queued) == len(set(queued)) == pool.num_free_blocks
+    assert [i for i, m in enumerate(pool.free_queue.members) if m] == sorted(queued)
+    assert all((b.ref_cnt == 0) == (b.block_id in set(queued)) for b in pool.blocks)
+    assert [i for i, h in enumerate(pool.hashed) if h] == sorted(
+        b.block_id for b in pool.cached.values()
+    )
+    assert pool.num_cached_free == sum(1 for b in pool.free_queue if b.block_hash is not None)
+
+
+def test_allocate_runs_takes_a_run_where_allocate_takes_the_scattered_lru_head():
+    """Fails for: transfer destinations taken in LRU order (one descriptor per block)."""
+    pool, _ = _pool_freed_in_order(10, [5, 1, 6, 2, 7, 3])
+    twin, _ = _pool_freed_in_order(10, [5, 1, 6, 2, 7, 3])
+    assert twin.allocate(3) == [5, 1, 6]
+    assert pool.allocate_runs(3) == [1, 2, 3]
+    assert all(pool.blocks[i].ref_cnt == 1 for i in (1, 2, 3))
+    _check_books(pool)
+    # The rest of the LRU order is untouched: plain allocation continues with it.
+    assert pool.allocate(3) == [5, 6, 7]
+    _check_books(pool)
+
+
+def test_allocate_runs_prefers_the_shortest_run_that_fits():
+    """Best fit keeps the long run whole for a long transfer. Fails for: first fit."""
+    pool, _ = _pool_freed_in_order(12, [0, 1, 2, 3, 4, 7, 8, 10])
+    assert pool.allocate_runs(2) == [7, 8]
+    assert pool.allocate_runs(5) == [0, 1, 2, 3, 4]
+    _check_books(pool)
+
+
+def test_allocate_runs_falls_back_to_the_fewest_runs_when_fragmented():
+    """No run holds n: the longest runs first, each ascending, never a block twice."""
+    pool, _ = _pool_freed_in_order(10, [9, 0, 2, 3, 5, 6, 7])
+    got = pool.allocate_runs(6)
+    assert got == [0, 2, 3, 5, 6, 7]
+    assert count_runs(got) == 3
+    assert pool.allocate_runs(1) == [9]
+    with pytest.raises(ValueError, match="asked for 1 blocks, 0 free"):
+        pool.allocate_runs(1)
+    assert pool.allocate_runs(0) == []
+    _check_books(pool)
+
+
+def test_allocate_runs_uses_uncached_free_blocks_before_evicting_any_prefix():
+    """Fails for: a run over the cached LRU head chosen when free uncached blocks hold one."""
+    hashes = {i: bytes([65 + i]) for i in range(6)}
+    pool, events = _pool_freed_in_order(8, [5, 4, 3, 2, 1, 0, 6, 7], hashes)
+    assert pool.allocate_runs(2) == [6, 7]
+    assert events == [] and len(pool.cached) == 6 and pool.num_cached_free == 6
+    _check_books(pool)
+
+
+def test_allocate_runs_evicts_only_what_allocate_would_and_in_the_same_order_of_age():
+    """With no uncached run, candidates are the uncached blocks plus the LRU head's n: the
+    evicted hashes are a subset of plain allocation's. Fails for: any cached block in id order
+    evicted (a younger prefix lost while an older one survives)."""
+    hashes = {i: bytes([65 + i]) for i in range(10) if i not in (3, 7)}
+    order = [9, 8, 3, 2, 1, 0, 7, 6, 5, 4]
+    pool, events = _pool_freed_in_order(10, order, hashes)
+    twin, twin_events = _pool_freed_in_order(10, order, hashes)
+    offered, twin_offered = [], []
+    pool.on_evict, twin.on_evict = offered.extend, twin_offered.extend
+    twin.allocate(4)  # evicts 9, 8, 2 (3 has no hash)
+    got = pool.allocate_runs(4)
+    assert got == [2, 7, 8, 9]  # candidates {3, 7} + head {9, 8, 3, 2}: runs 7-9 and 2
+    (removed,) = events
+    (twin_removed,) = twin_events
+    assert set(removed.block_hashes) <= set(twin_removed.block_hashes)
+    assert {h for h, _ in offered} == set(removed.block_hashes)
+    assert set(offered) <= set(twin_offered)
+    for block_id, h in hashes.items():
+        if block_id not in got:
+            assert pool.cached[h].block_id == block_id  # every other prefix is still reusable
+    _check_books(pool)
+
+
+def test_blocks_taken_by_allocate_runs_free_and_revive_like_any_other():
+    """A transfer's blocks cached and freed are prefix hits later, and the books balance."""
+    pool, _ = _pool_freed_in_order(6, [4, 0, 5, 1])
+    got = pool.allocate_runs(2)
+    assert got == [0, 1]
+    pool.cache_blocks(got, [b"p0", b"p1"], None, [1, 2], 1)
+    pool.free(got)
+    _check_books(pool)
+    hit = pool.cached[b"p0"]
+    pool.touch([hit])
+    assert hit.block_id == 0 and hit.ref_cnt == 1
+    pool.reset_prefix_cache()
+    _check_books(pool)
+    assert pool.allocate_runs(3) == [1, 4, 5]
+    _check_books(pool)

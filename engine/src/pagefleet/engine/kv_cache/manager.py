@@ -6,9 +6,11 @@ that cannot get its blocks changes nothing, so the scheduler can preempt and ret
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pagefleet.common.block_hash import BlockHash
 from pagefleet.common.kv_events import KVEventListener
-from pagefleet.engine.kv_cache.block_pool import Block, BlockPool
+from pagefleet.engine.kv_cache.block_pool import Block, BlockPool, mirror_runs
 from pagefleet.engine.kv_cache.host_tier import HostTier, TierLoad
 from pagefleet.engine.request import Request
 
@@ -111,12 +113,21 @@ class KVCacheManager:
         return min(len(hits) * self.block_size, request.num_tokens - 1)
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, hits: list[Block] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hits: list[Block] | None = None,
+        transfer_source: Sequence[int] | None = None,
     ) -> bool:
         """Make room for `num_new_tokens` more tokens; all or nothing.
 
         `hits` (from find_cached_prefix) is given once, when a request without blocks is
         admitted; the request then starts with those blocks computed.
+
+        `transfer_source`: the new blocks are a KV transfer's destination (a P/D pull) and
+        these are the source's block ids for the request's blocks (possibly empty if
+        unknown). The new blocks then come in runs of consecutive ids (allocate_runs), laid
+        out to mirror the source's runs, so a READ is one descriptor per run and plane.
         """
         bs = self.block_size
         table = request.block_ids
@@ -128,7 +139,7 @@ class KVCacheManager:
             num_new_blocks = (num_needed + bs - 1) // bs - len(table)
             if num_new_blocks > self.pool.free_queue.num_free:
                 return False
-            table.extend(self.pool.allocate(num_new_blocks))
+            table.extend(self._take(num_new_blocks, table, transfer_source))
             if hits is not None:  # admission without a hit still counts as a query
                 self._count_query(request, 0)
                 self._count_tier_lookup(request, 0, 0)
@@ -142,13 +153,19 @@ class KVCacheManager:
             return False
         self.pool.touch(hits)
         table.extend(b.block_id for b in hits)
-        table.extend(self.pool.allocate(max(num_new_blocks, 0)))
+        table.extend(self._take(max(num_new_blocks, 0), table, transfer_source))
         request.num_cached_blocks = len(hits)
         request.num_cached_tokens = len(hits) * bs
         request.num_computed_tokens = num_computed
         self._count_query(request, request.num_cached_tokens)
         self._count_tier_lookup(request, len(hits), 0)
         return True
+
+    def _take(self, n: int, table: list[int], source: Sequence[int] | None) -> list[int]:
+        """`n` new blocks for positions len(table).. of a block table."""
+        if source is None:
+            return self.pool.allocate(n)
+        return mirror_runs(self.pool.allocate_runs(n), source[len(table) : len(table) + n])
 
     def _count_tier_lookup(self, request: Request, num_device_hits: int, num_hits: int) -> None:
         """The tier looked up past the device hits; counted once per request, as

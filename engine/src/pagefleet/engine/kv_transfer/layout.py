@@ -192,14 +192,22 @@ def geometry_of(pool) -> PoolGeometry:
 
 
 def block_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(remote_start, local_start, count) runs where both ids go up by one, in pair order."""
-    runs: list[list[int]] = []
+    """(remote_start, local_start, count) runs, in pair order, where both ids go up by one or
+    both go down by one: either way remote block start + i lands on local block start + i,
+    so a run is one region per plane. A descending run is reported by its lowest ids."""
+    runs: list[list[int]] = []  # [first remote, first local, count, step]
     for remote, local in pairs:
-        if runs and remote == runs[-1][0] + runs[-1][2] and local == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([remote, local, 1])
-    return [(r, lo, n) for r, lo, n in runs]
+        if runs:
+            run = runs[-1]
+            first_remote, first_local, count, step = run
+            moved = remote - (first_remote + step * (count - 1))
+            same_way = local - (first_local + step * (count - 1)) == moved
+            if moved in (1, -1) and same_way and (count == 1 or moved == step):
+                run[2] += 1
+                run[3] = moved
+                continue
+        runs.append([remote, local, 1, 1])
+    return [(r, lo, n) if step == 1 else (r - n + 1, lo - n + 1, n) for r, lo, n, step in runs]
 
 
 def check_pairs(
