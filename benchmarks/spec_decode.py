@@ -137,11 +137,21 @@ def run(path: str, prompts: list[list[int]], concurrency: int, spec: dict | None
     return result
 
 
-def compare(path: str, prompts: list[list[int]], concurrency: int, method: str, draft: str) -> str:
+def compare(
+    path: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    method: str,
+    draft: str,
+    disable_by_batch_size: int | None = None,
+) -> str:
+    config = method_config(method, draft)
+    if disable_by_batch_size is not None:
+        config = {**config, "disable_by_batch_size": disable_by_batch_size}
     runs: dict[str, list[dict]] = {"none": [], method: []}
     for _ in range(2):
         runs["none"].append(run(path, prompts, concurrency, None))
-        runs[method].append(run(path, prompts, concurrency, method_config(method, draft)))
+        runs[method].append(run(path, prompts, concurrency, config))
     none = max(runs["none"], key=lambda r: r["tok_s"])
     spec = max(runs[method], key=lambda r: r["tok_s"])
     assert spec["outputs"] == none["outputs"], "greedy output changed with speculation"
@@ -170,6 +180,12 @@ def main() -> None:
     parser.add_argument("--workloads", default="ab", help="a, b or ab")
     parser.add_argument("--methods", default="ngram,draft_model", help="ngram and/or draft_model")
     parser.add_argument("--concurrency", default="1,8,64")
+    parser.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        help="pass to the config (default: the engine's own; a draft model on CPU pauses at 8)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -181,7 +197,9 @@ def main() -> None:
             for method in args.methods.split(","):
                 for concurrency in map(int, args.concurrency.split(",")):
                     prompts = make(max(8, concurrency))
-                    line = compare(path, prompts, concurrency, method, draft)
+                    line = compare(
+                        path, prompts, concurrency, method, draft, args.disable_by_batch_size
+                    )
                     print(f"{name}, {line}", flush=True)
 
 
