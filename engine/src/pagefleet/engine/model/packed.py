@@ -1,10 +1,11 @@
 """Linear layers on oneDNN-prepacked weights: the CPU float32 path of the model's matmuls.
 
 Torch's plain CPU float32 linear goes to MKL's sgemm, which on this class of machine (AMD EPYC
-with AVX-512) runs at ~90 GFLOP/s per core; oneDNN's JIT kernels on a weight reordered once at
-load time into its blocked layout run the same shapes at ~200-240 (benchmarks/cpu_linear.py).
-The reorder happens after loading (`prepack_model`); the plain weight is then released, so
-memory stays the same except for tied LM heads, whose packed copy sits beside the embedding.
+with AVX-512) ran the model's shapes at ~80-100 GFLOP/s on one core; oneDNN's JIT kernels on a
+weight reordered once into its blocked layout ran them at ~190-240 from 8 rows up, and about
+even at 1 row (benchmarks/cpu_linear.py). `load_model` reorders after loading
+(`CausalLM.prepack`) and the plain weight is released, so memory stays the same except for a
+tied LM head, whose packed copy sits beside the embedding.
 """
 
 from __future__ import annotations
