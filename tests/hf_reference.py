@@ -111,3 +111,16 @@ def assert_greedy_equal(path: str | Path, prompt: list[int], ours: list[int], ma
             f"HF top-2 {sorted(top2)}"
         )
         return
+
+
+def randomise_biases(file) -> None:
+    """Give every bias in a safetensors file random values (HF initialises them to zero, so a
+    loader that drops or misplaces a bias would otherwise go unnoticed)."""
+    from safetensors.torch import load_file, save_file
+
+    generator = torch.Generator().manual_seed(0)
+    weights = load_file(file)
+    for name, tensor in weights.items():
+        if name.endswith(".bias"):
+            weights[name] = torch.randn(tensor.shape, generator=generator) * 0.5
+    save_file(weights, file, metadata={"format": "pt"})

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_model_equivalence import GREEDY, check_all, prompts_of_varied_lengths
 
-from hf_reference import ARCH_CASES
+from hf_reference import ARCH_CASES, randomise_biases
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.distributed.step_codec import decode_step, encode_step
 from pagefleet.engine.model.parallel import TPLayout
@@ -105,7 +105,7 @@ def test_tp2_biased_model_logprobs_equal_tp1(tmp_path):
     path = write_tiny_checkpoint(
         tmp_path / "biased", "LlamaForCausalLM", attention_bias=True, mlp_bias=True
     )
-    _randomise_biases(path / "model.safetensors")  # HF initialises them to zero
+    randomise_biases(path / "model.safetensors")  # HF initialises them to zero
     path = str(path)
     params = SamplingParams(
         temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2
@@ -127,17 +127,6 @@ def test_tp2_biased_model_logprobs_equal_tp1(tmp_path):
                 assert abs(x[token].logprob - y[token].logprob) < 1e-4
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert x.keys() == y.keys()
-
-
-def _randomise_biases(file) -> None:
-    from safetensors.torch import load_file, save_file
-
-    generator = torch.Generator().manual_seed(0)
-    weights = load_file(file)
-    for name, tensor in weights.items():
-        if name.endswith(".bias"):
-            weights[name] = torch.randn(tensor.shape, generator=generator) * 0.5
-    save_file(weights, file, metadata={"format": "pt"})
 
 
 def test_step_broadcast_round_trip(tiny_checkpoints):

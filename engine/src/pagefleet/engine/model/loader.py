@@ -19,6 +19,7 @@ from pagefleet.engine.kv_cache.fp8 import (
     is_kv_scale,
     read_kv_scales,
 )
+from pagefleet.engine.model.packed import prepack_supported
 from pagefleet.engine.model.parallel import TPLayout
 from pagefleet.engine.model.rope import RotaryEmbedding
 from pagefleet.engine.model.transformer import CausalLM, ModelConfig, TPParts
@@ -94,8 +95,11 @@ def load_model(
     device: torch.device,
     max_positions: int,
     tp: TPParts | None = None,
+    prepack: bool = True,
 ) -> CausalLM:
-    """The model (or with `tp`, this rank's shard of it) on `device`, in `dtype`."""
+    """The model (or with `tp`, this rank's shard of it) on `device`, in `dtype`; on a float32
+    CPU model the linear layers then run on oneDNN-prepacked weights (model/packed.py) unless
+    `prepack` is False (the benchmarks' and tests' unpacked reference)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -136,6 +140,8 @@ def load_model(
     incomplete = sorted(t for t, parts in fused_parts.items() if len(parts) < _num_parts(t))
     if missing or incomplete:
         raise ValueError(f"checkpoint {path} lacks weights: {missing + incomplete}")
+    if prepack and prepack_supported(device, dtype):
+        model.prepack()
     return model.eval()
 
 

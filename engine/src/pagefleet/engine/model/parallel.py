@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagefleet.engine.model.packed import pack_weight, shard_linear
+
 if TYPE_CHECKING:
     from pagefleet.engine.model.transformer import ModelConfig
 
@@ -117,10 +119,15 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, in_local))
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
         self.group = group
+        self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(F.linear(x, self.weight))
+        y = self.group.all_reduce(shard_linear(x, self.weight, self.packed))
         return y if self.bias is None else y + self.bias
+
+    def prepack(self) -> None:
+        """Run on a oneDNN-packed copy of the shard (model/packed.py), releasing the plain one."""
+        self.packed, self.weight = pack_weight(self.weight), None
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -148,9 +155,14 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(layout.vocab_per_rank, hidden))
         self.vocab_size = layout.vocab_size
         self.group = group
+        self.packed: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        parts = self.group.gather_to_first(F.linear(hidden, self.weight))
+        parts = self.group.gather_to_first(shard_linear(hidden, self.weight, self.packed))
         if parts is None:
             return None
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
+
+    def prepack(self) -> None:
+        """As RowParallelLinear.prepack; a tied embedding keeps its own reference to the weight."""
+        self.packed, self.weight = pack_weight(self.weight), None

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.engine.attention.backend import AttentionBackend, AttentionMetadata, LayerKV
+from pagefleet.engine.model.packed import linear_add, pack_children
 from pagefleet.engine.model.parallel import (
     Collectives,
     ParallelLMHead,
@@ -130,7 +131,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, positions, rope, backend, kv_caches, meta):
+    def forward(self, x, positions, rope, backend, kv_caches, meta, residual):
+        """residual + this layer's attention output (the residual's storage may be reused)."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -141,7 +143,10 @@ class Attention(nn.Module):
         q, k = rope(positions, q, k)
         cache = kv_caches[self.layer_index]  # a LayerKV (attention/backend.py)
         out = backend.forward(q, k, v, cache.k_cache, cache.v_cache, meta, self.scale, cache.scales)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return linear_add(self.o_proj, out.reshape(-1, self.q_size), residual)
+
+    def prepack(self) -> None:
+        pack_children(self, ("qkv_proj", "o_proj"))
 
 
 class MLP(nn.Module):
@@ -151,9 +156,15 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, cfg.mlp_bias)
         self.down_proj = _output_linear(self.intermediate, cfg.hidden_size, cfg.mlp_bias, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + this MLP's output (the residual's storage may be reused)."""
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # SiLU in place over the gate half (a view of the fused output nothing else reads),
+        # then one product: one temporary instead of two.
+        return linear_add(self.down_proj, torch.mul(F.silu(gate, inplace=True), up), residual)
+
+    def prepack(self) -> None:
+        pack_children(self, ("gate_up_proj", "down_proj"))
 
 
 class DecoderLayer(nn.Module):
@@ -165,8 +176,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp)
 
     def forward(self, x, positions, rope, backend, kv_caches, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend, kv_caches, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.input_layernorm(x)
+        x = self.self_attn(h, positions, rope, backend, kv_caches, meta, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class CausalLM(nn.Module):
@@ -207,6 +219,14 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
+
+    def prepack(self) -> None:
+        """Move every linear layer onto oneDNN-prepacked weights (model/packed.py): call once,
+        after the weights are loaded, on a float32 CPU model."""
+        for layer in self.layers:
+            layer.self_attn.prepack()
+            layer.mlp.prepack()
+        pack_children(self, ("lm_head",))
 
     @property
     def num_kv_heads(self) -> int:
