@@ -53,7 +53,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.92
     device: str = "auto"  # auto = cuda if available, else cpu
-    attention_backend: str = "auto"  # auto = triton on CUDA, torch on CPU
+    attention_backend: str = "auto"  # auto = triton on CUDA, numba on CPU (torch without numba)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     served_model_name: str | None = None
     # Run the real scheduler and cache with a time model instead of the weights.
@@ -86,10 +86,10 @@ class EngineArgs:
             f"must be one of {', '.join(KV_CACHE_DTYPES)} (fp8 is e4m3; e5m2 is not supported)",
         )
         _require(
-            self.attention_backend in ("auto", "torch", "triton"),
+            self.attention_backend in ("auto", "torch", "numba", "triton"),
             "attention_backend",
             self.attention_backend,
-            "must be auto, torch or triton",
+            "must be auto, torch, numba or triton",
         )
         _require(
             0 < self.gpu_memory_utilization <= 1,

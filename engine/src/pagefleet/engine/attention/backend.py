@@ -9,6 +9,7 @@ they do these two things (torch reference on CPU, Triton on GPU).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.util import find_spec
 from typing import NamedTuple, Protocol
 
 import torch
@@ -31,6 +32,8 @@ class SingleGroup:
     end: int
     block_tables: torch.Tensor  # [rows, max_blocks] int64, padded with block 0
     mask: torch.Tensor  # [1, rows, 1, max_blocks * block_size] bool, True = attend
+    # Context length of each row, on the host (the in-place kernel's bound); None: read the mask.
+    seq_lens: torch.Tensor | None = None  # [rows] int64
 
 
 @dataclass
@@ -94,20 +97,29 @@ class AttentionBackend(Protocol):
         ...
 
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "numba", "triton")
 
 
 def default_backend_name(device: torch.device) -> str:
-    return "triton" if device.type == "cuda" else "torch"
+    """triton on CUDA; on CPU the in-place paged kernel (numba) when numba is installed: it
+    beats the torch path's gather-then-matmul at every batch and context measured
+    (benchmarks/cpu_attention.py)."""
+    if device.type == "cuda":
+        return "triton"
+    return "numba" if find_spec("numba") is not None else "torch"
 
 
 def select_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """The backend for `--attention-backend` (None or "auto": triton on CUDA, torch on CPU)."""
+    """The backend for `--attention-backend` (None or "auto": see default_backend_name)."""
     name = default_backend_name(device) if name in (None, "auto") else name
     if name == "torch":
         from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    if name == "numba":
+        from pagefleet.engine.attention.numba_paged import NumbaAttentionBackend
+
+        return NumbaAttentionBackend()
     if name == "triton":
         from pagefleet.engine.attention.triton_backend import TritonAttentionBackend
 
