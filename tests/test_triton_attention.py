@@ -219,8 +219,8 @@ def test_decode_buffers_pad_rows_as_no_ops():
 
 def test_backend_selection_and_flags(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert select_backend(None, torch.device("cpu")).name == "numba"
-    assert select_backend("auto", torch.device("cpu")).name == "numba"
+    assert select_backend(None, torch.device("cpu")).name == "torch"
+    assert select_backend("auto", torch.device("cpu")).name == "torch"
     with pytest.raises(ValueError, match="needs a CUDA device"):
         select_backend("triton", torch.device("cpu"))
     with pytest.raises(ValueError, match="not available"):

@@ -53,7 +53,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.92
     device: str = "auto"  # auto = cuda if available, else cpu
-    attention_backend: str = "auto"  # auto = triton on CUDA, numba on CPU (torch without numba)
+    attention_backend: str = "auto"  # auto = triton on CUDA, torch on CPU
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     served_model_name: str | None = None
     # Run the real scheduler and cache with a time model instead of the weights.

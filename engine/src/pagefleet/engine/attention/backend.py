@@ -9,7 +9,6 @@ they do these two things (torch reference on CPU, Triton on GPU).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib.util import find_spec
 from typing import NamedTuple, Protocol
 
 import torch
@@ -101,12 +100,11 @@ BACKENDS = ("torch", "numba", "triton")
 
 
 def default_backend_name(device: torch.device) -> str:
-    """triton on CUDA; on CPU the in-place paged kernel (numba) when numba is installed: it
-    beats the torch path's gather-then-matmul at every batch and context measured
-    (benchmarks/cpu_attention.py)."""
-    if device.type == "cuda":
-        return "triton"
-    return "numba" if find_spec("numba") is not None else "torch"
+    """triton on CUDA, torch on CPU. The in-place paged kernel ("numba") is opt-in: per layer
+    it beats the gather path (benchmarks/cpu_attention.py), but through the engine its
+    thread pool (a second OpenMP runtime beside torch's) gave results that swung both ways
+    on a shared machine, so it is not the default until measured on a quiet one."""
+    return "triton" if device.type == "cuda" else "torch"
 
 
 def select_backend(name: str | None, device: torch.device) -> AttentionBackend:

@@ -160,7 +160,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     flag("device", "cpu, cuda or auto")
     flag(
         "attention_backend",
-        "paged-attention kernels (auto: triton on CUDA, numba on CPU)",
+        "paged-attention kernels (auto: triton on CUDA, torch on CPU; numba: in-place CPU decode)",
         choices=["auto", "triton", "numba", "torch"],
     )
     p.add_argument(
