@@ -86,10 +86,10 @@ class EngineArgs:
             f"must be one of {', '.join(KV_CACHE_DTYPES)} (fp8 is e4m3; e5m2 is not supported)",
         )
         _require(
-            self.attention_backend in ("auto", "torch", "triton"),
+            self.attention_backend in ("auto", "torch", "numba", "triton"),
             "attention_backend",
             self.attention_backend,
-            "must be auto, torch or triton",
+            "must be auto, torch, numba or triton",
         )
         _require(
             0 < self.gpu_memory_utilization <= 1,

@@ -257,6 +257,7 @@ class ModelRunner:
                     end,
                     torch.tensor(padded, dtype=torch.int64, device=self.device),
                     mask.view(1, end - start, 1, width * bs).to(self.device),
+                    lens[start:end],
                 )
             )
             start = end

@@ -31,6 +31,8 @@ class SingleGroup:
     end: int
     block_tables: torch.Tensor  # [rows, max_blocks] int64, padded with block 0
     mask: torch.Tensor  # [1, rows, 1, max_blocks * block_size] bool, True = attend
+    # Context length of each row, on the host (the in-place kernel's bound); None: read the mask.
+    seq_lens: torch.Tensor | None = None  # [rows] int64
 
 
 @dataclass
@@ -94,20 +96,28 @@ class AttentionBackend(Protocol):
         ...
 
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "numba", "triton")
 
 
 def default_backend_name(device: torch.device) -> str:
+    """triton on CUDA, torch on CPU. The in-place paged kernel ("numba") is opt-in: per layer
+    it beats the gather path (benchmarks/cpu_attention.py), but through the engine its
+    thread pool (a second OpenMP runtime beside torch's) gave results that swung both ways
+    on a shared machine, so it is not the default until measured on a quiet one."""
     return "triton" if device.type == "cuda" else "torch"
 
 
 def select_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """The backend for `--attention-backend` (None or "auto": triton on CUDA, torch on CPU)."""
+    """The backend for `--attention-backend` (None or "auto": see default_backend_name)."""
     name = default_backend_name(device) if name in (None, "auto") else name
     if name == "torch":
         from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    if name == "numba":
+        from pagefleet.engine.attention.numba_paged import NumbaAttentionBackend
+
+        return NumbaAttentionBackend()
     if name == "triton":
         from pagefleet.engine.attention.triton_backend import TritonAttentionBackend
 

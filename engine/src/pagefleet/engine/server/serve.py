@@ -160,8 +160,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     flag("device", "cpu, cuda or auto")
     flag(
         "attention_backend",
-        "paged-attention kernels (auto: triton on CUDA, torch on CPU)",
-        choices=["auto", "triton", "torch"],
+        "paged-attention kernels (auto: triton on CUDA, torch on CPU; numba: in-place CPU decode)",
+        choices=["auto", "triton", "numba", "torch"],
     )
     p.add_argument(
         "--enforce-eager",
