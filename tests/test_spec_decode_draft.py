@@ -190,19 +190,12 @@ def test_a_draft_of_another_tokenizer_or_a_missing_path_is_refused(tiny_checkpoi
         _draft_llm(target, str(other_eos))
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [
-        {"tensor_parallel_size": 2},
-        {"kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}},
-    ],
-)
-def test_a_draft_under_tp_or_pd_is_refused_until_tested(extra):
-    """The draft's own runner is built for one rank and a local context; these combinations
-    are untested, so they fail at start rather than run unproven."""
+def test_a_draft_under_tp_is_refused_until_tested():
+    """The draft's own runner is built for one rank: under tensor parallelism it fails at
+    start rather than run unproven (P/D is tested: tests/test_spec_decode_pd_tp.py)."""
     spec = {"method": "draft_model", "model": "/d", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="a draft model under --tensor-parallel-size"):
-        EngineArgs(model="/m", speculative_config=spec, **extra)
+        EngineArgs(model="/m", speculative_config=spec, tensor_parallel_size=2)
 
 
 def test_sampling_with_a_draft_is_seeded_reproducible(tiny_checkpoints, drafts):

@@ -20,15 +20,20 @@ from server_utils import FLEET_ENV, metric_value, running_server
 # Repetitive, so the decode engine's n-gram drafts get accepted; 3 full blocks and a partial.
 PD_PROMPT = [5, 6, 7, 8, 9, 10, 11] * 8 + [5, 6]
 PD_MAX_TOKENS = 32
-SPEC_FLAGS = ("--speculative-config", json.dumps(NGRAM))
+DRAFT = {"method": "draft_model", "num_speculative_tokens": 4}
 
 
-def test_pd_decode_engine_speculates_on_pulled_kv_and_equals_colocated(tiny_checkpoints):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_pd_decode_engine_speculates_on_pulled_kv_and_equals_colocated(tiny_checkpoints, method):
     """Fails for: a decode engine that refuses --speculative-config with --kv-transfer-config,
     drafts verified against a pulled prompt whose slots or computed count are off (the output
     changes), a decode engine that recomputes the prompt instead of pulling it (prompt tokens
-    computed > 1), and a prefill engine that silently takes the flag (no log line)."""
+    computed > 1), and a prefill engine that silently takes the flag (no log line). The draft
+    model (the target itself here, so its drafts are accepted) computes its own KV of the
+    pulled prompt on the decode engine: the target's prompt is still not recomputed."""
     path = tiny_checkpoints["llama"]
+    config = NGRAM if method == "ngram" else {**DRAFT, "model": path}
+    spec_flags = ("--speculative-config", json.dumps(config))
     base = LLM(path, max_model_len=1024, dtype="float32")
     try:
         params = SamplingParams(temperature=0, max_tokens=PD_MAX_TOKENS, ignore_eos=True)
@@ -36,11 +41,11 @@ def test_pd_decode_engine_speculates_on_pulled_kv_and_equals_colocated(tiny_chec
     finally:
         base.engine.close()
     with (
-        running_server(path, *kv_flags("nixl", "kv_producer"), *SPEC_FLAGS, env=FLEET_ENV) as (
+        running_server(path, *kv_flags("nixl", "kv_producer"), *spec_flags, env=FLEET_ENV) as (
             prefill,
             prefill_proc,
         ),
-        running_server(path, *kv_flags("nixl", "kv_consumer"), *SPEC_FLAGS, env=FLEET_ENV) as (
+        running_server(path, *kv_flags("nixl", "kv_consumer"), *spec_flags, env=FLEET_ENV) as (
             decode,
             decode_proc,
         ),
@@ -56,7 +61,7 @@ def test_pd_decode_engine_speculates_on_pulled_kv_and_equals_colocated(tiny_chec
         prefill_log = Path(prefill_proc.log_path).read_text(errors="replace")
         assert "Speculative decoding off: a prefill engine (kv_producer)" in prefill_log
         decode_log = Path(decode_proc.log_path).read_text(errors="replace")
-        assert "Speculative decoding: ngram" in decode_log
+        assert f"Speculative decoding: {method}" in decode_log
 
 
 TP_PATHS = {

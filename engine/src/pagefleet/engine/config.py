@@ -122,9 +122,8 @@ class EngineArgs:
         rules = (
             (self.simulate is None, "--simulate (it needs real weights)"),
             (
-                self.speculative_config.method != "draft_model"
-                or (self.tensor_parallel_size == 1 and not self.kv_transfer_config),
-                "a draft model under --tensor-parallel-size > 1 or --kv-transfer-config",
+                self.speculative_config.method != "draft_model" or self.tensor_parallel_size == 1,
+                "a draft model under --tensor-parallel-size > 1",
             ),
         )
         for ok, what in rules:

@@ -65,14 +65,22 @@ Design (n-gram and draft-model proposers; the seams below are where the rest plu
   seam (`verifier.propose`), fed the target's last hidden states, which the runner would
   return next to the logits; they need no KV of their own beyond one layer, kept in the same
   block ids.
-* Not built in this slice, refused at start-up (`EngineArgs._check_speculation`,
-  `LLMEngine._speculation`): the Triton backend and CUDA graphs (verify rows are single rows,
-  so a captured decode graph would take them as decodes; whether the Triton kernels see the
-  same write-before-read order is unchecked on a GPU), ``--simulate``, and ``draft_model``
-  under tensor parallelism or P/D (not tested yet). The fp8 KV cache (target only: the
-  draft's pool is in the model's dtype) and the CPU offload tier work. Tensor parallelism works
-  unchanged for n-gram: rank 0 prepares the verify rows and broadcasts them as rows
-  (distributed/step_codec.py). In P/D the decode engine speculates on the KV it pulled; a
-  prefill engine (kv_producer) ignores the flag with a log line, since it computes one token a
-  request.
+* Backends: a verification is 1 + k single rows and both attention backends (torch, Triton)
+  write every row's keys and values before any row attends, so the drafts written in a step
+  are read by the rows after them. CUDA graphs are captured up to max_num_seqs x (1 + k) rows
+  (capped by the token budget), so verify steps replay the decode graphs; larger steps, steps
+  mixed with prefill chunks and the draft model's forwards run eagerly (checked in the Triton
+  interpreter; never yet on a GPU).
+* Memory: the draft is loaded before the target's pool is sized; the budget (the GPU's, or
+  --kv-cache-memory) pays for one draft block per target block plus scratch.
+* Load: no drafts while disable_by_batch_size requests or more run (vLLM's key); a draft model
+  on CPU pauses at 8 by default (benchmarks/spec_decode.py: its forwards cost more than they
+  save there). n-gram lookups cost next to nothing and get no default.
+* Refused at start-up (`EngineArgs._check_speculation`): ``--simulate`` and ``draft_model``
+  under tensor parallelism (its runner is one rank's; untested). The fp8 KV cache (target
+  only: the draft's pool is in the model's dtype) and the CPU offload tier work. Tensor
+  parallelism works unchanged for n-gram: rank 0 prepares the verify rows and broadcasts them
+  as rows (distributed/step_codec.py). In P/D the decode engine speculates on the KV it pulled
+  (a draft model computes its own KV of the prompt there); a prefill engine (kv_producer)
+  ignores the flag with a log line, since it computes one token a request.
 """
