@@ -158,7 +158,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + this MLP's output (the residual's storage may be reused)."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        fused = self.gate_up_proj(x)
+        # narrow, not split: autograd refuses in-place ops on split's views even where no
+        # gradient is wanted (benchmarks call the model outside inference mode).
+        gate = fused.narrow(-1, 0, self.intermediate)
+        up = fused.narrow(-1, self.intermediate, self.intermediate)
         # SiLU in place over the gate half (a view of the fused output nothing else reads),
         # then one product: one temporary instead of two.
         return linear_add(self.down_proj, torch.mul(F.silu(gate, inplace=True), up), residual)
