@@ -249,8 +249,10 @@ class LLMEngine:
         docs/benchmarks.md). n-gram drafts cost almost nothing to propose, and a GPU stays
         memory-bound to far larger batches: no default there."""
         config = self.args.speculative_config
-        if config is None or config.disable_by_batch_size is not None:
-            return config.disable_by_batch_size if config else None
+        if config is None:
+            return None
+        if config.disable_by_batch_size is not None:
+            return config.disable_by_batch_size
         if config.method == "draft_model" and self.device.type == "cpu":
             return DRAFT_CPU_DISABLE_AT
         return None
@@ -305,12 +307,11 @@ class LLMEngine:
         """The draft's own pool, with the target's block ids plus scratch blocks, on the
         same device (its memory was set aside when the target's pool was sized)."""
         model = self.draft_model
-        args, k = self.args, config.num_speculative_tokens
         num_blocks = self.runner.kv_pool.shape[3]
-        scratch = DraftModelProposer.scratch_blocks(args.max_num_seqs, k, args.block_size)
+        scratch = self._draft_pool().scratch_blocks  # as the KV sizing paid for them
         runner = ModelRunner(
             model,
-            args.block_size,
+            self.args.block_size,
             num_blocks + scratch,
             self.runner.backend,
             self.device,
@@ -324,7 +325,7 @@ class LLMEngine:
             runner.kv_pool.numel() * runner.kv_pool.element_size() / GiB,
             runner.kv_cache_dtype,
         )
-        return DraftModelProposer(runner, num_blocks, k)
+        return DraftModelProposer(runner, num_blocks, config.num_speculative_tokens)
 
     def _offload_tier(self):
         """The CPU offload tier's host pool (--kv-offloading-size GiB), or None."""
