@@ -6,6 +6,35 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One output constraint, as vLLM's `structured_outputs` (exactly one field set).
+
+    Plain, hashable data: the grammar engine compiles it off the engine thread and caches the
+    compiled grammar by this value. `json` is a JSON schema as canonical JSON text.
+    """
+
+    json: str | None = None
+    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None  # an EBNF grammar
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        chosen = [
+            name
+            for name in ("json", "json_object", "regex", "choice", "grammar")
+            if getattr(self, name) not in (None, False)
+        ]
+        if len(chosen) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice, "
+                f"grammar; got {', '.join(chosen) or 'none'}"
+            )
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0  # 0 = greedy
@@ -25,6 +54,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per sampled token (plus the sampled one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Disaggregation (vLLM's kv_transfer_params): {"do_remote_decode": true} on a prefill
     # engine; a prefill engine's returned params (do_remote_prefill ...) on a decode engine.
     kv_transfer_params: dict | None = field(default=None, compare=False, hash=False)
