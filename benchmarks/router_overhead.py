@@ -47,9 +47,11 @@ from pagefleet.fleet.up import free_port
 PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
 CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 PATHS = ("direct", "router")
-# Run the router's CLI under cProfile; uvicorn exits cleanly on SIGTERM, so the stats get written.
+# Run the router's CLI under cProfile. Uvicorn shuts down on SIGTERM, then raises it again with
+# the handler it found: a handler that exits lets cProfile write its stats.
 PROFILED = (
-    "import cProfile, sys; from pagefleet.common.cli import main; out = sys.argv.pop(1); "
+    "import cProfile, signal, sys; from pagefleet.common.cli import main; "
+    "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); out = sys.argv.pop(1); "
     "sys.argv[0] = 'pagefleet'; cProfile.run('main()', out)"
 )
 
