@@ -227,6 +227,7 @@ class Router:
                 ]
                 text = self.tokenizer.apply_chat_template(
                     conv,
+                    tools=_tools(body),
                     tokenize=False,
                     add_generation_prompt=body.get("add_generation_prompt", True),
                 )
@@ -354,6 +355,17 @@ def _text(content) -> str:
     return content or ""
 
 
+def _tools(body: dict) -> list[dict] | None:
+    """The request's tool definitions, which chat templates render into the prompt (often
+    ahead of every message): without them the router's hashes would miss the engine's blocks."""
+    tools = body.get("tools")
+    if not tools:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ValueError("tools must be a list of objects")
+    return tools
+
+
 def _routed_part(text: str) -> str:
     """The part of a prompt routing looks at; ValueError if no tokenizer could take it."""
     part = text[:ROUTING_PREFIX_CHARS]
@@ -400,7 +412,7 @@ def build_router_app(router: Router, client: httpx.AsyncClient | None = None) ->
     # Inside the key check (middleware added later wraps it): bodies of clients without the
     # key are never read.
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
-    app.middleware("http")(_check_key)
+    app.add_middleware(_KeyCheck)
     app.add_exception_handler(APIError, _api_error)
     app.add_api_route("/livez", livez, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
@@ -441,14 +453,29 @@ async def _api_error(_: Request, exc: APIError) -> Response:
     return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
 
 
-async def _check_key(request: Request, call_next):
-    denied = check_api_key(
-        request.headers.get("authorization", ""),
-        _state(request).config.api_key,
-        request.url.path,
-        ("/health", "/livez", "/metrics"),
-    )
-    return denied if denied is not None else await call_next(request)
+class _KeyCheck:
+    """ASGI middleware: 401 unless the client presents the router's API key (probes and
+    /metrics are open). Plain ASGI, not `app.middleware("http")`: Starlette's
+    BaseHTTPMiddleware pipes every response chunk through a memory stream and a task of its
+    own, which cost the streams it relays (issue 23)."""
+
+    OPEN_PATHS = ("/health", "/livez", "/metrics")
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            state: AppState = scope["app"].state.router
+            authorization = next(
+                (v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), ""
+            )
+            denied = check_api_key(
+                authorization, state.config.api_key, scope["path"], self.OPEN_PATHS
+            )
+            if denied is not None:
+                return await denied(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 async def livez() -> Response:
