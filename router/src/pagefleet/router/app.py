@@ -76,6 +76,7 @@ from pagefleet.router.routed import (
     RoutedRequest,
 )
 from pagefleet.router.scoring import Candidate, Pipeline, Pod, RoutingRequest
+from pagefleet.router.upstream import AiohttpTransport
 
 logger = logging.getLogger("pagefleet.router")
 CHARS_PER_TOKEN = 4  # the tokenizer-less fallback hashes fixed character chunks
@@ -402,8 +403,8 @@ def build_router_app(router: Router, client: httpx.AsyncClient | None = None) ->
     config = router.config
     if client is None:
         client = httpx.AsyncClient(
+            transport=AiohttpTransport(),
             timeout=httpx.Timeout(config.read_timeout, connect=config.connect_timeout),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
     app = FastAPI(title="pagefleet router", lifespan=_lifespan)
     app.state.router = AppState(
