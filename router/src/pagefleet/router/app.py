@@ -530,15 +530,16 @@ async def proxy(state: AppState, path: str, request: Request) -> Response:
     """Parse, decide, maybe disaggregate, forward."""
     router, config = state.router, state.config
     raw = await request.body()
-    body = await _on_tokenizing_thread(state, _parse, raw)
-    refuse_fleet_fields(body)
-    if config.model and body.get("model") not in (None, config.model):
-        return error_response(404, f"model {body.get('model')!r} does not exist", "not_found_error")
-    role = "decode" if router.registry.has_role("decode") else None
     try:
-        hashes = await _on_tokenizing_thread(
-            state, router.hashes_by_size, path, body, router.block_sizes()
+        # One trip to the tokenizing thread: each trip is a wake-up of the loop.
+        body, hashes = await _on_tokenizing_thread(
+            state, _read, router, path, raw, router.block_sizes()
         )
+        if hashes is None:
+            return error_response(
+                404, f"model {body.get('model')!r} does not exist", "not_found_error"
+            )
+        role = "decode" if router.registry.has_role("decode") else None
         routed = router.decide(path, body, role, hashes)
         model = _model_of(config, body)
         if router.flow.must_hold(model, routed.candidates):
@@ -564,6 +565,16 @@ async def proxy(state: AppState, path: str, request: Request) -> Response:
         # No decode pod took the blocks (a 200 means one did, and it releases them).
         await release_prefill_soon(routed.kv_transfer_params, config.fleet_secret)
     return response
+
+
+def _read(router: Router, path: str, raw: bytes, sizes: list[int]) -> tuple[dict, dict | None]:
+    """On the tokenizing thread: the body parsed and checked, and its block hashes per size
+    (None for a model this router does not serve)."""
+    body = _parse(raw)
+    refuse_fleet_fields(body)
+    if router.config.model and body.get("model") not in (None, router.config.model):
+        return body, None
+    return body, router.hashes_by_size(path, body, sizes)
 
 
 def _model_of(config: RouterConfig, body: dict) -> str:
