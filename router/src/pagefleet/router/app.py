@@ -10,6 +10,9 @@ candidate; after the first byte the client gets an SSE error event.
 
 The handlers are module-level functions over one `AppState` (on `app.state.router`).
 
+Engines are reached through httpx over aiohttp's keep-alive pool (`upstream.py`); the relay
+forwards the engine's bytes as they come, parsing none of them.
+
 Every request's work is bounded: the body is limited before it is read (413), parsing and
 tokenizing run on a thread of their own (never on the event loop that answers /health and
 relays streams), and only a prompt's first ROUTING_PREFIX_CHARS are tokenized (a prefix is
