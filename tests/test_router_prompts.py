@@ -95,6 +95,36 @@ def test_router_hashes_chats_as_the_engine_renders_them(tiny_checkpoints):
         assert router.prompt_hashes("/v1/chat/completions", body, 4) == hash_blocks(ids, 4)
 
 
+def test_router_hashes_the_tools_a_chat_template_renders(tiny_checkpoints):
+    """Templates render the request's tools ahead of the messages: requests with the same tools
+    share their leading blocks (and match the engine's rendering); other tools, other blocks."""
+    tok = load_tokenizer(tiny_checkpoints["llama"])
+    tok.chat_template = (
+        "{% if tools %}{% for t in tools %}tool {{ t.function.name }}: "
+        "{{ t.function.description }}\n{% endfor %}{% endif %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    )
+    router = _router(tok, [Pod("a", "http://a")])
+
+    def tools(name: str) -> list[dict]:
+        return [{"type": "function", "function": {"name": name, "description": "look " * 40}}]
+
+    def hashes(tool_name: str, question: str) -> list:
+        body = {"messages": [{"role": "user", "content": question}], "tools": tools(tool_name)}
+        return router.prompt_hashes("/v1/chat/completions", body, 4)
+
+    weather, other_question, search = (
+        hashes("weather", "rain today?"),
+        hashes("weather", "snow tomorrow?"),
+        hashes("search", "rain today?"),
+    )
+    messages = [{"role": "user", "content": "rain today?"}]
+    ids = tok.apply_chat_template(messages, tools=tools("weather"), tokenize=True)
+    assert weather == hash_blocks(list(ids if isinstance(ids, list) else ids["input_ids"]), 4)
+    assert len(weather) > 10 and weather[:10] == other_question[:10]
+    assert weather[0] != search[0]
+
+
 def test_pods_with_another_block_size_are_matched_on_their_own_hashes(tiny_checkpoints):
     tok = load_tokenizer(tiny_checkpoints["llama"])
     router = _router(tok, [Pod("b8", "http://b8"), Pod("b16", "http://b16")])

@@ -10,6 +10,9 @@ candidate; after the first byte the client gets an SSE error event.
 
 The handlers are module-level functions over one `AppState` (on `app.state.router`).
 
+Engines are reached through httpx over aiohttp's keep-alive pool (`upstream.py`); the relay
+forwards the engine's bytes as they come, parsing none of them.
+
 Every request's work is bounded: the body is limited before it is read (413), parsing and
 tokenizing run on a thread of their own (never on the event loop that answers /health and
 relays streams), and only a prompt's first ROUTING_PREFIX_CHARS are tokenized (a prefix is
@@ -76,6 +79,7 @@ from pagefleet.router.routed import (
     RoutedRequest,
 )
 from pagefleet.router.scoring import Candidate, Pipeline, Pod, RoutingRequest
+from pagefleet.router.upstream import AiohttpTransport
 
 logger = logging.getLogger("pagefleet.router")
 CHARS_PER_TOKEN = 4  # the tokenizer-less fallback hashes fixed character chunks
@@ -227,6 +231,7 @@ class Router:
                 ]
                 text = self.tokenizer.apply_chat_template(
                     conv,
+                    tools=_tools(body),
                     tokenize=False,
                     add_generation_prompt=body.get("add_generation_prompt", True),
                 )
@@ -354,6 +359,17 @@ def _text(content) -> str:
     return content or ""
 
 
+def _tools(body: dict) -> list[dict] | None:
+    """The request's tool definitions, which chat templates render into the prompt (often
+    ahead of every message): without them the router's hashes would miss the engine's blocks."""
+    tools = body.get("tools")
+    if not tools:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ValueError("tools must be a list of objects")
+    return tools
+
+
 def _routed_part(text: str) -> str:
     """The part of a prompt routing looks at; ValueError if no tokenizer could take it."""
     part = text[:ROUTING_PREFIX_CHARS]
@@ -390,8 +406,8 @@ def build_router_app(router: Router, client: httpx.AsyncClient | None = None) ->
     config = router.config
     if client is None:
         client = httpx.AsyncClient(
+            transport=AiohttpTransport(),
             timeout=httpx.Timeout(config.read_timeout, connect=config.connect_timeout),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
     app = FastAPI(title="pagefleet router", lifespan=_lifespan)
     app.state.router = AppState(
@@ -400,7 +416,7 @@ def build_router_app(router: Router, client: httpx.AsyncClient | None = None) ->
     # Inside the key check (middleware added later wraps it): bodies of clients without the
     # key are never read.
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
-    app.middleware("http")(_check_key)
+    app.add_middleware(_KeyCheck)
     app.add_exception_handler(APIError, _api_error)
     app.add_api_route("/livez", livez, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
@@ -441,14 +457,29 @@ async def _api_error(_: Request, exc: APIError) -> Response:
     return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
 
 
-async def _check_key(request: Request, call_next):
-    denied = check_api_key(
-        request.headers.get("authorization", ""),
-        _state(request).config.api_key,
-        request.url.path,
-        ("/health", "/livez", "/metrics"),
-    )
-    return denied if denied is not None else await call_next(request)
+class _KeyCheck:
+    """ASGI middleware: 401 unless the client presents the router's API key (probes and
+    /metrics are open). Plain ASGI, not `app.middleware("http")`: Starlette's
+    BaseHTTPMiddleware pipes every response chunk through a memory stream and a task of its
+    own, which cost the streams it relays (issue 23)."""
+
+    OPEN_PATHS = ("/health", "/livez", "/metrics")
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            state: AppState = scope["app"].state.router
+            authorization = next(
+                (v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), ""
+            )
+            denied = check_api_key(
+                authorization, state.config.api_key, scope["path"], self.OPEN_PATHS
+            )
+            if denied is not None:
+                return await denied(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 async def livez() -> Response:
@@ -502,15 +533,16 @@ async def proxy(state: AppState, path: str, request: Request) -> Response:
     """Parse, decide, maybe disaggregate, forward."""
     router, config = state.router, state.config
     raw = await request.body()
-    body = await _on_tokenizing_thread(state, _parse, raw)
-    refuse_fleet_fields(body)
-    if config.model and body.get("model") not in (None, config.model):
-        return error_response(404, f"model {body.get('model')!r} does not exist", "not_found_error")
-    role = "decode" if router.registry.has_role("decode") else None
     try:
-        hashes = await _on_tokenizing_thread(
-            state, router.hashes_by_size, path, body, router.block_sizes()
+        # One trip to the tokenizing thread: each trip is a wake-up of the loop.
+        body, hashes = await _on_tokenizing_thread(
+            state, _read, router, path, raw, router.block_sizes()
         )
+        if hashes is None:
+            return error_response(
+                404, f"model {body.get('model')!r} does not exist", "not_found_error"
+            )
+        role = "decode" if router.registry.has_role("decode") else None
         routed = router.decide(path, body, role, hashes)
         model = _model_of(config, body)
         if router.flow.must_hold(model, routed.candidates):
@@ -536,6 +568,16 @@ async def proxy(state: AppState, path: str, request: Request) -> Response:
         # No decode pod took the blocks (a 200 means one did, and it releases them).
         await release_prefill_soon(routed.kv_transfer_params, config.fleet_secret)
     return response
+
+
+def _read(router: Router, path: str, raw: bytes, sizes: list[int]) -> tuple[dict, dict | None]:
+    """On the tokenizing thread: the body parsed and checked, and its block hashes per size
+    (None for a model this router does not serve)."""
+    body = _parse(raw)
+    refuse_fleet_fields(body)
+    if router.config.model and body.get("model") not in (None, router.config.model):
+        return body, None
+    return body, router.hashes_by_size(path, body, sizes)
 
 
 def _model_of(config: RouterConfig, body: dict) -> str:
