@@ -243,6 +243,8 @@ class AsyncLLM:
                     return
                 for output in self.engine.step():
                     self._deliver(output.request_id, output)
+                for request_id, error in self.engine.take_failures():
+                    self._deliver(request_id, error)
         except BaseException as e:  # deliver the failure to every waiting consumer
             self._error = e
             with self._lock:
