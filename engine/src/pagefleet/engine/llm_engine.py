@@ -13,6 +13,7 @@ import functools
 import itertools
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,6 +171,7 @@ class LLMEngine:
         self._group_of: dict[str, str] = {}  # scheduler request id -> user request id
         self._ids = itertools.count()
         self._grammar_compiler: GrammarCompiler | None = None  # made by the first grammar
+        self._grammar_lock = threading.Lock()
         self._compiling: dict[str, _Group] = {}  # groups waiting for their grammar
         self._failures: list[tuple[str, Exception]] = []  # requests failed off the step path
         # Told of every step and KV pull, on the engine's thread (metrics, event flushing).
@@ -692,10 +694,11 @@ class LLMEngine:
     @property
     def grammar_compiler(self) -> GrammarCompiler:
         """The structured-output grammar compiler (pool and cache), made on first use."""
-        if self._grammar_compiler is None:
-            vocab = self.model_config.vocab_size
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
-        return self._grammar_compiler
+        with self._grammar_lock:  # the API server's handlers ask for it too
+            if self._grammar_compiler is None:
+                vocab = self.model_config.vocab_size
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
+            return self._grammar_compiler
 
     def _attach_grammar(self, group: _Group) -> bool:
         """Give each sequence its matcher and queue the group once its grammar is compiled;
