@@ -26,11 +26,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from offline_throughput import SHAPE  # noqa: E402 - the same checkpoint shape
+from offline_throughput import SHAPE  # the same checkpoint shape
 
-from pagefleet.engine import LLM, SamplingParams  # noqa: E402
-from pagefleet.engine.model.tiny import write_tiny_checkpoint  # noqa: E402
-from pagefleet.engine.sampling_params import StructuredOutputsParams  # noqa: E402
+from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.model.tiny import write_tiny_checkpoint
+from pagefleet.engine.sampling_params import StructuredOutputsParams
 
 
 def schema(tag: str = "") -> dict:
