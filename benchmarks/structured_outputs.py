@@ -4,8 +4,10 @@ The ~57M Llama-style checkpoint of offline_throughput.py, float32 on CPU. Each r
 same seeded requests twice, interleaved (the machine is shared): free (ignore_eos) and under a
 JSON schema that cannot finish within max_tokens (an array of at least 1000 objects), so both
 sides decode the same number of tokens. Reports decode step time and tokens/s per side and
-their ratio (median over rounds), plus grammar compile time cold (a schema never seen) and
-cached (the LRU hit every later request with that schema gets).
+their ratio (median over rounds), the time the grammar path itself takes per decode step (masks
+and logit processing, matcher advance: timed inside the engine, so less sensitive to a busy
+machine than the A/B ratio) against the free step, plus grammar compile time cold (a schema
+never seen) and cached (the LRU hit every later request with that schema gets).
 
     .venv/bin/python benchmarks/structured_outputs.py [--threads 2] [--rounds 3]
 """
@@ -28,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import SHAPE  # the same checkpoint shape
 
+import pagefleet.engine.llm_engine as llm_engine
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.model.tiny import write_tiny_checkpoint
 from pagefleet.engine.sampling_params import StructuredOutputsParams
@@ -55,9 +58,31 @@ def constraint(tag: str = "") -> StructuredOutputsParams:
     return StructuredOutputsParams(json=json.dumps(schema(tag), sort_keys=True))
 
 
+class GrammarTimer:
+    """Wall time spent in the grammar path of the engine (masks + logit_bias, advancing)."""
+
+    def __init__(self, engine) -> None:
+        self.seconds = 0.0
+        constrain, advance = llm_engine.constrain_logits, engine._advance_grammar
+        llm_engine.constrain_logits = self._timed(constrain)
+        engine._advance_grammar = self._timed(advance)
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+
 def run(llm: LLM, concurrency: int, max_tokens: int, grammar: bool, seed: int) -> dict:
     """Decode `concurrency` requests to max_tokens; step time over decode steps only."""
     engine = llm.engine
+    timer = engine.grammar_timer
+    timer.seconds = 0.0
     so = constraint() if grammar else None
     for i in range(concurrency):
         prompt = [10 + (seed * 131 + i * 17 + j) % 31000 for j in range(32)]
@@ -77,7 +102,12 @@ def run(llm: LLM, concurrency: int, max_tokens: int, grammar: bool, seed: int) -
             steps.append(dt)
         tokens += sum(len(c.token_ids) for o in outputs if o.finished for c in o.outputs)
     wall = time.perf_counter() - start
-    return {"step_ms": 1e3 * statistics.median(steps), "tok_s": tokens / wall, "tokens": tokens}
+    return {
+        "step_ms": 1e3 * statistics.median(steps),
+        "tok_s": tokens / wall,
+        "tokens": tokens,
+        "grammar_ms_per_step": 1e3 * timer.seconds / max(len(steps), 1),
+    }
 
 
 def compile_times(llm: LLM, n: int = 5) -> tuple[float, float]:
@@ -106,6 +136,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = str(write_tiny_checkpoint(Path(tmp) / "bench", "LlamaForCausalLM", **SHAPE))
         llm = LLM(path, max_model_len=512, max_num_seqs=64)
+        llm.engine.grammar_timer = GrammarTimer(llm.engine)
         cold, cached = compile_times(llm)
         print(f"grammar compile: cold {cold * 1e3:.2f} ms, cached {cached * 1e6:.1f} us")
         run(llm, 4, 8, True, seed=99)  # warm-up, both paths
@@ -127,6 +158,12 @@ def main() -> None:
                 f" {med(x['step_ms'] for x in json_runs):6.1f} ms | throughput ratio"
                 f" {med(ratios):.3f} (rounds {', '.join(f'{x:.3f}' for x in ratios)}),"
                 f" step-time ratio {med(step_ratios):.3f}"
+            )
+            grammar_ms = med(x["grammar_ms_per_step"] for x in json_runs)
+            free_step = med(x["step_ms"] for x in free_runs)
+            print(
+                f"  grammar path: {grammar_ms:.2f} ms per decode step ="
+                f" {100 * grammar_ms / free_step:.1f}% of the free step"
             )
 
 
