@@ -152,7 +152,7 @@ def test_grammar_survives_preemption_and_speculation(tight_llm, llm):
     # A prompt that repeats itself gives the n-gram proposer drafts; 6 requests in a 32-block
     # pool preempt each other.
     prompt = '[{"x":1,"y":2},{"x":1,"y":2}] ' * 2
-    params = [schema_params(POINTS, seed=s, max_tokens=40) for s in range(6)]
+    params = [schema_params(POINTS, seed=s, max_tokens=80) for s in range(6)]
     outs = tight_llm.generate([prompt] * 6, params, use_tqdm=False)
     for out in outs:
         jsonschema.validate(json.loads(out.outputs[0].text), POINTS)

@@ -7,6 +7,7 @@ spec_decode/verifier.py lays them out), the others one.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagefleet.engine.request import Request
@@ -25,8 +26,8 @@ def row_groups(row_requests: list[Request], drafts: dict[str, list[int]]):
 def constrain_logits(
     logits: torch.Tensor, row_requests: list[Request], drafts: dict[str, list[int]] | None = None
 ) -> torch.Tensor:
-    """`logits` with each row's logit_bias added and its grammar's disallowed tokens at -inf
-    (a new float tensor when anything applies; the same one otherwise)."""
+    """`logits` with each row's logit_bias added and its grammar's disallowed tokens at -inf,
+    in place (a step's logits belong to its sampling alone); float32 when anything applies."""
     groups = [
         g
         for g in row_groups(row_requests, drafts or {})
@@ -34,32 +35,42 @@ def constrain_logits(
     ]
     if not groups:
         return logits
-    logits = logits.float().clone()
-    vocab = logits.shape[1]
-    masked_rows: list[int] = []
+    logits = logits.float() if logits.dtype != torch.float32 else logits  # sampled in fp32
+    num_rows, vocab = logits.shape
     bitmask = None
     for req, first, req_drafts in groups:
-        rows = slice(first, first + 1 + len(req_drafts))
+        rows = logits[first : first + 1 + len(req_drafts)]  # a view: no advanced indexing
         bias = req.sampling_params.logit_bias
         if bias:
             ids = torch.tensor([t for t, _ in bias], device=logits.device)
             values = torch.tensor([b for _, b in bias], device=logits.device)
-            logits[rows, ids] += values
+            rows.index_add_(1, ids, values.expand(rows.shape[0], -1))
         if req.grammar is not None:
-            if bitmask is None:
-                bitmask = torch.zeros((logits.shape[0], (vocab + 31) // 32), dtype=torch.int32)
+            if bitmask is None:  # rows without a grammar keep every bit set
+                bitmask = torch.full((num_rows, (vocab + 31) // 32), -1, dtype=torch.int32)
             req.grammar.fill_draft_rows(bitmask, first, req_drafts)
-            masked_rows.extend(range(rows.start, rows.stop))
-    if masked_rows:
-        index = torch.tensor(masked_rows)
-        allowed = unpack_bitmask(bitmask[index], vocab).to(logits.device)
-        index = index.to(logits.device)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    if bitmask is not None:
+        apply_bitmask(logits, bitmask)
     return logits
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int32 words (bit i of word w = token 32w + i) -> a bool [rows, vocab] tensor."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set disallowed tokens' logits to -inf, in place. On CPU with numpy: single-threaded
+    and a few passes over bytes (torch's ops of this size each wake its thread pool, which
+    costs more than the work on a busy machine); on an accelerator, one masked_fill."""
+    vocab = logits.shape[1]
+    if logits.device.type == "cpu":
+        masked = disallowed_np(bitmask.numpy(), vocab)
+        np.copyto(logits.numpy(), -np.inf, where=masked)
+    else:
+        masked = torch.from_numpy(disallowed_np(bitmask.numpy(), vocab))
+        logits.masked_fill_(masked.to(logits.device, non_blocking=True), float("-inf"))
+
+
+def disallowed_np(bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    """int32 words (bit i of word w = token 32w + i, llguidance's layout) -> a bool
+    [rows, vocab] array, True where the token is not allowed (little-endian bytes: byte k of
+    a row covers tokens 8k..8k+7)."""
+    inverted = np.invert(bitmask.view(np.uint8))
+    bits = np.unpackbits(inverted, axis=1, bitorder="little")
+    return bits[:, :vocab].view(np.bool_)
