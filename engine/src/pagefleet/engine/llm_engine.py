@@ -900,7 +900,7 @@ class LLMEngine:
             propose(self.proposer, [r for r in step.requests if r.status is running], enabled)
             for req in step.requests:  # drafts the grammar rejects are never worth verifying
                 if req.grammar is not None and req.spec_token_ids:
-                    del req.spec_token_ids[req.grammar.valid_prefix(req.spec_token_ids) :]
+                    del req.spec_token_ids[req.grammar.draft_prefix(req.spec_token_ids) :]
         stats = StepStats(num_prompt, num_generated, len(out.preempted))
         for observer in self.observers:
             observer.on_step(stats)

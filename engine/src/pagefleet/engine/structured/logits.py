@@ -23,6 +23,7 @@ def row_groups(row_requests: list[Request], drafts: dict[str, list[int]]):
         row += 1 + len(req_drafts)
 
 
+@torch.inference_mode()  # the runner's logits are inference tensors: updated in place
 def constrain_logits(
     logits: torch.Tensor, row_requests: list[Request], drafts: dict[str, list[int]] | None = None
 ) -> torch.Tensor:

@@ -43,6 +43,18 @@ class SequenceGrammar:
         """Advance over tokens the sequence kept; False if the grammar rejects one."""
         return self.matcher.consume_tokens(tokens)
 
-    def valid_prefix(self, tokens: list[int]) -> int:
-        """How many leading `tokens` the grammar allows (state unchanged)."""
-        return self.matcher.validate_tokens(tokens)
+    def draft_prefix(self, drafts: list[int]) -> int:
+        """How many leading drafts are worth verifying: those the grammar allows, short of one
+        that would complete it (that one comes as the verified token instead, so the request
+        ends on it as it would without speculation). State unchanged."""
+        valid = self.matcher.validate_tokens(drafts)  # consuming a bad token would break it
+        consumed = 0
+        for token in drafts[:valid]:
+            self.matcher.consume_token(token)
+            consumed += 1
+            if self.matcher.is_stopped():
+                break
+        keep = consumed - 1 if self.matcher.is_stopped() else consumed
+        if consumed:
+            self.matcher.rollback(consumed)
+        return keep
