@@ -300,3 +300,24 @@ def test_logit_bias_over_the_api_and_unknown_fields_are_counted(http):
 
 def _decode(http, token: int) -> str:
     return http.post("/detokenize", json={"tokens": [token]}).json()["prompt"]
+
+
+def test_a_compiling_grammar_waits_without_blocking_other_requests(llm):
+    engine, compiler = llm.engine, llm.engine.grammar_compiler
+    release = threading.Event()
+    real_compile = compiler._compile
+    compiler._compile = lambda params: release.wait(30) and real_compile(params)
+    try:
+        choice = SamplingParams(structured_outputs=so(choice=("north", "south", "a-new-one")))
+        engine.add_request("grammar", PROMPTS[0], choice)
+        engine.add_request("free", PROMPTS[1], SamplingParams(max_tokens=4, ignore_eos=True))
+        done = {}
+        while "free" not in done:
+            done |= {o.request_id: o for o in engine.step() if o.finished}
+        assert "grammar" not in done and not engine.scheduler.requests.get("grammar")
+    finally:
+        release.set()
+        compiler._compile = real_compile
+    while "grammar" not in done:
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert done["grammar"].outputs[0].text in ("north", "south", "a-new-one")
