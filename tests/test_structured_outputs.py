@@ -4,6 +4,7 @@ is the grammar's doing)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -321,3 +322,44 @@ def test_a_compiling_grammar_waits_without_blocking_other_requests(llm):
     while "grammar" not in done:
         done |= {o.request_id: o for o in engine.step() if o.finished}
     assert done["grammar"].outputs[0].text in ("north", "south", "a-new-one")
+
+
+def test_pd_prefill_token_and_decode_are_both_constrained(tiny_checkpoints, llm, monkeypatch):
+    """In-process P/D over the TCP connector: the prefill engine's one token obeys the grammar,
+    the decode engine pulls the prompt's KV and enforces it from there; output equals
+    colocated."""
+    from server_utils import FLEET_SECRET, free_port
+
+    monkeypatch.setenv("PAGEFLEET_FLEET_SECRET", FLEET_SECRET)
+
+    def engine(role: str) -> LLM:
+        config = {"kv_connector": "tcp", "kv_role": role, "kv_port": free_port()}
+        return LLM(
+            tiny_checkpoints["llama"],
+            max_model_len=256,
+            num_gpu_blocks_override=64,
+            kv_transfer_config=json.dumps({**config, "kv_ip": "127.0.0.1"}),
+        )
+
+    choices = ("alpha", "beta", "gamma-ray")
+    prompt = list(range(10, 60))
+    constrained = SamplingParams(
+        temperature=0, max_tokens=16, structured_outputs=so(choice=choices)
+    )
+    prefill, decode = engine("kv_producer"), engine("kv_consumer")
+    try:
+        hold = dataclasses.replace(
+            constrained, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+        )
+        (first,) = prefill.generate([prompt], hold, use_tqdm=False)
+        assert any(c.startswith(first.outputs[0].text) for c in choices)
+        pull = dataclasses.replace(constrained, kv_transfer_params=first.kv_transfer_params)
+        (out,) = decode.generate([prompt], pull, use_tqdm=False)
+        assert decode.engine.connector.stats.transfers == 1
+        assert decode.engine.connector.stats.failures == 0
+    finally:
+        prefill.engine.close()
+        decode.engine.close()
+    (colocated,) = llm.generate([prompt], constrained, use_tqdm=False)
+    assert out.outputs[0].text == colocated.outputs[0].text
+    assert out.outputs[0].text in choices
