@@ -3,7 +3,8 @@
 Every declared field is honoured. OpenAI and vLLM fields that this server does not implement
 are refused with a 400 naming them when a request sets them to anything but their default
 (`UNSUPPORTED_FIELDS`), so a client never gets silently different behaviour; other unknown
-fields are ignored, as vLLM does. Wrong types and out-of-range values are 400s.
+fields are accepted and ignored, as vLLM does, but counted and logged (`ignored_fields`). Wrong
+types and out-of-range values are 400s.
 docs/testing.md lists every field and what happens to it.
 """
 
