@@ -463,12 +463,12 @@ async def _check_fields(state: ServerState, req, params: SamplingParams) -> None
             raise APIError(400, str(e), param=_constraint_field(req)) from None
 
 
-def _constraint_field(req) -> str:
-    """The request field that carries the output constraint (for an error's param)."""
-    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex"):
-        if getattr(req, name) is not None:
-            return name
-    return "guided_choice" if req.guided_choice is not None else "guided_grammar"
+def _constraint_field(req) -> str | None:
+    """The request field that carries the output constraint (for an error's param); None
+    when the server set it (tool_choice enforcement)."""
+    names = ("response_format", "structured_outputs", "guided_json", "guided_regex")
+    names += ("guided_choice", "guided_grammar")
+    return next((name for name in names if getattr(req, name, None) is not None), None)
 
 
 def _params(req, max_tokens: int, logprobs: int | None) -> SamplingParams:

@@ -18,10 +18,6 @@ class SequenceGrammar:
         """The grammar is complete and allows nothing more (EOS aside)."""
         return self.matcher.is_stopped()
 
-    @property
-    def failed(self) -> bool:
-        return self.matcher.is_error()
-
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (int32 words, bit i = token i)."""
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
