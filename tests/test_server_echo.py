@@ -176,10 +176,10 @@ def test_continuous_usage_stats_put_running_usage_on_every_chunk(server, path):
 
 
 REFUSED = [
-    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "x", "bad_words": ["river"]}, "bad_words"),
     ({"prompt": "x", "suffix": "end"}, "suffix"),
     ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "x", "allowed_token_ids": [5]}, "allowed_token_ids"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     (
         {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},

@@ -28,7 +28,8 @@ from pagefleet.engine.client import EngineLimits, EngineObserver, EngineStats
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.llm_engine import LLMEngine
 from pagefleet.engine.outputs import RequestOutput
-from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from pagefleet.engine.structured import GrammarError
 
 logger = logging.getLogger("pagefleet.engine")
 _STOP = object()
@@ -197,6 +198,18 @@ class AsyncLLM:
         fixed at start-up); nothing is submitted."""
         self.engine.limits.rules.check(prompt_token_ids, params)
 
+    async def check_structured_outputs(self, constraint: StructuredOutputsParams) -> None:
+        """Compile `constraint` now (off the engine thread; the engine then finds it cached);
+        raises GrammarError (a ValueError) if it does not compile within the time limit."""
+        compiler = self.engine.grammar_compiler
+        entry = compiler.compile(constraint)
+        remaining = compiler.timeout_s - (time.monotonic() - entry.started)
+        try:  # shielded: a waiter's timeout must not cancel the shared compile
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry.future)), remaining)
+        except TimeoutError:
+            compiler.result(entry)  # raises the timeout (and uncaches it) once past the limit
+            raise GrammarError("structured output grammar took too long to compile") from None
+
     def subscribe(self, observer: EngineObserver) -> None:
         """Tell `observer` of every step, KV pull and stalled abort from now on."""
         self._observers.append(observer)
@@ -243,6 +256,8 @@ class AsyncLLM:
                     return
                 for output in self.engine.step():
                     self._deliver(output.request_id, output)
+                for request_id, error in self.engine.take_failures():
+                    self._deliver(request_id, error)
         except BaseException as e:  # deliver the failure to every waiting consumer
             self._error = e
             with self._lock:

@@ -87,6 +87,12 @@ class LLM:
                         done[output.request_id] = output
                         if bar is not None:
                             bar.update(1)
+                failures = self.engine.take_failures()
+                if failures:  # a grammar that failed to compile: the batch fails, as on add
+                    for rid in request_ids:
+                        self.engine.abort_request(rid)
+                    rid, error = failures[0]
+                    raise ValueError(f"request {rid}: {error}")
         finally:
             if bar is not None:
                 bar.close()

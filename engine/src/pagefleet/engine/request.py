@@ -39,6 +39,7 @@ class Request:
         "block_ids",
         "block_size",
         "extra_keys",
+        "grammar",
         "hold_blocks",
         "max_len",
         "num_cached_blocks",
@@ -96,6 +97,9 @@ class Request:
         # Speculative decoding: draft tokens proposed to follow all_token_ids, verified in
         # the request's next step (not part of its tokens until accepted).
         self.spec_token_ids: list[int] = []
+        # Structured outputs: the sequence's grammar state (structured.SequenceGrammar), set
+        # by the engine once the grammar is compiled; None when unconstrained.
+        self.grammar = None
         self.hold_blocks = False
         self.remote_source: object | None = None
         stop = set(sampling_params.stop_token_ids)

@@ -55,6 +55,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits before
+    # sampling (a dict is accepted and kept as sorted pairs, so the params stay hashable).
+    logit_bias: tuple[tuple[int, float], ...] | None = None
     # Disaggregation (vLLM's kv_transfer_params): {"do_remote_decode": true} on a prefill
     # engine; a prefill engine's returned params (do_remote_prefill ...) on a decode engine.
     kv_transfer_params: dict | None = field(default=None, compare=False, hash=False)
@@ -67,6 +70,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if isinstance(self.logit_bias, dict):
+            pairs = tuple(sorted((int(t), float(b)) for t, b in self.logit_bias.items()))
+            object.__setattr__(self, "logit_bias", pairs or None)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         checks = [
@@ -101,6 +107,10 @@ class SamplingParams:
                 f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}",
             ),
             (all(self.stop), "stop strings must not be empty"),
+            (
+                all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias or ()),
+                "logit_bias maps token ids to biases in [-100, 100]",
+            ),
         ]
         for ok, message in checks:
             if not ok:

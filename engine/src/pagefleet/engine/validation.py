@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pagefleet.engine.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 
 class InvalidRequest(ValueError):
@@ -41,6 +42,13 @@ class RequestRules:
                 raise InvalidRequest(f"{name}={k} is more than the maximum, {MAX_LOGPROBS}", name)
         self.check_token_ids(prompt_token_ids, "prompt token ids", "prompt")
         self.check_token_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
+        if params.logit_bias:
+            if len(params.logit_bias) > MAX_LOGIT_BIAS:
+                raise InvalidRequest(
+                    f"logit_bias has {len(params.logit_bias)} entries; at most {MAX_LOGIT_BIAS}",
+                    "logit_bias",
+                )
+            self.check_token_ids([t for t, _ in params.logit_bias], "logit_bias ids", "logit_bias")
         # Every accepted request must be able to finish alone in the whole pool (the
         # scheduler's progress guarantee rests on it). The last token's keys/values are never
         # written, hence the -1.

@@ -342,6 +342,7 @@ async def completions(req: CompletionRequest, request: Request):
     ]
     for prompt, sp in zip(prompts, params, strict=True):  # every one before any is submitted
         state.engine.check_request(prompt, sp)
+    await _check_fields(state, req, params[0])
     rid = _request_id(request, "cmpl")
     _check_capacity(state, sequences)  # and submit at once, with no await in between
     gens = [
@@ -391,6 +392,7 @@ async def chat(req: ChatCompletionRequest, request: Request):
     top = req.top_logprobs or 0
     params = _params(req, max_tokens, top if req.logprobs else None)
     state.engine.check_request(prompt, params)
+    await _check_fields(state, req, params)
     rid = _request_id(request, "chatcmpl")
     _check_capacity(state, sequences)  # and submit at once, with no await in between
     gen = _submit(state, rid, prompt, params)
@@ -446,6 +448,27 @@ def _kv_transfer_params(finals) -> dict:
     """A prefill engine's answer carries where the decode engine reads the blocks (vLLM)."""
     params = next((f.kv_transfer_params for f in finals if f.kv_transfer_params), None)
     return {"kv_transfer_params": params} if params else {}
+
+
+async def _check_fields(state: ServerState, req, params: SamplingParams) -> None:
+    """Count (and log) fields the server ignores; compile the request's grammar now (cached
+    for the engine), so a constraint that cannot compile is a 400 before any response."""
+    ignored = req.ignored_fields()
+    if ignored:
+        state.metrics.count_ignored(ignored)
+    if params.structured_outputs is not None:
+        try:
+            await state.engine.check_structured_outputs(params.structured_outputs)
+        except ValueError as e:
+            raise APIError(400, str(e), param=_constraint_field(req)) from None
+
+
+def _constraint_field(req) -> str | None:
+    """The request field that carries the output constraint (for an error's param); None
+    when the server set it (tool_choice enforcement)."""
+    names = ("response_format", "structured_outputs", "guided_json", "guided_regex")
+    names += ("guided_choice", "guided_grammar")
+    return next((name for name in names if getattr(req, name, None) is not None), None)
 
 
 def _params(req, max_tokens: int, logprobs: int | None) -> SamplingParams:

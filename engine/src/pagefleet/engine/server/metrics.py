@@ -15,9 +15,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagefleet.engine.client import EngineClient, EngineObserver, KVOffloadStats, StepStats
 from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.server.protocol import KNOWN_IGNORED_FIELDS
 from pagefleet.engine.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger("pagefleet.server")
+IGNORED_FIELDS_LOG_INTERVAL_S = 10.0
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -273,6 +275,14 @@ class EngineMetrics(EngineObserver):
         )
         for path in ("nixl", "tcp"):
             self.transfer_pulls.labels(model_name, path)
+        self.ignored_fields = Counter(
+            "pagefleet:ignored_request_fields",
+            "Request fields the server neither implements nor refuses (names outside a small "
+            'fixed set count as "other").',
+            ["model_name", "field"],
+            registry=reg,
+        )
+        self._warned_ignored_at = -IGNORED_FIELDS_LOG_INTERVAL_S
         reg.register(_EngineCollector(engine, model_name))
         engine.subscribe(self)
         # For the periodic log line.
@@ -285,6 +295,18 @@ class EngineMetrics(EngineObserver):
         self.transfer_seconds.observe(seconds)
         if path is not None:
             self.transfer_pulls.labels(self.model_name, path).inc()
+
+    def count_ignored(self, fields: list[str]) -> None:
+        """Count a request's ignored fields; a warning line at most every few seconds (a
+        client cannot flood the log), naming a few of them, cut short."""
+        for name in fields:
+            label = name if name in KNOWN_IGNORED_FIELDS else "other"
+            self.ignored_fields.labels(self.model_name, label).inc()
+        now = time.monotonic()
+        if now - self._warned_ignored_at >= IGNORED_FIELDS_LOG_INTERVAL_S:
+            self._warned_ignored_at = now
+            shown = ", ".join(repr(name[:40]) for name in fields[:5])
+            logger.warning("request fields ignored (not implemented, not refused): %s", shown)
 
     def on_stall_abort(self) -> None:
         self.stall_aborts.inc()

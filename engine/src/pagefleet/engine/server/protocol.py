@@ -3,17 +3,42 @@
 Every declared field is honoured. OpenAI and vLLM fields that this server does not implement
 are refused with a 400 naming them when a request sets them to anything but their default
 (`UNSUPPORTED_FIELDS`), so a client never gets silently different behaviour; other unknown
-fields are ignored, as vLLM does. Wrong types and out-of-range values are 400s.
+fields are accepted and ignored, as vLLM does, but counted and logged (`ignored_fields`). Wrong
+types and out-of-range values are 400s.
 docs/testing.md lists every field and what happens to it.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+# Bounds on what a client may ask a grammar to be (every port is hostile): the text of a
+# schema, regex or grammar, and the number and size of choices.
+MAX_CONSTRAINT_CHARS = 64 * 1024
+MAX_CHOICES = 256
+MAX_LOGIT_BIAS = 300
+# Unknown fields that get their own label on the ignored-fields counter (names clients of
+# OpenAI's API commonly send); every other unknown name counts as "other", so a client cannot
+# grow the metric's label set.
+KNOWN_IGNORED_FIELDS = frozenset(
+    {
+        "metadata",
+        "store",
+        "service_tier",
+        "reasoning_effort",
+        "verbosity",
+        "safety_identifier",
+        "prompt_cache_key",
+        "web_search_options",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+    }
+)
 
 
 class StreamOptions(BaseModel):
@@ -34,7 +59,6 @@ class StreamOptions(BaseModel):
 # used" (what clients send by default). Anything else is a 400 naming the field.
 _OFF = (None, False, [], {}, "")
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "logit_bias": _OFF,
     "suffix": _OFF,
     "best_of": (*_OFF, 1),
     "use_beam_search": _OFF,
@@ -42,12 +66,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "allowed_token_ids": _OFF,
     "bad_words": _OFF,
     "logprob_token_ids": _OFF,
-    "response_format": (*_OFF, {"type": "text"}),
-    "structured_outputs": _OFF,
-    "guided_json": _OFF,
-    "guided_regex": _OFF,
-    "guided_choice": _OFF,
-    "guided_grammar": _OFF,
     "truncate_prompt_tokens": _OFF,
     "return_tokens_as_token_ids": _OFF,
     "return_token_ids": _OFF,
@@ -86,8 +104,47 @@ def _same(value: Any, off: Any) -> bool:
     return value is off or (type(value) is type(off) and value == off)
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("response", max_length=256)
+    description: str | None = None
+    # OpenAI's field name is "schema", which pydantic's BaseModel reserves.
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # enforced either way: the grammar is the schema
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: json_schema is given exactly with type json_schema")
+        return self
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's structured_outputs request field (one constraint)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are kept (not used) so the server can count and log them; see
+    # ignored_fields().
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
@@ -110,6 +167,15 @@ class _SamplingFields(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None  # disaggregated prefill/decode (vLLM)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: per prompt token, top-k
     user: str | None = None  # OpenAI's end-user id for abuse monitoring: no effect on output
+    # Structured outputs (OpenAI's response_format; vLLM's structured_outputs and its older
+    # guided_* fields) and OpenAI's logit_bias.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -122,7 +188,65 @@ class _SamplingFields(BaseModel):
             raise ValueError("stream_options can only be set when stream is true")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs are not available when stream is true")
+        self.structured_constraint()  # raises on a bad or oversized constraint
+        self.engine_logit_bias()
         return self
+
+    def ignored_fields(self) -> list[str]:
+        """Fields the request set that this server neither declares nor refuses."""
+        return sorted(set(self.model_extra or ()) - set(UNSUPPORTED_FIELDS) - {"echo"})
+
+    def engine_logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias (token id strings -> bias in [-100, 100]) as ids."""
+        if not self.logit_bias:
+            return None
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries")
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit() or len(key) > 12:
+                raise ValueError(f"logit_bias: keys are token ids, got {key[:32]!r}")
+            if not -100 <= value <= 100:
+                raise ValueError("logit_bias: biases must be in [-100, 100]")
+            bias[int(key)] = value
+        return bias
+
+    def structured_constraint(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request sets, from whichever field sets it."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            schema = _schema_text("response_format.json_schema.schema", rf.json_schema.json_schema)
+            found.append(("response_format", StructuredOutputsParams(json=schema)))
+        so = self.structured_outputs
+        if so is not None:
+            found.append(
+                (
+                    "structured_outputs",
+                    _constraint(
+                        "structured_outputs",
+                        so.json_,
+                        so.json_object,
+                        so.regex,
+                        so.choice,
+                        so.grammar,
+                    ),
+                )
+            )
+        guided = (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)
+        names = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        for name, value in zip(names, guided, strict=True):
+            if value is not None:
+                kwargs = {"json": None, "regex": None, "choice": None, "grammar": None}
+                kwargs[name.removeprefix("guided_")] = value
+                found.append((name, _constraint(name, json_object=None, **kwargs)))
+        if len(found) > 1:
+            raise ValueError(
+                "give one output constraint; got " + ", ".join(name for name, _ in found)
+            )
+        return found[0][1] if found else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens  # declared by each request type
@@ -158,7 +282,52 @@ class _SamplingFields(BaseModel):
             prompt_logprobs=self.engine_prompt_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
             kv_transfer_params=self.kv_transfer_params,
+            structured_outputs=self.structured_constraint(),
+            logit_bias=self.engine_logit_bias(),
         )
+
+
+def _schema_text(field: str, schema: dict[str, Any] | str) -> str:
+    """A JSON schema as canonical JSON text (the grammar cache's key), size-bounded."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise ValueError(f"{field}: not valid JSON") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"{field}: a JSON schema must be an object")
+    text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    _check_size(field, text)
+    return text
+
+
+def _check_size(field: str, text: str) -> None:
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"{field}: at most {MAX_CONSTRAINT_CHARS} characters")
+
+
+def _constraint(field: str, json, json_object, regex, choice, grammar) -> StructuredOutputsParams:
+    """StructuredOutputsParams from one field's parts, bounded; exactly one part set."""
+    if regex is not None:
+        _check_size(field, regex)
+    if grammar is not None:
+        _check_size(field, grammar)
+    if choice is not None:
+        if not choice or len(choice) > MAX_CHOICES:
+            raise ValueError(f"{field}: choice needs 1 to {MAX_CHOICES} strings")
+        if any(not c for c in choice):
+            raise ValueError(f"{field}: choices must not be empty")
+        _check_size(field, "".join(choice))
+    try:
+        return StructuredOutputsParams(
+            json=_schema_text(field, json) if json is not None else None,
+            json_object=bool(json_object),
+            regex=regex,
+            choice=tuple(choice) if choice is not None else None,
+            grammar=grammar,
+        )
+    except ValueError as e:
+        raise ValueError(f"{field}: {e}") from None
 
 
 class CompletionRequest(_SamplingFields):
