@@ -209,7 +209,9 @@ def _object_call(body: str, closed: bool) -> ParsedCall | None:
     return _call_of(body, scan, closed)
 
 
-def _call_sequence(text: str, i: int, separator: str, closer: str | None) -> tuple[list, bool]:
+def _call_sequence(
+    text: str, i: int, separator: str, closer: str | None, final: bool
+) -> tuple[list, bool]:
     """Objects from text[i:] separated by `separator` (and ended by `closer`, if any): the calls
     they make, and whether the first object is still undecided (unfinished and nameless)."""
     calls: list[ParsedCall] = []
@@ -223,7 +225,7 @@ def _call_sequence(text: str, i: int, separator: str, closer: str | None) -> tup
             scan = _scan_object(text, i)
         except _Invalid:
             return calls, False
-        call = _call_of(text, scan, False)
+        call = _call_of(text, scan, final)
         if call is None:
             return calls, not calls and scan.end is None
         calls.append(call)
@@ -249,7 +251,7 @@ def parse_llama3_json(text: str, final: bool) -> ParsedOutput:
         i += len(PYTHON_TAG)
     elif not rest.startswith("{"):
         return ParsedOutput(text)
-    calls, undecided = _call_sequence(text, i, ";", None)
+    calls, undecided = _call_sequence(text, i, ";", None, final)
     if calls:
         return ParsedOutput("", tuple(calls))
     return ParsedOutput("" if undecided and not final else text)
@@ -263,7 +265,7 @@ def parse_required(text: str, final: bool) -> ParsedOutput:
         return ParsedOutput("" if not final else text)
     if text[i] != "[":
         return ParsedOutput(text)
-    calls, undecided = _call_sequence(text, i + 1, ",", "]")
+    calls, undecided = _call_sequence(text, i + 1, ",", "]", final)
     if calls:
         return ParsedOutput("", tuple(calls))
     return ParsedOutput("" if (undecided or not final) else text)
