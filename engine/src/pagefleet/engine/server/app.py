@@ -75,6 +75,7 @@ class ServerConfig:
     fleet_signer: FieldSigner | None = None  # verifies the router's kv_transfer_params
     max_sequences_per_request: int | None = None  # prompts x n; default: --max-num-seqs
     tool_calls: ToolCallConfig = field(default_factory=ToolCallConfig)  # --enable-auto-tool-choice
+    chat_template: str | None = None  # --chat-template: instead of the checkpoint's
 
 
 @dataclass
@@ -116,7 +117,7 @@ def server_state(engine: EngineClient, config: ServerConfig) -> ServerState:
         engine=engine,
         config=config,
         tokenizer=engine.tokenizer,
-        tokens=Tokenization(engine.tokenizer, request_limits),
+        tokens=Tokenization(engine.tokenizer, request_limits, config.chat_template),
         limits=request_limits,
         metrics=EngineMetrics(engine, config.served_model_name),
     )

@@ -82,8 +82,9 @@ class Tokenization:
     be shared between threads: the event loop keeps the original to render logprobs, the
     engine thread has its own). Text is checked before it is queued."""
 
-    def __init__(self, tokenizer, limits: RequestLimits) -> None:
+    def __init__(self, tokenizer, limits: RequestLimits, chat_template: str | None = None):
         self.tokenizer, self.limits = copy.deepcopy(tokenizer), limits
+        self.chat_template = chat_template  # None: the checkpoint's
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def _run(self, fn, *args, **kwargs):
@@ -107,7 +108,12 @@ class Tokenization:
         self.limits.check_text("".join(texts + tool_texts), "messages")
         try:
             return await self._run(
-                render_chat, self.tokenizer, messages, add_generation_prompt, tools
+                render_chat,
+                self.tokenizer,
+                messages,
+                add_generation_prompt,
+                tools,
+                self.chat_template,
             )
         except Exception as e:  # a template that rejects the conversation
             raise APIError(400, f"chat template failed: {e}", param="messages") from None

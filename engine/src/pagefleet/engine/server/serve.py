@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+from pathlib import Path
 
 import uvicorn
 
@@ -122,11 +123,28 @@ def _add_tool_flags(p: argparse.ArgumentParser) -> None:
         "or llama3_json (Llama 3.1+)",
     )
     p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template (a file, or the template itself) instead of the "
+        "checkpoint's, e.g. one that renders tools",
+    )
+    p.add_argument(
         "--exclude-tools-when-tool-choice-none",
         action=argparse.BooleanOptionalAction,
         default=False,
         help='leave the tools out of the prompt when tool_choice is "none"',
     )
+
+
+def chat_template_from(value: str | None) -> str | None:
+    """vLLM's --chat-template: a file's contents, or the value itself."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        return path.read_text() if path.is_file() else value
+    except OSError:  # a long template is no valid path
+        return value
 
 
 def tool_call_config(args: argparse.Namespace):
@@ -304,6 +322,7 @@ def run_serve(args: argparse.Namespace, banner: str | None = None) -> int:
             FieldSigner(secret) if secret else None,
             args.max_sequences_per_request,
             tools,
+            chat_template_from(args.chat_template),
         ),
     )
     config = uvicorn.Config(
