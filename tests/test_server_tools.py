@@ -322,3 +322,24 @@ def test_required_and_named_always_yield_valid_calls(server, choice, stream):
         for name, arguments in calls:
             assert choice == "required" or name == "add"
             jsonschema.validate(json.loads(arguments), schemas[name])
+
+
+def test_serve_flags_have_vllms_names():
+    from pagefleet.common.cli import build_parser
+    from pagefleet.engine.server.serve import tool_call_config
+
+    def config(*flags):
+        return tool_call_config(build_parser().parse_args(["serve", "m", *flags]))
+
+    assert config() == ToolCallConfig()
+    assert config("--enable-auto-tool-choice", "--tool-call-parser", "llama3_json") == (
+        ToolCallConfig(True, "llama3_json")
+    )
+    # The operator's engineArgs pass bools as --x / --no-x.
+    assert config("--no-enable-auto-tool-choice", "--exclude-tools-when-tool-choice-none") == (
+        ToolCallConfig(False, None, True)
+    )
+    with pytest.raises(ValueError, match="requires --tool-call-parser"):
+        config("--enable-auto-tool-choice")
+    with pytest.raises(SystemExit):
+        config("--tool-call-parser", "mistral")
