@@ -228,6 +228,7 @@ def test_required_schema_accepts_exactly_calls_of_declared_tools():
         [{"name": "add", "parameters": {"a": 1, "b": "x"}}],  # $defs/num is a number
         [{"name": "nope", "parameters": {}}],
         [{"name": "now"}],
+        [{"name": "now", "parameters": {}, "extra": "x"}],
         {"name": "now", "parameters": {}},
     ]
     assert all(valid.is_valid(g) for g in good)

@@ -169,6 +169,9 @@ def required_schema(tools: list[Tool], parallel_tool_calls: bool = True) -> dict
                     "parameters": parameters,
                 },
                 "required": ["name", "parameters"],
+                # Nothing else (vLLM leaves this open): grammar engines that allow unknown
+                # keys by default would let a model ramble inside a call.
+                "additionalProperties": False,
             }
         )
     schema: dict[str, Any] = {
