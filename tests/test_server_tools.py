@@ -87,6 +87,11 @@ class _ScriptedEngine:
     def abort(self, request_id) -> None:
         pass
 
+    async def check_structured_outputs(self, constraint) -> None:
+        """Where the grammar engine compiles a constraint before the request is submitted: here
+        it must be a valid JSON schema."""
+        jsonschema.Draft202012Validator.check_schema(json.loads(constraint.json))
+
     def generate(self, prompt, params, request_id):
         self.params.append(params)
         self.prompts.append(self.tokenizer.decode(prompt))
