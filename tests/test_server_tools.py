@@ -241,6 +241,33 @@ def test_auto_without_the_flags_is_refused_as_vllm_does(tokenizer):
     assert engine.params[0].structured_outputs is None
 
 
+def test_hostile_tool_bodies_are_400s(tokenizer):
+    """A schema nested 100k deep (the JSON parser's bound) or too big in all (ours)."""
+    client, _ = _client(tokenizer, ["x"], auto=False)
+    http = client._client
+    deep = '{"a":' * 100_000 + "1" + "}" * 100_000
+    body = (
+        '{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "tools": '
+        '[{"type": "function", "function": {"name": "f", "parameters": ' + deep + "}}]}"
+    )
+    r = http.post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    wide = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string", "description": "d" * 100} for i in range(4000)},
+    }
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": USER,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": wide}}],
+        },
+    )
+    assert r.status_code == 400 and "at most 524288" in r.json()["error"]["message"]
+
+
 # ------------------------------------------------------------------ a real server
 
 

@@ -429,18 +429,20 @@ async def chat(req: ChatCompletionRequest, request: Request):
     if req.stream:
         return _sse(_chat_chunks(gen, rid, created, model, req, prompt, tokenizer, parser))
     (final,) = await _collect([gen], request)
-    choices = [
-        {
-            "index": c.index,
-            "message": {"role": "assistant", **_message(c.text, parser)},
-            "logprobs": _chat_logprobs(c.logprobs, c.token_ids, tokenizer, top)
-            if req.logprobs
-            else None,
-            "finish_reason": _finish_reason(req, c.text, c.finish_reason, parser),
-            "stop_reason": c.stop_reason,
-        }
-        for c in final.outputs
-    ]
+    choices = []
+    for c in final.outputs:
+        message, reason = _message(req, c.text, c.finish_reason, parser)
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": _chat_logprobs(c.logprobs, c.token_ids, tokenizer, top)
+                if req.logprobs
+                else None,
+                "finish_reason": reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
     return {
         "id": rid,
         "object": "chat.completion",
@@ -453,18 +455,17 @@ async def chat(req: ChatCompletionRequest, request: Request):
     }
 
 
-def _message(text: str, parser: Parser | None) -> dict:
+def _message(req, text: str, reason: str | None, parser: Parser | None) -> tuple[dict, str | None]:
+    """A finished choice's message (its tool calls parsed out) and finish reason."""
     if parser is None:
-        return {"content": text}
+        return {"role": "assistant", "content": text}, reason
     parsed = parser(text, True)
-    return message_fields(parsed, [new_call_id() for _ in parsed.calls])
+    fields = message_fields(parsed, [new_call_id() for _ in parsed.calls])
+    return {"role": "assistant", **fields}, finish_reason(parsed, reason, _named(req))
 
 
-def _finish_reason(req, text: str, reason: str | None, parser: Parser | None) -> str | None:
-    if parser is None or reason is None:
-        return reason
-    named = req.tool_choice not in ("auto", "required")
-    return finish_reason(parser(text, True), reason, named)
+def _named(req: ChatCompletionRequest) -> bool:
+    return req.tool_choice not in ("none", "auto", "required")
 
 
 _ROUTES = (
@@ -659,8 +660,9 @@ async def _chat_chunks(
                 if parser is None:
                     delta = {"content": c.text[chars:]} if len(c.text) > chars else {}
                 else:
-                    delta, _ = tool_streams[c.index].delta(c.text, c.finished)
-                    reason = _finish_reason(req, c.text, reason, parser)
+                    delta, parsed = tool_streams[c.index].delta(c.text, c.finished)
+                    if reason is not None:
+                        reason = finish_reason(parsed, reason, _named(req))
                 sent[c.index] = (-1, -1) if c.finished else (len(c.text), len(c.token_ids))
                 yield {
                     **chunk(
