@@ -377,3 +377,21 @@ def test_serve_flags_have_vllms_names():
         config("--enable-auto-tool-choice")
     with pytest.raises(SystemExit):
         config("--tool-call-parser", "mistral")
+
+
+def test_a_multi_turn_exchange_with_the_sdks_own_message_objects(tokenizer):
+    """The agent loop: the SDK's returned message goes back as is, then the tool's result."""
+    client, engine = _client(tokenizer, [HERMES_OUT])
+    messages = list(USER)
+    first = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+    message = first.choices[0].message
+    messages.append(message)
+    for call in message.tool_calls:
+        messages.append(
+            {"role": "tool", "tool_call_id": call.id, "content": f"{call.function.name}: ok"}
+        )
+    second = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+    assert second.choices[0].message.tool_calls  # the scripted engine repeats itself
+    prompt = engine.prompts[1]
+    assert '{"name": "add", "arguments": {"a": 1, "b": 2}}' in prompt
+    assert "<tool_response>\nget_weather: ok\n</tool_response>" in prompt
