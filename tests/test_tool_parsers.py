@@ -83,6 +83,8 @@ HERMES_CASES = [
         ParsedOutput("", (call("get_weather", '{"city": "Pa'),)),
     ),
     ('<tool_call>{"name": "f", "arguments": 12}</tool_call>', ParsedOutput("", (call("f", "12"),))),
+    # Bad escapes in a name or key: no call (not a server error).
+    ('<tool_call>{"name": "\\q"}</tool_call><tool_call>{"\\q": 1}</tool_call>', ParsedOutput("")),
 ]
 
 LLAMA_CASES = [
@@ -136,13 +138,13 @@ def test_named_function_output_is_the_arguments():
     )
 
 
-def _streamed(parse, text: str, cuts: list[int]) -> dict:
+def _streamed(parse, text: str, cuts: list[int], stream: ToolStream | None = None) -> dict:
     """What a client assembles from the deltas of `text` arriving in pieces cut at `cuts`."""
-    stream = ToolStream(parse)
+    stream = stream or ToolStream(parse)
     content, calls = "", {}
     bounds = [0, *cuts, len(text)]
     for i, end in enumerate(bounds[1:]):
-        delta, _ = stream.delta(text[:end], final=i == len(bounds) - 2)
+        delta = stream.delta(text[:end], final=i == len(bounds) - 2)
         content += delta.get("content", "")
         for item in delta.get("tool_calls", []):
             if "id" in item:  # a call's first delta: id and name before any argument
@@ -171,11 +173,43 @@ def test_streamed_deltas_add_up_to_the_whole_answer_at_every_split(parse, text):
         assert _streamed(parse, text, [cut]) == expected
 
 
+_LONG = 20_000
+_ARGS = json.dumps({"text": 'line "q"\n' * (_LONG // 12), "xs": [[1, 2]] * 10})
+_SMALL = '{"name": "f", "parameters": {"a": 1}}'
+
+
+@pytest.mark.parametrize(
+    ("parse", "text"),
+    [
+        (
+            parse_hermes,
+            f'Sure.{" " * 500}<tool_call>\n{{"name": "write", "arguments": {_ARGS}}}\n</tool_call>',
+        ),
+        (parse_hermes, "<tool_call>" + "</tool_call>\n<tool_call>".join([_SMALL] * 500) + "<"),
+        (parse_hermes, "a < b <tool " * (_LONG // 12)),
+        (parse_hermes, '<tool_call>{"name": "f", "arguments": {"a": ' + " " * _LONG + "1}}"),
+        (parse_llama3_json, f'<|python_tag|>{{"name": "write", "parameters": {_ARGS}}}'),
+        (parse_llama3_json, "; ".join([_SMALL] * 500)),
+        (parse_required, "[" + ", ".join([_SMALL] * 500) + "]"),
+        (named_parser("write"), _ARGS + " " * 2000),
+    ],
+)
+def test_streaming_reads_each_character_a_bounded_number_of_times(parse, text):
+    """A long output streamed 4 characters a chunk: each chunk reads the text appended since
+    the last (plus a tag's length of lookback), not the whole output again, which would read
+    a 20k-character output ~2500 times over and burn the server's event loop."""
+    stream = ToolStream(parse)
+    whole = parse(text, True)
+    expected = {"content": whole.content, "calls": [(c.name, c.arguments) for c in whole.calls]}
+    assert _streamed(parse, text, list(range(4, len(text), 4)), stream) == expected
+    assert stream.scanner.meter.chars <= 8 * len(text)
+
+
 def test_tags_never_leak_into_content_while_streaming():
     text = 'Sure.<tool_call>{"name": "now", "arguments": {}}</tool_call>'
     stream, content = ToolStream(parse_hermes), ""
     for end in range(1, len(text) + 1):
-        delta, _ = stream.delta(text[:end], final=False)
+        delta = stream.delta(text[:end], final=False)
         content += delta.get("content", "")
         assert "<" not in content
     assert content == "Sure."

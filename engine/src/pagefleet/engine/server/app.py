@@ -660,9 +660,10 @@ async def _chat_chunks(
                 if parser is None:
                     delta = {"content": c.text[chars:]} if len(c.text) > chars else {}
                 else:
-                    delta, parsed = tool_streams[c.index].delta(c.text, c.finished)
+                    stream = tool_streams[c.index]
+                    delta = stream.delta(c.text, c.finished)
                     if reason is not None:
-                        reason = finish_reason(parsed, reason, _named(req))
+                        reason = finish_reason(stream.parsed(c.text), reason, _named(req))
                 sent[c.index] = (-1, -1) if c.finished else (len(c.text), len(c.token_ids))
                 yield {
                     **chunk(
