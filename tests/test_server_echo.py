@@ -192,7 +192,9 @@ REFUSED = [
     ({"prompt": "x", "priority": 1}, "priority"),
 ]
 CHAT_REFUSED = [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    # tool_choice defaults to auto with tools, which needs a parser (vLLM's 400).
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "--enable-auto-tool-choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"echo": True}, "echo"),
     ({"chat_template": "{{ 1 }}"}, "chat_template"),

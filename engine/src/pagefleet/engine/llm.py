@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagefleet.common.kv_events import KVEventListener
+from pagefleet.engine.chat_template import render_chat
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.llm_engine import LLMEngine
 from pagefleet.engine.outputs import RequestOutput
@@ -56,19 +57,14 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template (with `tools`, OpenAI-shaped, if given) to each
+        conversation, then generate."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.engine.tokenizer
         prompts = [
-            _token_ids(
-                tokenizer.apply_chat_template(
-                    conv,
-                    tokenize=True,
-                    add_generation_prompt=add_generation_prompt,
-                    chat_template=chat_template,
-                )
-            )
+            render_chat(tokenizer, conv, add_generation_prompt, tools, chat_template)
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -114,10 +110,3 @@ def _unwrap(prompt: Prompt) -> str | list[int]:
             return list(prompt["prompt_token_ids"])
         return prompt["prompt"]
     return prompt
-
-
-def _token_ids(encoded) -> list[int]:
-    """apply_chat_template returns a list, or a BatchEncoding in newer transformers."""
-    if isinstance(encoded, list):
-        return encoded
-    return list(encoded["input_ids"])

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -54,6 +54,15 @@ from pagefleet.engine.server.responses import (
     next_text_offset,
     prompt_logprobs_json,
 )
+from pagefleet.engine.server.tool_parsers import (
+    Parser,
+    ToolCallConfig,
+    ToolStream,
+    choose_parser,
+    finish_reason,
+    message_fields,
+    new_call_id,
+)
 from pagefleet.engine.validation import InvalidRequest
 
 
@@ -65,6 +74,8 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     fleet_signer: FieldSigner | None = None  # verifies the router's kv_transfer_params
     max_sequences_per_request: int | None = None  # prompts x n; default: --max-num-seqs
+    tool_calls: ToolCallConfig = field(default_factory=ToolCallConfig)  # --enable-auto-tool-choice
+    chat_template: str | None = None  # --chat-template: instead of the checkpoint's
 
 
 @dataclass
@@ -106,7 +117,7 @@ def server_state(engine: EngineClient, config: ServerConfig) -> ServerState:
         engine=engine,
         config=config,
         tokenizer=engine.tokenizer,
-        tokens=Tokenization(engine.tokenizer, request_limits),
+        tokens=Tokenization(engine.tokenizer, request_limits, config.chat_template),
         limits=request_limits,
         metrics=EngineMetrics(engine, config.served_model_name),
     )
@@ -208,7 +219,25 @@ async def _encode(
 
 async def _chat_prompt(state: ServerState, req: ChatCompletionRequest | TokenizeRequest):
     messages = [m.for_template() for m in req.messages]
-    return await state.tokens.chat(messages, getattr(req, "add_generation_prompt", True))
+    tools = [t.for_template() for t in req.tools or ()]
+    if (
+        getattr(req, "tool_choice", None) == "none"
+        and state.config.tool_calls.exclude_tools_when_tool_choice_none
+    ):
+        tools = []
+    return await state.tokens.chat(messages, req.add_generation_prompt, tools)
+
+
+def _tool_parser(state: ServerState, req: ChatCompletionRequest) -> Parser | None:
+    try:
+        return choose_parser(
+            req.tool_choice,
+            bool(req.tools),
+            req.parallel_tool_calls is not False,
+            state.config.tool_calls,
+        )
+    except ValueError as e:
+        raise APIError(400, str(e), param="tool_choice") from None
 
 
 def _request_id(request: Request, prefix: str) -> str:
@@ -387,6 +416,7 @@ async def chat(req: ChatCompletionRequest, request: Request):
     _check_model(state, req.model)
     _check_fleet(state, req, request)
     sequences = state.limits.check_sequences(1, req.n)
+    parser = _tool_parser(state, req)
     prompt = await _chat_prompt(state, req)
     max_tokens = state.engine.limits.rules.fit_max_tokens(len(prompt), req.requested_max_tokens())
     top = req.top_logprobs or 0
@@ -399,20 +429,22 @@ async def chat(req: ChatCompletionRequest, request: Request):
     created = int(time.time())
     model, tokenizer = state.config.served_model_name, state.tokenizer
     if req.stream:
-        return _sse(_chat_chunks(gen, rid, created, model, req, prompt, tokenizer))
+        return _sse(_chat_chunks(gen, rid, created, model, req, prompt, tokenizer, parser))
     (final,) = await _collect([gen], request)
-    choices = [
-        {
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": _chat_logprobs(c.logprobs, c.token_ids, tokenizer, top)
-            if req.logprobs
-            else None,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        for c in final.outputs
-    ]
+    choices = []
+    for c in final.outputs:
+        message, reason = _message(req, c.text, c.finish_reason, parser)
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": _chat_logprobs(c.logprobs, c.token_ids, tokenizer, top)
+                if req.logprobs
+                else None,
+                "finish_reason": reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
     return {
         "id": rid,
         "object": "chat.completion",
@@ -423,6 +455,19 @@ async def chat(req: ChatCompletionRequest, request: Request):
         **_prompt_logprobs(req, final, tokenizer),
         **_kv_transfer_params([final]),
     }
+
+
+def _message(req, text: str, reason: str | None, parser: Parser | None) -> tuple[dict, str | None]:
+    """A finished choice's message (its tool calls parsed out) and finish reason."""
+    if parser is None:
+        return {"role": "assistant", "content": text}, reason
+    parsed = parser(text, True)
+    fields = message_fields(parsed, [new_call_id() for _ in parsed.calls])
+    return {"role": "assistant", **fields}, finish_reason(parsed, reason, _named(req))
+
+
+def _named(req: ChatCompletionRequest) -> bool:
+    return req.tool_choice not in ("none", "auto", "required")
 
 
 _ROUTES = (
@@ -591,7 +636,9 @@ async def _completion_chunks(gens, rid, created, model, req: CompletionRequest, 
         }
 
 
-async def _chat_chunks(gen, rid, created, model, req: ChatCompletionRequest, prompt, tokenizer):
+async def _chat_chunks(
+    gen, rid, created, model, req: ChatCompletionRequest, prompt, tokenizer, parser=None
+):
     def chunk(choices):
         return {
             "id": rid,
@@ -616,6 +663,8 @@ async def _chat_chunks(gen, rid, created, model, req: ChatCompletionRequest, pro
         **continuous_usage(req, len(prompt), 0),
     }
     sent: dict[int, tuple[int, int]] = {}
+    # Per choice: the tool-call parser's state (what of its snapshot went out).
+    tool_streams = {i: ToolStream(parser) for i in range(req.n)} if parser else {}
     final = None
     async with aclosing(_merge([gen])) as merged:
         async for _, out in merged:
@@ -630,7 +679,14 @@ async def _chat_chunks(gen, rid, created, model, req: ChatCompletionRequest, pro
                     logprobs = _chat_logprobs(
                         c.logprobs[toks:], c.token_ids[toks:], tokenizer, req.top_logprobs or 0
                     )
-                delta = {"content": c.text[chars:]} if len(c.text) > chars else {}
+                reason = c.finish_reason
+                if parser is None:
+                    delta = {"content": c.text[chars:]} if len(c.text) > chars else {}
+                else:
+                    stream = tool_streams[c.index]
+                    delta = stream.delta(c.text, c.finished)
+                    if reason is not None:
+                        reason = finish_reason(stream.parsed(c.text), reason, _named(req))
                 sent[c.index] = (-1, -1) if c.finished else (len(c.text), len(c.token_ids))
                 yield {
                     **chunk(
@@ -639,7 +695,7 @@ async def _chat_chunks(gen, rid, created, model, req: ChatCompletionRequest, pro
                                 "index": c.index,
                                 "delta": delta,
                                 "logprobs": logprobs,
-                                "finish_reason": c.finish_reason,
+                                "finish_reason": reason,
                                 "stop_reason": c.stop_reason,
                             }
                         ]

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pagefleet.common.http_errors import APIError
+from pagefleet.engine.chat_template import render_chat
 
 
 def max_token_bytes(tokenizer) -> int:
@@ -81,8 +82,9 @@ class Tokenization:
     be shared between threads: the event loop keeps the original to render logprobs, the
     engine thread has its own). Text is checked before it is queued."""
 
-    def __init__(self, tokenizer, limits: RequestLimits) -> None:
+    def __init__(self, tokenizer, limits: RequestLimits, chat_template: str | None = None):
         self.tokenizer, self.limits = copy.deepcopy(tokenizer), limits
+        self.chat_template = chat_template  # None: the checkpoint's
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def _run(self, fn, *args, **kwargs):
@@ -93,22 +95,43 @@ class Tokenization:
         self.limits.check_text(text, param)
         return await self._run(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
-    async def chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        # Every text the template may render: the contents and the names.
-        texts = [m[key] for m in messages for key in ("content", "name") if key in m]
+    async def chat(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+    ) -> list[int]:
+        # Every text the template may render: contents, names, tool calls, the tools.
+        texts = [t for m in messages for t in _strings(m)]
         for text in texts:
             self.limits.check_text(text, "messages")
-        self.limits.check_text("".join(texts), "messages")
+        tool_texts = [t for tool in tools or () for t in _strings(tool)]
+        for text in tool_texts:
+            self.limits.check_text(text, "tools")
+        self.limits.check_text("".join(texts + tool_texts), "messages")
         try:
-            out = await self._run(
-                self.tokenizer.apply_chat_template,
+            return await self._run(
+                render_chat,
+                self.tokenizer,
                 messages,
-                tokenize=True,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt,
+                tools,
+                self.chat_template,
             )
         except Exception as e:  # a template that rejects the conversation
             raise APIError(400, f"chat template failed: {e}", param="messages") from None
-        return list(out if isinstance(out, list) else out["input_ids"])
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._run(self.tokenizer.decode, token_ids)
+
+
+def _strings(value) -> list[str]:
+    """Every string (keys too) in plain JSON data, iteratively."""
+    out, stack = [], [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            out.append(node)
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend(node)
+    return out

@@ -10,12 +10,23 @@ docs/testing.md lists every field and what happens to it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagefleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from pagefleet.engine.server.tools import (
+    MAX_ID_CHARS,
+    MAX_TOOL_CALLS,
+    MessageToolCall,
+    NamedToolChoice,
+    Tool,
+    ToolChoice,
+    check_tools,
+    constraint_for,
+)
 
 # Bounds on what a client may ask a grammar to be (every port is hostile): the text of a
 # schema, regex or grammar, and the number and size of choices.
@@ -73,11 +84,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "cache_salt": _OFF,
     "priority": (None, 0),
     "spaces_between_special_tokens": (None, True),
-    "tools": _OFF,
-    "tool_choice": (*_OFF, "none"),
-    "functions": _OFF,
+    "functions": _OFF,  # OpenAI's deprecated form of tools
     "function_call": (*_OFF, "none"),
-    "parallel_tool_calls": (None, True, False),
     "audio": _OFF,
     "modalities": (*_OFF, ["text"]),
     "prediction": _OFF,
@@ -372,11 +380,19 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, max_length=MAX_TOOL_CALLS)
+    tool_call_id: str | None = Field(None, max_length=MAX_ID_CHARS)  # a tool result's call
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
-        return refuse_unsupported(data, {"tool_calls": _OFF, "tool_call_id": _OFF, "audio": _OFF})
+        return refuse_unsupported(data, {"audio": _OFF})
+
+    @model_validator(mode="after")
+    def _calls_from_assistant(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     @model_validator(mode="after")
     def _text_parts_only(self):
@@ -394,11 +410,15 @@ class ChatMessage(BaseModel):
             return "".join(parts)
         return self.content or ""
 
-    def for_template(self) -> dict[str, str]:
-        """The message as chat templates read it (the name too, when given)."""
-        message = {"role": self.role, "content": self.text()}
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (name, tool calls and call id when given)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -409,6 +429,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    # Default (as OpenAI and vLLM): "auto" when tools are given, else "none".
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: one call at most
 
     @model_validator(mode="before")
     @classmethod
@@ -421,8 +445,39 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
+    @model_validator(mode="after")
+    def _check_tools(self):
+        if self.tools is not None:
+            check_tools(self.tools)
+        if self.tool_choice is None:
+            self.tool_choice = "auto" if self.tools else "none"
+        elif self.tool_choice == "required" and self.tools == []:
+            self.tool_choice = "none"  # as OpenAI (and vLLM): nothing to require
+        elif self.tool_choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if all(t.function.name != name for t in self.tools):
+                raise ValueError(f"tool_choice names {name!r}, which is not one of the tools")
+        return self
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """A required or named tool choice constrains the output to its call's JSON."""
+        params = super().sampling_params(max_tokens, logprobs)
+        constraint = constraint_for(
+            self.tools, self.tool_choice, self.parallel_tool_calls is not False
+        )
+        if constraint is None:
+            return params
+        if params.structured_outputs is not None:
+            raise ValueError(
+                "tool_choice required or a named function cannot be combined with "
+                "response_format or structured outputs"
+            )
+        return dataclasses.replace(params, structured_outputs=constraint)
 
 
 class TokenizeRequest(BaseModel):
@@ -433,6 +488,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # for a prompt; a chat template adds its own
     add_generation_prompt: bool = True  # for messages
+    tools: list[Tool] | None = None  # rendered with the messages, as in a chat request
 
     @model_validator(mode="after")
     def _one_input(self):

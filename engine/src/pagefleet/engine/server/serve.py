@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+from pathlib import Path
 
 import uvicorn
 
@@ -100,7 +101,62 @@ def add_serve_parser(sub) -> None:
         '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558"}',
     )
+    _add_tool_flags(p)
     p.set_defaults(func=run_serve)
+
+
+def _add_tool_flags(p: argparse.ArgumentParser) -> None:
+    from pagefleet.engine.server.tool_parsers import TOOL_CALL_PARSERS
+
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help='parse tool calls out of the output for tool_choice "auto" (needs '
+        "--tool-call-parser); required and named tool choices work without it",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="the checkpoint's tool-call format: hermes (<tool_call>{json}</tool_call>, Qwen) "
+        "or llama3_json (Llama 3.1+)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template (a file, or the template itself) instead of the "
+        "checkpoint's, e.g. one that renders tools",
+    )
+    p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help='leave the tools out of the prompt when tool_choice is "none"',
+    )
+
+
+def chat_template_from(value: str | None) -> str | None:
+    """vLLM's --chat-template: a file's contents, or the value itself."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        return path.read_text() if path.is_file() else value
+    except OSError:  # a long template is no valid path
+        return value
+
+
+def tool_call_config(args: argparse.Namespace):
+    from pagefleet.engine.server.tool_parsers import ToolCallConfig
+
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    return ToolCallConfig(
+        args.enable_auto_tool_choice,
+        args.tool_call_parser,
+        args.exclude_tools_when_tool_choice_none,
+    )
 
 
 def _default(name: str):
@@ -238,6 +294,7 @@ def run_serve(args: argparse.Namespace, banner: str | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tools = tool_call_config(args)  # a flag error before the model loads
     secret = load_fleet_secret(args.fleet_secret_file)
     publisher = None
     if args.kv_events_config:
@@ -264,6 +321,8 @@ def run_serve(args: argparse.Namespace, banner: str | None = None) -> int:
             args.max_request_body_bytes,
             FieldSigner(secret) if secret else None,
             args.max_sequences_per_request,
+            tools,
+            chat_template_from(args.chat_template),
         ),
     )
     config = uvicorn.Config(
