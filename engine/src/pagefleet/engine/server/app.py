@@ -509,11 +509,12 @@ async def _check_fields(state: ServerState, req, params: SamplingParams) -> None
 
 
 def _constraint_field(req) -> str | None:
-    """The request field that carries the output constraint (for an error's param); None
-    when the server set it (tool_choice enforcement)."""
+    """The request field that carries the output constraint (for an error's param): a
+    constraint field, else tool_choice (required or a named function is enforced as one)."""
     names = ("response_format", "structured_outputs", "guided_json", "guided_regex")
     names += ("guided_choice", "guided_grammar")
-    return next((name for name in names if getattr(req, name, None) is not None), None)
+    field = next((name for name in names if getattr(req, name, None) is not None), None)
+    return field or ("tool_choice" if getattr(req, "tools", None) else None)
 
 
 def _params(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
