@@ -32,6 +32,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx
+from procs import wait_healthy
 
 from pagefleet.common.block_hash import hash_blocks
 from pagefleet.engine.cache import demo_checkpoint
@@ -116,7 +117,7 @@ def engines(n: int, events: bool):
             )
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
-            _wait_healthy(url)
+            wait_healthy(url, timeout=120.0)
         yield urls, kv
     finally:
         for p in procs:
@@ -140,22 +141,12 @@ def router(urls: list[str], kv: list[str], policy: str, tmp: Path):
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url)
+        wait_healthy(url, timeout=120.0)
         time.sleep(0.5)  # a few scrapes
         yield url
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-
-
-def _wait_healthy(url: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(url)
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -29,7 +29,6 @@ import contextlib
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,9 +38,10 @@ from types import SimpleNamespace
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx
+from procs import process, wait_healthy
 
 from pagefleet.engine.cache import demo_checkpoint
-from pagefleet.fleet.bench_serve import RequestResult, _one_request, build_dataset
+from pagefleet.fleet.bench_serve import RequestResult, one_request, build_dataset
 from pagefleet.fleet.up import free_port
 
 PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
@@ -95,26 +95,6 @@ def own_cpu() -> float:
     return t.user + t.system
 
 
-@contextlib.contextmanager
-def process(argv: list[str]):
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=120)
-
-
-def wait_healthy(url: str, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(url)
-
-
 def engine_cmd(port: int) -> list[str]:
     cmd = [PAGEFLEET, "serve", str(demo_checkpoint()), "--host", "127.0.0.1", "--port", str(port)]
     return [*cmd, "--simulate", "--served-model-name", "sim", "--log-stats-interval", "0"]
@@ -137,7 +117,7 @@ async def run_round(
     started = time.perf_counter()
     tasks = []
     for messages, gap in zip(batch, gaps, strict=True):
-        tasks.append(asyncio.ensure_future(_one_request(client, args, messages)))
+        tasks.append(asyncio.ensure_future(one_request(client, args, messages)))
         if gap:
             await asyncio.sleep(gap)
     results = await asyncio.gather(*tasks)

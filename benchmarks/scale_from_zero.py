@@ -34,7 +34,6 @@ import itertools
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,7 +56,7 @@ from cluster.fleet import (
     start_operator,
 )
 from cluster.lab import Lab
-from router_fleet import _wait_healthy
+from procs import process, wait_healthy
 
 from pagefleet.engine.cache import demo_checkpoint
 from pagefleet.engine.model.tiny import write_tiny_checkpoint
@@ -207,16 +206,6 @@ def print_cold_starts(kind: str, trips: list[ColdStart]) -> None:
 # -- 2. flow control's cost when nothing is held
 
 
-@contextlib.contextmanager
-def process(argv: list[str]):
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-
-
 def serve_cmd(port: int) -> list[str]:
     profile = {"step_overhead_s": 0.001, "prefill_s_per_token": 0.0, "decode_s_per_seq": 0.0}
     cmd = [PAGEFLEET, "serve", str(demo_checkpoint()), "--host", "127.0.0.1", "--port", str(port)]
@@ -251,11 +240,11 @@ def queue_overhead(args) -> dict[str, list[float]]:
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     with contextlib.ExitStack() as stack:
         stack.enter_context(process(serve_cmd(ports["engine"])))
-        _wait_healthy(urls["engine"], 300)
+        wait_healthy(urls["engine"], 300)
         stack.enter_context(process(router_cmd(ports["queue"], urls["engine"], None)))
         stack.enter_context(process(router_cmd(ports["no queue"], urls["engine"], 0)))
         for url in urls.values():
-            _wait_healthy(url, 120)
+            wait_healthy(url, 120)
         clients = {name: stack.enter_context(httpx.Client(timeout=60)) for name in urls}
         for name, url in urls.items():  # warm: connections, tokenizer, first scrapes
             timed_requests(clients[name], url, 20)

@@ -92,7 +92,7 @@ def build_dataset(args) -> list[Conversation]:
     ]
 
 
-async def _one_request(client, args, messages: list[dict]) -> RequestResult:
+async def one_request(client, args, messages: list[dict]) -> RequestResult:
     import httpx
 
     body: dict = {
@@ -176,7 +176,7 @@ async def run_bench(args) -> int:
             for turn in conv.turns:
                 history.append({"role": "user", "content": turn})
                 async with limit:
-                    result = await _one_request(client, args, history)
+                    result = await one_request(client, args, history)
                 results.append(result)
                 if bar is not None:
                     bar.update(1)
