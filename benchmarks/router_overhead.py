@@ -41,7 +41,7 @@ import httpx
 from procs import process, wait_healthy
 
 from pagefleet.engine.cache import demo_checkpoint
-from pagefleet.fleet.bench_serve import RequestResult, one_request, build_dataset
+from pagefleet.fleet.bench_serve import RequestResult, build_dataset, one_request
 from pagefleet.fleet.up import free_port
 
 PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
