@@ -73,11 +73,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = str(write_tiny_checkpoint(Path(tmp) / "bench", "LlamaForCausalLM", **SHAPE))
         for round_no in range(args.rounds):
-            line = []
             for variant in variants:
                 rates[variant].append(measure(path, variant, args.requests, args.threads))
-                line.append(f"{variant} {rates[variant][-1]:.1f}")
-            print(f"round {round_no + 1}: " + ", ".join(line) + " tok/s", flush=True)
+                print(f"round {round_no + 1}: {variant} {rates[variant][-1]:.1f} tok/s", flush=True)
     base = rates.get("torch")
     for variant in variants:
         ratios = [r / b for r, b in zip(rates[variant], base, strict=True)] if base else []
