@@ -13,7 +13,10 @@ history of requests coming and going with prefix caching, so free lists are scat
 BlockPool.allocate (the LRU head, before) or allocate_runs (after), remote ids contiguous;
 `pd-lru` / `pd-runs` do the same with remote ids from a churned prefill pool too, taken
 chunk by chunk as a prefill engine does (after: local runs laid out like the remote's).
-Before and after start from the same simulated pools.
+Before, both pools' histories and allocations are LRU; after, every prompt's blocks come from
+allocate_runs on both pools (a decode pod's prompts arrive by pulls, a prefill pod's held
+prompts are read by them), so the pools churn as the engine now churns them; the simulated
+request sizes and free order are the same.
 
     .venv/bin/python benchmarks/kv_transfer.py --part transfer [--num-layers 8] [--repeats 3]
 
@@ -194,11 +197,13 @@ CHURNED = ("decode-lru", "decode-runs", "pd-lru", "pd-runs")
 PREFILL_CHUNK_BLOCKS = 128  # max_num_batched_tokens 2048 / block 16: one prefill chunk
 
 
-def churned_pool(num_blocks: int, seed: int, rounds: int = 400) -> tuple[BlockPool, list]:
-    """A pool after `rounds` requests of random length came and went: allocated from the LRU
-    head chunk by chunk, full blocks cached (prefix caching), freed tail-first when done in
-    random order; as a serving engine's pool looks after a while, its LRU list scattered
-    over ids. Returns the pool and the tables still live."""
+def churned_pool(
+    num_blocks: int, seed: int, runs: bool, rounds: int = 400
+) -> tuple[BlockPool, list]:
+    """A pool after `rounds` requests of random length came and went: allocated chunk by
+    chunk (from the LRU head, or in runs), full blocks cached (prefix caching), freed
+    tail-first when done in random order; as a serving engine's pool looks after a while, its
+    LRU list scattered over ids. Returns the pool and the tables still live."""
     rng = random.Random(seed)
     pool = BlockPool(num_blocks)
     live: list[list[int]] = []
@@ -207,7 +212,7 @@ def churned_pool(num_blocks: int, seed: int, rounds: int = 400) -> tuple[BlockPo
         size = rng.randint(1, max(1, num_blocks // 8))
         while pool.num_free_blocks < size:
             pool.free(live.pop(rng.randrange(len(live))))
-        table = allocate_chunked(pool, size)
+        table = allocate_chunked(pool, size, runs)
         hashes = [(next_hash + i).to_bytes(8, "big") for i in range(size)]
         next_hash += size
         pool.cache_blocks(table, hashes, None, [], 1)
@@ -215,17 +220,18 @@ def churned_pool(num_blocks: int, seed: int, rounds: int = 400) -> tuple[BlockPo
     return pool, live
 
 
-def allocate_chunked(pool: BlockPool, num: int) -> list[int]:
+def allocate_chunked(pool: BlockPool, num: int, runs: bool) -> list[int]:
     """A prompt's blocks as a prefill engine takes them: one prefill chunk at a time."""
+    take = pool.allocate_runs if runs else pool.allocate
     table: list[int] = []
     while len(table) < num:
-        table += pool.allocate(min(PREFILL_CHUNK_BLOCKS, num - len(table)))
+        table += take(min(PREFILL_CHUNK_BLOCKS, num - len(table)))
     return table
 
 
-def churned_pool_with_room(num_blocks: int, seed: int, num: int) -> BlockPool:
+def churned_pool_with_room(num_blocks: int, seed: int, num: int, runs: bool) -> BlockPool:
     """churned_pool, then requests finished (random order) until `num` blocks are free."""
-    pool, live = churned_pool(num_blocks, seed)
+    pool, live = churned_pool(num_blocks, seed, runs)
     rng = random.Random(seed + 1)
     while pool.num_free_blocks < num:
         pool.free(live.pop(rng.randrange(len(live))))
@@ -235,12 +241,14 @@ def churned_pool_with_room(num_blocks: int, seed: int, num: int) -> BlockPool:
 def transfer_pairs(layout: str, num: int, pool_blocks: int, seed: int = 0) -> list:
     """(remote, local) block id pairs of one prompt's transfer in the given layout."""
     if layout in CHURNED:
+        runs = layout.endswith("-runs")
         if layout.startswith("pd-"):
-            remote = allocate_chunked(churned_pool_with_room(pool_blocks, seed, num), num)
+            remote_pool = churned_pool_with_room(pool_blocks, seed, num, runs)
+            remote = allocate_chunked(remote_pool, num, runs)
         else:
             remote = list(range(num))
-        local_pool = churned_pool_with_room(pool_blocks, seed + 100, num)
-        if layout.endswith("-lru"):
+        local_pool = churned_pool_with_room(pool_blocks, seed + 100, num, runs)
+        if not runs:
             local = local_pool.allocate(num)
         else:
             local = mirror_runs(local_pool.allocate_runs(num), remote)

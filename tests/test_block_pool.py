@@ -13,7 +13,7 @@ from pagefleet.engine.kv_cache import (
     BlockStored,
     FreeBlockQueue,
 )
-from pagefleet.engine.kv_cache.block_pool import Block
+from pagefleet.engine.kv_cache.block_pool import RUN_WINDOW, Block
 
 
 def test_free_queue_removes_from_the_middle_and_keeps_order():
@@ -242,27 +242,54 @@ def test_allocate_runs_uses_uncached_free_blocks_before_evicting_any_prefix():
     _check_books(pool)
 
 
-def test_allocate_runs_evicts_only_what_allocate_would_and_in_the_same_order_of_age():
-    """With no uncached run, candidates are the uncached blocks plus the LRU head's n: the
-    evicted hashes are a subset of plain allocation's. Fails for: any cached block in id order
+def _evictions(pool: BlockPool, take) -> tuple[list[int], set[bytes]]:
+    """The ids `take(pool)` returns and the hashes its BlockRemoved events name."""
+    events: list = []
+    pool.listener = events.append
+    got = take(pool)
+    return got, {h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes}
+
+
+def test_allocate_runs_with_window_one_evicts_only_what_allocate_would():
+    """Window 1: candidates are the uncached blocks plus the LRU head's n, so the evicted
+    hashes are a subset of plain allocation's. Fails for: any cached block in id order
     evicted (a younger prefix lost while an older one survives)."""
     hashes = {i: bytes([65 + i]) for i in range(10) if i not in (3, 7)}
     order = [9, 8, 3, 2, 1, 0, 7, 6, 5, 4]
-    pool, events = _pool_freed_in_order(10, order, hashes)
-    twin, twin_events = _pool_freed_in_order(10, order, hashes)
+    pool, _ = _pool_freed_in_order(10, order, hashes)
+    twin, _ = _pool_freed_in_order(10, order, hashes)
     offered, twin_offered = [], []
     pool.on_evict, twin.on_evict = offered.extend, twin_offered.extend
-    twin.allocate(4)  # evicts 9, 8, 2 (3 has no hash)
-    got = pool.allocate_runs(4)
+    _, twin_removed = _evictions(twin, lambda p: p.allocate(4))  # 9, 8, 2 (3 has no hash)
+    got, removed = _evictions(pool, lambda p: p.allocate_runs(4, window=1))
     assert got == [2, 7, 8, 9]  # candidates {3, 7} + head {9, 8, 3, 2}: runs 7-9 and 2
-    (removed,) = events
-    (twin_removed,) = twin_events
-    assert set(removed.block_hashes) <= set(twin_removed.block_hashes)
-    assert {h for h, _ in offered} == set(removed.block_hashes)
+    assert removed <= twin_removed
+    assert {h for h, _ in offered} == removed
     assert set(offered) <= set(twin_offered)
     for block_id, h in hashes.items():
         if block_id not in got:
             assert pool.cached[h].block_id == block_id  # every other prefix is still reusable
+    _check_books(pool)
+
+
+def test_allocate_runs_window_trades_only_the_oldest_prefixes_for_longer_runs():
+    """The default window (RUN_WINDOW * n of the LRU head) finds a run that window 1 cannot,
+    and every prefix used more recently than the window stays cached. Fails for: a window
+    of n (two runs here), or candidates reaching past the window (the run 0-2, freed last,
+    comes first by id)."""
+    assert RUN_WINDOW == 2
+    order = [5, 10, 6, 11, 7, 12, 0, 1, 2]
+    hashes = {i: bytes([65 + i]) for i in order}
+    narrow, _ = _pool_freed_in_order(14, order, hashes)
+    assert count_runs(narrow.allocate_runs(3, window=1)) == 2  # head {5, 10, 6}
+    pool, _ = _pool_freed_in_order(14, order, hashes)
+    got, removed = _evictions(pool, lambda p: p.allocate_runs(3))
+    assert got == [5, 6, 7]  # head {5, 10, 6, 11, 7, 12}: runs 5-7 and 10-12
+    assert removed == {hashes[i] for i in got}
+    window = set(order[: RUN_WINDOW * 3])
+    for block_id, h in hashes.items():
+        if block_id not in window:
+            assert pool.cached[h].block_id == block_id
     _check_books(pool)
 
 

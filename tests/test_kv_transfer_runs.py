@@ -200,3 +200,30 @@ def test_after_a_local_prefix_hit_the_pulled_blocks_mirror_the_source_past_the_h
     assert pulled.block_ids == [0, 3, 2, 1, 4]
     pairs = list(zip(source[1:], pulled.block_ids[1:], strict=True))
     assert num_aligned_runs(pairs) == 2
+
+
+def test_a_held_prompt_on_the_prefill_side_takes_its_blocks_in_runs_chunk_after_chunk():
+    """A prefill pod's request kept for a decode pod (`hold_blocks`) is the source of that
+    pod's READ, which merges only where both sides run: its blocks come in runs through every
+    prefill chunk, while a plain prompt keeps LRU order. Fails for: the held prompt allocated
+    from the LRU head (five runs of one block)."""
+    sched = make_scheduler(num_blocks=16, max_num_batched_tokens=8)
+    order = [15, 0, 14, 1, 13, 2, 12, 3, 11, 4, 10, 5, 9, 6, 8, 7]
+    _scramble_free_list(sched, order)
+    held = make_request("held", PROMPT, max_tokens=1)
+    held.hold_blocks = True
+    sched.add_request(held)
+    chunks = 0
+    while held.num_computed_tokens < len(PROMPT):
+        out = sched.schedule()
+        sched.update_from_output(out, [7 for _ in out.scheduled])
+        check_invariants(sched)
+        chunks += 1
+    assert chunks == 3  # 8 + 8 + 2 tokens: blocks taken 2, 2 and 1 at a time
+    assert held.block_ids == [0, 1, 2, 3, 4]
+    plain = make_scheduler(num_blocks=16)
+    _scramble_free_list(plain, order)
+    local = make_request("plain", PROMPT, max_tokens=2)
+    plain.add_request(local)
+    plain.schedule()
+    assert local.block_ids == [15, 0, 14, 1, 13]

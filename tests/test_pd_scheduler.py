@@ -5,6 +5,7 @@ held until released; nothing is freed while a transfer may still write into it."
 from __future__ import annotations
 
 from conftest import check_invariants, make_request, make_scheduler
+from pagefleet.engine.kv_transfer.connector import RemoteSource
 from pagefleet.engine.request import RequestStatus
 
 PROMPT = list(range(1, 19))  # 18 tokens: 5 blocks of 4, the last one partial
@@ -21,7 +22,7 @@ def step(sched, tokens=None):
 def test_a_remote_prefill_request_pulls_then_computes_only_its_last_token():
     sched = make_scheduler(num_blocks=16)
     remote = make_request("d", PROMPT, max_tokens=3)
-    remote.remote_source = "prefill-pod"
+    remote.remote_source = RemoteSource("prefill-pod", "127.0.0.1", 1, (), "r")
     local = make_request("other", [9, 9, 9], max_tokens=3)
     sched.add_request(remote)
     sched.add_request(local)
@@ -42,7 +43,7 @@ def test_a_remote_prefill_request_pulls_then_computes_only_its_last_token():
 def test_a_failed_pull_falls_back_to_computing_the_prompt_locally():
     sched = make_scheduler(num_blocks=16)
     remote = make_request("d", PROMPT, max_tokens=2)
-    remote.remote_source = "prefill-pod"
+    remote.remote_source = RemoteSource("prefill-pod", "127.0.0.1", 1, (), "r")
     sched.add_request(remote)
     step(sched)
     sched.finish_remote_load("d", ok=False)
@@ -59,7 +60,7 @@ def test_local_prefix_hits_shrink_what_is_pulled():
     sched.add_request(warm)
     step(sched)
     remote = make_request("d", PROMPT, max_tokens=2)
-    remote.remote_source = "prefill-pod"
+    remote.remote_source = RemoteSource("prefill-pod", "127.0.0.1", 1, (), "r")
     sched.add_request(remote)
     step(sched)
     assert remote.num_cached_blocks == 3 and remote.num_computed_tokens == 12
@@ -69,7 +70,7 @@ def test_local_prefix_hits_shrink_what_is_pulled():
 def test_an_abort_while_pulling_frees_the_blocks_only_when_the_transfer_ends():
     sched = make_scheduler(num_blocks=16)
     remote = make_request("d", PROMPT, max_tokens=2)
-    remote.remote_source = "prefill-pod"
+    remote.remote_source = RemoteSource("prefill-pod", "127.0.0.1", 1, (), "r")
     sched.add_request(remote)
     step(sched)
     sched.abort("d")
@@ -97,7 +98,7 @@ def test_loading_requests_count_against_max_num_seqs():
     sched = make_scheduler(num_blocks=32, max_num_seqs=2)
     for i in range(2):
         r = make_request(f"d{i}", PROMPT, max_tokens=2)
-        r.remote_source = "p"
+        r.remote_source = RemoteSource("p", "127.0.0.1", 1, (), "r")
         sched.add_request(r)
     sched.add_request(make_request("x", [1, 2], max_tokens=2))
     out, _ = step(sched)
@@ -107,7 +108,7 @@ def test_loading_requests_count_against_max_num_seqs():
 def test_a_pull_nixl_cannot_cancel_quarantines_its_blocks_for_good():
     sched = make_scheduler(num_blocks=16)
     remote = make_request("d", PROMPT, max_tokens=2)
-    remote.remote_source = "prefill-pod"
+    remote.remote_source = RemoteSource("prefill-pod", "127.0.0.1", 1, (), "r")
     sched.add_request(remote)
     step(sched)
     sched.quarantine_remote_load("d")  # the READ may write into its 5 blocks any time

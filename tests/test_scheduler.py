@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import check_invariants, make_request, make_scheduler
+from pagefleet.engine.kv_transfer.connector import RemoteSource
 from pagefleet.engine.request import RequestStatus
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.simulated import run_step
@@ -368,7 +369,7 @@ def test_a_remote_load_that_does_not_fit_waits_without_breaking_the_step():
     sched.add_request(make_request("local", list(range(20)), max_tokens=4))
     run_step(sched, sched.schedule())  # holds 6 of 8 blocks
     remote = make_request("remote", list(range(100, 116)), max_tokens=1)  # needs 4 blocks
-    remote.remote_source = "prefill-pod"
+    remote.remote_source = RemoteSource("prefill-pod", "127.0.0.1", 1, (), "r")
     sched.add_request(remote)
     out = sched.schedule()
     assert out.kv_loads == [] and out.num_tokens == 1 and sched.waiting[0] is remote

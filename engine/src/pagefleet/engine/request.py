@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from pagefleet.common.block_hash import BlockHash, hash_block, hash_blocks
 from pagefleet.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the connector imports torch and the transfer service; requests need neither
+    from pagefleet.engine.kv_transfer.connector import RemoteSource
 
 
 class RequestStatus(enum.Enum):
@@ -92,8 +96,8 @@ class Request:
         self.num_preemptions = 0
         self.resumed_step = -2
         # Disaggregation: a prefill pod keeps a finished request's blocks for a decode pod
-        # (`hold_blocks`); a decode pod pulls the prompt's blocks from `remote_source` (any
-        # object the engine's KV connector understands) before computing the rest.
+        # (`hold_blocks`); a decode pod pulls the prompt's blocks from `remote_source` (the
+        # prefill pod's address and block ids) before computing the rest.
         # Speculative decoding: draft tokens proposed to follow all_token_ids, verified in
         # the request's next step (not part of its tokens until accepted).
         self.spec_token_ids: list[int] = []
@@ -101,7 +105,7 @@ class Request:
         # by the engine once the grammar is compiled; None when unconstrained.
         self.grammar = None
         self.hold_blocks = False
-        self.remote_source: object | None = None
+        self.remote_source: RemoteSource | None = None
         stop = set(sampling_params.stop_token_ids)
         if eos_token_id is not None and not sampling_params.ignore_eos:
             stop.update([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)

@@ -296,9 +296,8 @@ class Scheduler:
             remaining = req.num_tokens - kv.num_computed_after_hit(req, hits)
             if req.remote_source is not None:
                 # Blocks for the whole prompt now, no compute: the KV comes over the wire.
-                # Run-aware blocks mirroring the source's (RemoteSource.block_ids), so the
-                # READ coalesces; a source without ids still gets runs.
-                source = getattr(req.remote_source, "block_ids", ())
+                # Run-aware blocks mirroring the source's, so the READ coalesces.
+                source = req.remote_source.block_ids
                 if not kv.allocate_slots(req, remaining, hits, transfer_source=source):
                     break
                 self._park(req, RequestStatus.WAITING_FOR_REMOTE_KVS, self.loading)

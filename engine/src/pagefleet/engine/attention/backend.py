@@ -101,9 +101,12 @@ BACKENDS = ("torch", "numba", "triton")
 
 def default_backend_name(device: torch.device) -> str:
     """triton on CUDA, torch on CPU. The in-place paged kernel ("numba") is opt-in: per layer
-    it beats the gather path (benchmarks/cpu_attention.py), but through the engine its
-    thread pool (a second OpenMP runtime beside torch's) gave results that swung both ways
-    on a shared machine, so it is not the default until measured on a quiet one."""
+    it beats the gather path 1.4-3.7x (benchmarks/cpu_attention.py), but end to end
+    (benchmarks/cpu_attention_engine.py, docs/benchmarks.md "Issue 22, final measurements")
+    it has not reliably won: single-threaded it ties torch (0.94x, 1.11x), and with two
+    threads its second thread pool (numba's OpenMP or workqueue layer beside torch's OpenMP)
+    swung both ways on a shared machine. A default must win everywhere it runs, so torch
+    stays until a quiet measurement shows numba ahead under some threading layer."""
     return "triton" if device.type == "cuda" else "torch"
 
 

@@ -182,7 +182,8 @@ def warm_up() -> None:
 
 
 def group_lens(group: SingleGroup) -> torch.Tensor:
-    """Context length of each row of a group: given by the runner, or read off the mask."""
+    """Context length of each row of a group: given by the runner (and carried to TP workers
+    by the step codec); read off the mask only for a group built without them."""
     if group.seq_lens is not None:
         return group.seq_lens
     return group.mask.view(group.end - group.start, -1).sum(1)

@@ -4,7 +4,8 @@ says stop, or announces a KV-transfer command (distributed/kv_ranks.py).
 
 Body: descriptors (counts, then (start, end, width) per single-row group and (start, tokens,
 computed, blocks) per prompt chunk), then the data: input ids, positions, slots, write rows,
-each group's block tables and context lengths (workers rebuild its mask), each chunk's block
+each group's block tables and context lengths (workers rebuild its mask from them and keep
+them as the group's seq_lens, the in-place kernel's bound), each chunk's block
 ids, and the rows whose logits are computed (sampled rows, then prompt-logprob rows).
 A request verifying k drafts is already 1 + k single rows and 1 + k logit rows here: the
 workers run rank 0's rows as given and never need the drafts themselves.
@@ -56,7 +57,8 @@ def encode_step(
     if meta.write_rows is not None:
         pieces.append(meta.write_rows)
     for g in groups:
-        pieces += [g.block_tables.flatten(), g.mask.view(g.end - g.start, -1).sum(1)]
+        lens = g.mask.view(g.end - g.start, -1).sum(1) if g.seq_lens is None else g.seq_lens
+        pieces += [g.block_tables.flatten(), lens.to(device)]
     pieces += [c.block_ids for c in chunks]
     pieces.append(torch.tensor(logit_rows, dtype=torch.int64, device=device))
     body = torch.cat(pieces)
@@ -92,7 +94,7 @@ def decode_step(
         lens = data.take(end - start)
         span = torch.arange(width * block_size, device=body.device)
         mask = (span.unsqueeze(0) < lens.unsqueeze(1)).view(1, end - start, 1, width * block_size)
-        groups.append(SingleGroup(start, end, tables, mask))
+        groups.append(SingleGroup(start, end, tables, mask, lens))
     chunks = [
         PrefillChunk(start, n, computed, data.take(blocks))
         for start, n, computed, blocks in chunk_desc

@@ -128,6 +128,9 @@ class KVCacheManager:
         these are the source's block ids for the request's blocks (possibly empty if
         unknown). The new blocks then come in runs of consecutive ids (allocate_runs), laid
         out to mirror the source's runs, so a READ is one descriptor per run and plane.
+        A request that holds its blocks for a decode pod (`hold_blocks`, the prefill side of
+        P/D) takes its new blocks in runs too: they are the source the decode pod reads, and
+        its READ can only merge where both sides run.
         """
         bs = self.block_size
         table = request.block_ids
@@ -139,7 +142,7 @@ class KVCacheManager:
             num_new_blocks = (num_needed + bs - 1) // bs - len(table)
             if num_new_blocks > self.pool.free_queue.num_free:
                 return False
-            table.extend(self._take(num_new_blocks, table, transfer_source))
+            table.extend(self._take(num_new_blocks, request, transfer_source))
             if hits is not None:  # admission without a hit still counts as a query
                 self._count_query(request, 0)
                 self._count_tier_lookup(request, 0, 0)
@@ -153,7 +156,7 @@ class KVCacheManager:
             return False
         self.pool.touch(hits)
         table.extend(b.block_id for b in hits)
-        table.extend(self._take(max(num_new_blocks, 0), table, transfer_source))
+        table.extend(self._take(max(num_new_blocks, 0), request, transfer_source))
         request.num_cached_blocks = len(hits)
         request.num_cached_tokens = len(hits) * bs
         request.num_computed_tokens = num_computed
@@ -161,11 +164,14 @@ class KVCacheManager:
         self._count_tier_lookup(request, len(hits), 0)
         return True
 
-    def _take(self, n: int, table: list[int], source: Sequence[int] | None) -> list[int]:
-        """`n` new blocks for positions len(table).. of a block table."""
-        if source is None:
-            return self.pool.allocate(n)
-        return mirror_runs(self.pool.allocate_runs(n), source[len(table) : len(table) + n])
+    def _take(self, n: int, request: Request, source: Sequence[int] | None) -> list[int]:
+        """`n` new blocks for positions len(request.block_ids).. of the request's table."""
+        if source is not None:
+            first = len(request.block_ids)
+            return mirror_runs(self.pool.allocate_runs(n), source[first : first + n])
+        if request.hold_blocks:
+            return self.pool.allocate_runs(n)
+        return self.pool.allocate(n)
 
     def _count_tier_lookup(self, request: Request, num_device_hits: int, num_hits: int) -> None:
         """The tier looked up past the device hits; counted once per request, as
