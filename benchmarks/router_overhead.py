@@ -5,9 +5,10 @@ One `pagefleet serve --simulate` engine (default profile) on 127.0.0.1 and one r
 of it with the demo model's tokenizer. Three load shapes, each run as rounds that alternate
 direct / router (which goes first alternates too), so a load swing on this shared machine hits
 both paths alike:
-  poisson  completions at 40 req/s (Poisson), 256-word random prompts, 64 output tokens;
+  poisson  completions at 40 req/s (Poisson), ~256-token random prompts, 64 output tokens;
   burst    64 completions sent at once;
-  chat     streaming chat completions at 20 req/s.
+  chat     streaming chat completions at 20 req/s;
+  light    completions at 5 req/s (the router's own latency, little queueing).
 Both paths get the same prompts, each with a path tag in front (so the second path's prompts
 miss the engine's prefix cache exactly as the first's did). Reported per shape and path: TTFT
 p50/p90/p99, ITL p50/p99, output tokens/s; then router - direct TTFT, router / direct ratios,
@@ -64,7 +65,10 @@ class Shape:
     endpoint: str  # chat | completions
     requests: int  # per path, over all rounds
     rate: float  # req/s; inf: all at once
-    input_len: int = 256
+    # Words of bench_serve's random text: the demo tokenizer makes ~2.6 tokens a word, so 98
+    # words are ~256 prompt tokens, the prompts (256 words, ~660 tokens, saturate the
+    # simulated engine at 40 req/s: its queue, not the router, then sets TTFT).
+    input_len: int = 98
     output_len: int = 64
 
 
@@ -81,6 +85,9 @@ def shapes(quick: bool) -> list[Shape]:
         Shape("poisson", "completions", 300 // scale, 40.0),
         Shape("burst", "completions", 256 // scale, float("inf")),
         Shape("chat", "chat", 150 // scale, 20.0),
+        # Light load (the engine mostly idle): the router's own latency, without the queueing
+        # that 40 req/s builds in front of the simulated engine.
+        Shape("light", "completions", 60 // scale, 5.0),
     ]
 
 
@@ -186,6 +193,7 @@ def summarize(stats: PathStats) -> dict:
         "errors": sorted({r.error for r in stats.results if not r.ok})[:3],
         "ttft_ms": {f"p{p}": pct(ttft, p) * 1e3 for p in (50, 90, 99)},
         "itl_ms": {f"p{p}": pct(itl, p) * 1e3 for p in (50, 99)},
+        "prompt_tokens_mean": sum(r.prompt_tokens for r in ok) / len(ok) if ok else 0,
         "output_tok_s": sum(r.output_tokens for r in ok) / stats.seconds if stats.seconds else 0,
         "cpu_ms_per_request": {k: v / n * 1e3 for k, v in stats.cpu.items()} if n else {},
         "cpu_cores_busy": {k: v / stats.seconds for k, v in stats.cpu.items()},
@@ -204,6 +212,7 @@ def report(name: str, summary: dict[str, dict]) -> None:
         print(
             f"  {p:>6}: TTFT p50/p90/p99 {t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f} ms; "
             f"ITL p50/p99 {i['p50']:.2f} / {i['p99']:.2f} ms; {s['output_tok_s']:.0f} tok/s; "
+            f"prompt {s['prompt_tokens_mean']:.0f} tokens; "
             f"CPU ms/request: {cpu}; cores busy {busy:.2f}"
         )
         if s["errors"]:
@@ -231,7 +240,7 @@ def net_router_cpu_ms(summary: dict[str, dict]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a third of the requests")
-    parser.add_argument("--shapes", default="poisson,burst,chat")
+    parser.add_argument("--shapes", default="poisson,burst,chat,light")
     parser.add_argument("--rounds", type=int, default=None, help="per shape (poisson 6, else 4)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the summaries here")
