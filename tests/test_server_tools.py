@@ -21,7 +21,7 @@ from pagefleet.engine.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.server.tool_parsers import ToolCallConfig
 from pagefleet.engine.server.tools import Tool, required_schema
 from pagefleet.engine.validation import RequestRules
-from server_utils import running_server
+from server_utils import running_router, running_server
 
 WEATHER = {
     "type": "function",
@@ -356,6 +356,36 @@ def test_required_and_named_always_yield_valid_calls(server, choice, stream):
         for name, arguments in calls:
             assert choice == "required" or name == "add"
             jsonschema.validate(json.loads(arguments), schemas[name])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_agent_gets_valid_calls_and_json_through_the_router(server, tiny_checkpoints, stream):
+    """What an agent framework does, through `pagefleet router` (with its tokenizer, so the
+    router renders the tools for its prefix hashes): a named tool call whose arguments
+    validate, then a json_schema answer that parses and validates."""
+    with running_router("--endpoints", server, "--tokenizer", tiny_checkpoints["qwen2"]) as (
+        router,
+        _,
+    ):
+        client = openai.OpenAI(base_url=f"{router}/v1", api_key="x")
+        [(_, calls, finish, _)] = _ask(
+            client, stream, tool_choice=NAMED_ADD, seed=1, temperature=1.0, max_tokens=200
+        )
+        assert finish == "stop" and [name for name, _ in calls] == ["add"]
+        jsonschema.validate(json.loads(calls[0][1]), ADD["function"]["parameters"])
+        schema = {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"enum": [1, 2]}},
+            "required": ["city", "days"],
+        }
+        format_ = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": schema}}
+        body = dict(model="tiny", messages=USER, response_format=format_, max_tokens=200, seed=2)
+        if stream:
+            chunks = client.chat.completions.create(**body, stream=True)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            text = client.chat.completions.create(**body).choices[0].message.content
+        jsonschema.validate(json.loads(text), schema)
 
 
 def test_serve_flags_have_vllms_names():
