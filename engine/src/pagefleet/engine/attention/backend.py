@@ -101,12 +101,12 @@ BACKENDS = ("torch", "numba", "triton")
 
 def default_backend_name(device: torch.device) -> str:
     """triton on CUDA, torch on CPU. The in-place paged kernel ("numba") is opt-in: per layer
-    it beats the gather path 1.4-3.7x (benchmarks/cpu_attention.py), but end to end
-    (benchmarks/cpu_attention_engine.py, docs/benchmarks.md "Issue 22, final measurements")
-    it has not reliably won: single-threaded it ties torch (0.94x, 1.11x), and with two
-    threads its second thread pool (numba's OpenMP or workqueue layer beside torch's OpenMP)
-    swung both ways on a shared machine. A default must win everywhere it runs, so torch
-    stays until a quiet measurement shows numba ahead under some threading layer."""
+    it beats the gather path 1.4-3.7x (benchmarks/cpu_attention.py) and end to end, with the
+    cores to itself, 1.4-1.6x (benchmarks/cpu_attention_engine.py, 64 requests); but beside
+    one busy neighbour it fell to 0.36x while torch held its rate, because its OpenMP runtime
+    and torch's spin against each other for the same cores (docs/benchmarks.md, "Issue 22,
+    final measurements"). A default must not lose 2.8x when a neighbour wakes, so it is torch;
+    pods with dedicated CPUs can choose numba."""
     return "triton" if device.type == "cuda" else "torch"
 
 
