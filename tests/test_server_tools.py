@@ -14,7 +14,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from tool_templates import TEMPLATES
+from tool_templates import TEMPLATES, tool_exchange
 
 from pagefleet.engine.client import EngineLimits, EngineStats
 from pagefleet.engine.outputs import CompletionOutput, RequestOutput
@@ -305,21 +305,7 @@ def test_tools_and_tool_results_reach_the_template(server):
     )
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 20
     assert "get_weather" in _tokenized_prompt(server, {"messages": USER, "tools": TOOLS})
-    conversation = [
-        *USER,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny and 21 degrees"},
-    ]
+    conversation = [*USER, *tool_exchange("sunny and 21 degrees")]
     answer = client.chat.completions.create(
         model="tiny", messages=conversation, tools=TOOLS, max_tokens=4, temperature=0
     )

@@ -8,6 +8,7 @@ import json
 import jsonschema
 import pytest
 from pydantic import ValidationError
+from tool_templates import tool_exchange
 
 from pagefleet.engine.server.protocol import ChatCompletionRequest
 from pagefleet.engine.server.tool_parsers import (
@@ -397,21 +398,7 @@ def test_hostile_tool_messages_are_refused(message, error):
 
 def test_tool_messages_reach_the_template_with_arguments_as_objects():
     req = ChatCompletionRequest(
-        messages=[
-            {"role": "user", "content": "weather?"},
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": "call_1",
-                        "type": "function",
-                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                    }
-                ],
-            },
-            {"role": "tool", "tool_call_id": "call_1", "content": "22C"},
-        ]
+        messages=[{"role": "user", "content": "weather?"}, *tool_exchange("22C")]
     )
     assistant, tool = (m.for_template() for m in req.messages[1:])
     assert assistant["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}

@@ -66,3 +66,16 @@ To call a function, answer {"name": <name>, "parameters": <object>}. The functio
 {% endif %}"""
 
 TEMPLATES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON}
+
+
+def tool_exchange(result: str) -> list[dict]:
+    """The messages after the model called get_weather(city=Paris): its call, then the result."""
+    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    return [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": result},
+    ]
