@@ -1,5 +1,5 @@
-"""The router's books on a routed request, in-process (the app over mock engines): what a
-request sent to a pod books when it leaves is settled once its outcome is known."""
+"""The router in-process (the app over mock engines): what a request sent to a pod books is
+settled once its outcome is known, and the key check refuses before reading a body."""
 
 from __future__ import annotations
 
@@ -84,3 +84,53 @@ def test_an_attempt_is_settled_once_whatever_reports_its_outcome():
     router.hooks.finish(routed, attempt, Outcome.RELAYED)
     assert (pod.inflight, pod.active_blocks) == (0, 0)
     assert routed.outcome is Outcome.CLIENT_LEFT and routed.chosen is routed.candidates[0]
+
+
+def test_without_the_key_no_body_is_read_and_no_engine_is_reached():
+    """The router's key check (plain ASGI since issue 23) answers 401 before it reads a byte of
+    the body, whatever the path; probes and /metrics stay open; with the key, requests pass."""
+    seen: list[str] = []
+
+    def engines(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        return _engines(request)
+
+    router = _router(PrefixIndex("approximate"))
+    router.config = RouterConfig(api_key="k")
+    app = build_router_app(router, client=httpx.AsyncClient(transport=httpx.MockTransport(engines)))
+
+    async def status_of(path: str, headers: list[tuple[bytes, bytes]]) -> int:
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            raise AssertionError("the body of a client without the key was read")
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "headers": [(b"content-length", b"100000000"), *headers], "app": app,
+            "server": ("router", 80), "client": ("client", 1),
+        }  # fmt: skip
+        await app(scope, receive, send)
+        return sent[0]["status"]
+
+    async def run() -> None:
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/anything"):
+            assert await status_of(path, []) == 401
+            assert await status_of(path, [(b"authorization", b"Bearer wrong")]) == 401
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            for path in ("/livez", "/metrics"):
+                assert (await client.get(path)).status_code == 200
+            ok = await client.post(
+                "/v1/completions",
+                json={"model": "m", "prompt": PROMPT},
+                headers={"authorization": "Bearer k"},
+            )
+            assert ok.status_code == 200
+
+    asyncio.run(run())
+    assert seen == ["/v1/completions", "/v1/completions"]  # "down" (503), then "up"
