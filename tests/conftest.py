@@ -54,7 +54,13 @@ def check_invariants(sched: Scheduler) -> None:
     """The pool's books balance: ref counts equal table references, free list and map agree."""
     kv = sched.kv_cache
     pool = kv.pool
-    holders = [*sched.running, *sched.loading.values(), *sched.held.values(), *sched.quarantined]
+    holders = [
+        *sched.running,
+        *sched.loading.values(),
+        *sched.tier_loading.values(),
+        *sched.held.values(),
+        *sched.quarantined,
+    ]
     refs = Counter(block_id for r in holders for block_id in r.block_ids)
     for r in sched.waiting:
         assert not r.block_ids, f"waiting {r} holds blocks"

@@ -53,6 +53,7 @@ class Request:
         "num_prompt_tokens",
         "remote_source",
         "request_id",
+        "resumed_len",
         "resumed_step",
         "sampling_params",
         "spec_token_ids",
@@ -94,7 +95,10 @@ class Request:
             self.all_token_ids, block_size, extra_keys=extra_keys
         )
         self.num_preemptions = 0
+        # The step and the token count at its last resumption after a preemption (see the
+        # scheduler's anti-thrash rule).
         self.resumed_step = -2
+        self.resumed_len = 0
         # Disaggregation: a prefill pod keeps a finished request's blocks for a decode pod
         # (`hold_blocks`); a decode pod pulls the prompt's blocks from `remote_source` (the
         # prefill pod's address and block ids) before computing the rest.

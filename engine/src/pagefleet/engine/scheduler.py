@@ -6,12 +6,19 @@ budget, sequence slots and free blocks allow. When a running request needs a blo
 is free, the most recently admitted running request is preempted by recompute.
 
 Anti-thrash rule: a request resumed from preemption is protected from being chosen as a
-victim while it recomputes, and in the step after it resumed, unless every candidate is
-protected. Without it, two requests that each nearly fill the pool evict each other over and
-over and neither finishes its recompute (a recompute split into chunks needs several steps,
-so protecting a single step is not enough). With it, every resumption ends its recompute and
-samples a token before it can lose its blocks again, so every request that fits the pool alone
-eventually finishes.
+victim until it has sampled a token again (its recompute and the step that samples), and in the
+step after it resumed, unless every candidate is protected. Without it, two requests that each
+nearly fill the pool evict each other over and over and neither finishes its recompute (a
+recompute split into chunks needs several steps, so protecting a single step is not enough).
+With it, every resumption samples a token before it can lose its blocks again, so every request
+that fits the pool alone eventually finishes.
+
+The sampling step counts: it computes the last recomputed position, which may need a new block.
+Protecting only the chunks before it (`num_computed + 1 < num_tokens`) livelocked two requests
+that each need the whole pool (block size 8, 3 blocks, budget 2, long_prefill_token_threshold
+1): each reached its sampling step unprotected while the other, resumed later, was still
+recomputing and protected, so it preempted itself and threw its recompute away, forever
+(tests/test_scheduler_liveness.py keeps the case).
 """
 
 from __future__ import annotations
@@ -183,7 +190,7 @@ class Scheduler:
             return req
         self.kv_cache.finish_tier_load(req)
         if req.num_preemptions:  # a resumption: protected from preemption (module docstring)
-            req.resumed_step = self.step_id
+            self._resumed(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return req
@@ -312,7 +319,7 @@ class Scheduler:
                 break
             waiting.popleft()
             if req.status is RequestStatus.PREEMPTED:
-                req.resumed_step = self.step_id
+                self._resumed(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, n))
@@ -348,11 +355,15 @@ class Scheduler:
                 return running[j]
         return running[-1]
 
+    def _resumed(self, req: Request) -> None:
+        req.resumed_step, req.resumed_len = self.step_id, len(req.all_token_ids)
+
     def _protected(self, req: Request) -> bool:
         if req.resumed_step < 0:
             return False
-        recomputing = req.num_computed_tokens + 1 < len(req.all_token_ids)
-        return recomputing or req.resumed_step >= self.step_id - 1
+        # No token since it resumed: recomputing, or in the step that samples.
+        not_sampled = len(req.all_token_ids) <= req.resumed_len
+        return not_sampled or req.resumed_step >= self.step_id - 1
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
