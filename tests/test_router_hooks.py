@@ -23,6 +23,7 @@ def _router(index: PrefixIndex) -> Router:
     registry.set_pods([Pod("down", "http://down"), Pod("up", "http://up")])
     for status in registry.status.values():
         status.scraped_at = 0.0  # fresh at the router's clock
+        status.ready = True  # as after a good scrape
     registry.status["up"].pod.waiting = 5.0
     pipeline = Pipeline.from_config({"scorers": {"queue": 1.0}})
     return Router(registry, index, pipeline, RouterConfig(), clock=lambda: 0.0)

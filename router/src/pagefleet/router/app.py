@@ -79,7 +79,7 @@ from pagefleet.router.routed import (
     RoutedRequest,
 )
 from pagefleet.router.scoring import Candidate, Pipeline, Pod, RoutingRequest
-from pagefleet.router.upstream import AiohttpTransport
+from pagefleet.router.upstream import AiohttpTransport, engine_gone
 
 logger = logging.getLogger("pagefleet.router")
 CHARS_PER_TOKEN = 4  # the tokenizer-less fallback hashes fixed character chunks
@@ -395,6 +395,7 @@ class AppState:
     client: httpx.AsyncClient
     # Parsing and tokenizing: one thread (the tokenizer and prompt cache are its alone).
     tokenizing: ThreadPoolExecutor
+    models_seen: dict | None = None  # the last /v1/models an engine answered
 
     @property
     def config(self) -> RouterConfig:
@@ -503,6 +504,8 @@ async def metrics(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
+    """The engines' own answer while one is ready; else the last one seen, else --model's
+    card: the router knows its models at zero engines too (clients list them first)."""
     state = _state(request)
     for pod in state.router.registry.pods(state.router.clock()):
         if pod.healthy:
@@ -511,10 +514,17 @@ async def models(request: Request) -> Response:
                     f"{pod.url}/v1/models",
                     headers=_forward_headers({}, state.config.upstream_api_key),
                 )
-                return JSONResponse(r.json(), r.status_code)
+                answer = r.json()
             except (httpx.HTTPError, ValueError):
                 continue
-    return error_response(503, "no healthy engine", "service_unavailable")
+            if r.status_code == 200:
+                state.models_seen = answer
+            return JSONResponse(answer, r.status_code)
+    if state.models_seen is not None:
+        return JSONResponse(state.models_seen)
+    model = state.config.model
+    cards = [{"id": model, "object": "model", "owned_by": "pagefleet"}] if model else []
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def completions(request: Request) -> Response:
@@ -530,7 +540,9 @@ async def _on_tokenizing_thread(state: AppState, fn, *args):
 
 
 async def proxy(state: AppState, path: str, request: Request) -> Response:
-    """Parse, decide, maybe disaggregate, forward."""
+    """Parse, decide (holding while no engine is ready), maybe disaggregate, forward; when
+    every engine tried turned out to be gone (now ejected), decide again, holding as for an
+    empty pool until the request's deadline."""
     router, config = state.router, state.config
     raw = await request.body()
     try:
@@ -538,36 +550,74 @@ async def proxy(state: AppState, path: str, request: Request) -> Response:
         body, hashes = await _on_tokenizing_thread(
             state, _read, router, path, raw, router.block_sizes()
         )
-        if hashes is None:
-            return error_response(
-                404, f"model {body.get('model')!r} does not exist", "not_found_error"
-            )
-        role = "decode" if router.registry.has_role("decode") else None
-        routed = router.decide(path, body, role, hashes)
-        model = _model_of(config, body)
+    except (TypeError, AttributeError, ValueError, KeyError) as e:
+        return _invalid(e)
+    if hashes is None:
+        return error_response(404, f"model {body.get('model')!r} does not exist", "not_found_error")
+    model = _model_of(config, body)
+    deadline = router.clock() + router.flow.config.queue_timeout
+    while True:
+        routed = await _route(state, path, body, hashes, model, request, deadline)
+        if isinstance(routed, Response):
+            return routed
+        routed.payload = raw
+        routed.headers = _forward_headers(dict(request.headers), config.upstream_api_key)
+        # Only a decode pod pulls blocks (a colocated pod may have no KV connector).
+        if routed.candidates[0].pod.role == "decode" and router.registry.has_role("prefill"):
+            await disaggregate(state, routed, request)
+            if routed.outcome is Outcome.CLIENT_LEFT:
+                return Response(status_code=499)
+        response = await forward(state, routed, request)
+        if routed.kv_transfer_params is not None and (
+            response is None or response.status_code != 200
+        ):
+            # No decode pod took the blocks (a 200 means one did, and it releases them).
+            await release_prefill_soon(routed.kv_transfer_params, config.fleet_secret)
+        if response is not None:
+            return response
+        if not router.flow.enabled:  # nothing reached an engine: safe to retry
+            return _unavailable("no engine could be reached")
+
+
+async def _route(
+    state: AppState,
+    path: str,
+    body: dict,
+    hashes: dict,
+    model: str,
+    request: Request,
+    deadline: float,
+) -> RoutedRequest | Response:
+    """The request's candidates, once an engine can take it (held meanwhile), or the answer
+    that ends it (503 full or past its deadline, 499 client left, 400)."""
+    router = state.router
+    try:
+        routed = router.decide(path, body, _role(router), hashes)
         if router.flow.must_hold(model, routed.candidates):
-            refused = await _hold(state, model, request)
+            refused = await _hold(state, model, request, deadline)
             if refused is not None:
                 return refused
-            role = "decode" if router.registry.has_role("decode") else None
-            routed = router.decide(path, body, role, hashes)  # the fleet as it is now
+            routed = router.decide(path, body, _role(router), hashes)  # the fleet as it is now
     except (TypeError, AttributeError, ValueError, KeyError) as e:
-        # The engine would refuse it too; say so here rather than with a 500.
-        return error_response(400, f"invalid request body: {e}")
+        return _invalid(e)
     if not routed.candidates:
-        return error_response(503, "no engine can serve this request", "service_unavailable")
-    routed.payload = raw
-    routed.headers = _forward_headers(dict(request.headers), config.upstream_api_key)
-    # Only a decode pod pulls blocks (a colocated pod may have no KV connector).
-    if routed.candidates[0].pod.role == "decode" and router.registry.has_role("prefill"):
-        await disaggregate(state, routed, request)
-        if routed.outcome is Outcome.CLIENT_LEFT:
-            return Response(status_code=499)
-    response = await forward(state, routed, request)
-    if routed.kv_transfer_params is not None and response.status_code != 200:
-        # No decode pod took the blocks (a 200 means one did, and it releases them).
-        await release_prefill_soon(routed.kv_transfer_params, config.fleet_secret)
-    return response
+        return _unavailable("no engine can serve this request")
+    return routed
+
+
+def _role(router: Router) -> str | None:
+    return "decode" if router.registry.has_role("decode") else None
+
+
+def _invalid(error: Exception) -> Response:
+    # The engine would refuse it too; say so here rather than with a 500.
+    return error_response(400, f"invalid request body: {error}")
+
+
+def _unavailable(message: str) -> Response:
+    return error_response(
+        503, message, "service_unavailable", None, {"Retry-After": str(RETRY_AFTER_S)}
+    )
 
 
 def _read(router: Router, path: str, raw: bytes, sizes: list[int]) -> tuple[dict, dict | None]:
@@ -585,23 +635,26 @@ def _model_of(config: RouterConfig, body: dict) -> str:
     return model if isinstance(model, str) else ""
 
 
-async def _hold(state: AppState, model: str, request: Request) -> Response | None:
+async def _hold(state: AppState, model: str, request: Request, deadline: float) -> Response | None:
     """Hold a request until the release loop finds an engine for it: None once released,
-    else the answer (503 when the queue is full or the deadline passes, 499 when the client
+    else the answer (503 when the queue is full or `deadline` passes, 499 when the client
     left, which takes it out of the queue at once)."""
     router, flow = state.router, state.router.flow
     tenant = tenant_of(
         request.headers.get(flow.config.tenant_header), request.headers.get("authorization")
     )
+    now = router.clock()
+    if now >= deadline:
+        return _refuse(router, flow.label(model), "deadline")
     waiter = asyncio.get_running_loop().create_future()
-    held = flow.hold(model, tenant, waiter, router.clock())
+    held = flow.hold(model, tenant, waiter, now, deadline)
     if held is None:
         return _refuse(router, flow.label(model), "full")
     gone = asyncio.ensure_future(wait_disconnect(request))
     try:
         await asyncio.wait(
             {waiter, gone},
-            timeout=flow.config.queue_timeout + HOLD_BACKSTOP_S,
+            timeout=deadline - now + HOLD_BACKSTOP_S,
             return_when=asyncio.FIRST_COMPLETED,
         )
         left = gone.done()
@@ -704,6 +757,8 @@ async def _prefill(state: AppState, routed: RoutedRequest, request: Request) -> 
         return None
     result = task.result()
     if result.kv_transfer_params is None:
+        if result.gone:
+            router.registry.eject(attempt.pod_name, "its connection failed")
         logger.warning("%s; the decode pod prefills locally", result.error)
         return "prefill_failed"
     routed.kv_transfer_params = result.kv_transfer_params
@@ -721,10 +776,12 @@ def _prefill_outcome(task: asyncio.Future) -> Outcome:
     return Outcome.PREFILLED
 
 
-async def forward(state: AppState, routed: RoutedRequest, request: Request) -> Response:
-    """Send to the first candidate, the next on a failure before the first byte."""
+async def forward(state: AppState, routed: RoutedRequest, request: Request) -> Response | None:
+    """Send to the first candidate, the next on a failure before the first byte. A pod whose
+    connection fails (refused, reset) is ejected at once; None when every pod tried was gone
+    (no engine saw the request: the caller may hold it)."""
     router, client = state.router, state.client
-    last_error = "no attempt"
+    last_error, reached = "no attempt", False
     for candidate in routed.candidates[: state.config.max_attempts]:
         attempt = router.hooks.dispatch(routed, candidate)
         pod = candidate.pod
@@ -735,15 +792,22 @@ async def forward(state: AppState, routed: RoutedRequest, request: Request) -> R
             response = await _send_unless_client_leaves(client, upstream, request)
         except httpx.HTTPError as e:
             response, last_error = None, f"{pod.name}: {e!r}"
+            if engine_gone(e):
+                router.registry.eject(pod.name, f"{type(e).__name__} before the first byte")
+            else:
+                reached = True
         except _ClientLeft:  # closing the upstream connection aborts it on the engine
             router.hooks.finish(routed, attempt, Outcome.CLIENT_LEFT)
             return Response(status_code=499)
         if response is not None and response.status_code < 500:
             return _relay(response, router.hooks, routed, attempt)
         if response is not None:
+            reached = True
             await response.aclose()
             last_error = f"{pod.name}: HTTP {response.status_code}"
         router.hooks.finish(routed, attempt, Outcome.REFUSED)
+    if not reached:
+        return None
     return error_response(502, f"no engine answered ({last_error})", "bad_gateway")
 
 
