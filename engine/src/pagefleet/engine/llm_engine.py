@@ -7,6 +7,7 @@ prompt, so they take its blocks from the prefix cache instead of computing them 
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import functools
@@ -531,6 +532,11 @@ class LLMEngine:
             cleanup=executor.shutdown,
         )
         self._supervision = watch(executor, on_failure)
+        # A script that ends without closing the engine: at exit, multiprocessing terminates
+        # the worker ranks (SIGTERM); the watch must stop first, or that planned end would
+        # read as a failure (and delay the exit). Registered after multiprocessing's own
+        # handler, so it runs before it.
+        atexit.register(self._stop_supervision)
 
     def _mark_failed(self, reason: str) -> None:
         self.failure = reason
@@ -538,6 +544,7 @@ class LLMEngine:
     def _stop_supervision(self) -> None:
         """Before a planned stop, so ranks leaving on purpose are not taken for a failure."""
         if self._supervision is not None:
+            atexit.unregister(self._stop_supervision)
             self._supervision.stop()
             self._supervision = None
 
