@@ -98,9 +98,11 @@ def ready_router(flow: FlowConfig | None = None) -> Router:
     return Router(registry, PrefixIndex("approximate"), pipeline, config, clock=lambda: 0.0)
 
 
-def engines(tried: list[str]):
+def engines(tried: list[str], tenants: list[str | None] | None = None):
     def answer(request: httpx.Request) -> httpx.Response:
         tried.append(request.url.host)
+        if tenants is not None:
+            tenants.append(request.headers.get("x-tenant-id"))
         if request.url.host == "dead":
             raise httpx.ConnectError("connection refused", request=request)
         body = json.dumps({"id": request.url.host}).encode()
@@ -110,12 +112,16 @@ def engines(tried: list[str]):
     return httpx.MockTransport(answer)
 
 
-async def send(router: Router, tried: list[str], count: int) -> list[httpx.Response]:
-    app = build_router_app(router, client=httpx.AsyncClient(transport=engines(tried)))
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+async def send(
+    router: Router, transport: httpx.MockTransport, count: int, headers: dict | None = None
+) -> list[httpx.Response]:
+    app = build_router_app(router, client=httpx.AsyncClient(transport=transport))
+    asgi = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=asgi, base_url="http://router") as client:
         body = {"model": "m", "prompt": "hello"}
-        return [await client.post("/v1/completions", json=body) for _ in range(count)]
+        return [
+            await client.post("/v1/completions", json=body, headers=headers) for _ in range(count)
+        ]
 
 
 def metric(router: Router, name: str) -> float:
@@ -127,7 +133,7 @@ def test_a_refused_connection_ejects_the_engine_at_once_and_retries_elsewhere():
     one is ejected at once, so the next request goes straight to the live one. Fails on the
     old code: the dead engine kept its turn (a retry per request) until three scrapes failed."""
     router, tried = ready_router(), []
-    answers = asyncio.run(send(router, tried, 2))
+    answers = asyncio.run(send(router, engines(tried), 2))
     assert [r.json()["id"] for r in answers] == ["live", "live"]
     assert tried == ["dead", "live", "live"]
     assert metric(router, "pagefleet_router:ejections_total") == 1
@@ -139,11 +145,20 @@ def test_without_holding_a_refused_request_gets_503_with_retry_after_not_502():
     request, so the client gets a retryable 503 with Retry-After, never a 502."""
     router, tried = ready_router(FlowConfig(queue_size=0)), []
     router.registry.status["live"].ready = False  # only the dead one is left to try
-    (answer,) = asyncio.run(send(router, tried, 1))
+    (answer,) = asyncio.run(send(router, engines(tried), 1))
     assert answer.status_code == 503, answer.text
     assert answer.headers["retry-after"].isdigit()
     assert answer.json()["error"]["type"] == "service_unavailable"
     assert tried == ["dead"]
+
+
+def test_the_tenant_header_reaches_the_engine():
+    """An engine's grammar compiles take turns by tenant: the router forwards the tenant
+    header (its own flow control's key) with every attempt."""
+    router, tried, tenants = ready_router(), [], []
+    headers = {"x-tenant-id": "team-a"}
+    asyncio.run(send(router, engines(tried, tenants), 1, headers))
+    assert tried == ["dead", "live"] and tenants == ["team-a", "team-a"]
 
 
 # --- a real router: the windows the old code left open -------------------------------------

@@ -198,11 +198,14 @@ class AsyncLLM:
         fixed at start-up); nothing is submitted."""
         self.engine.limits.rules.check(prompt_token_ids, params)
 
-    async def check_structured_outputs(self, constraint: StructuredOutputsParams) -> None:
-        """Compile `constraint` now (off the engine thread; the engine then finds it cached);
-        raises GrammarError (a ValueError) if it does not compile within the time limit."""
-        compiler = self.engine.grammar_compiler
-        entry = compiler.compile(constraint)
+    async def check_structured_outputs(
+        self, constraint: StructuredOutputsParams, tenant: str = ""
+    ) -> None:
+        """Compile `constraint` now, in `tenant`'s turn (off the engine thread; the engine then
+        finds it cached); raises GrammarError (a ValueError) if it does not compile within
+        the time limit."""
+        compiler = self.engine.grammars.compiler
+        entry = compiler.compile(constraint, tenant)
         remaining = compiler.timeout_s - (time.monotonic() - entry.started)
         try:  # shielded: a waiter's timeout must not cancel the shared compile
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry.future)), remaining)

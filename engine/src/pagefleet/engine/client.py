@@ -131,9 +131,9 @@ class EngineClient(Protocol):
         """Raise validation.InvalidRequest unless the request can be queued (synchronously:
         nothing is submitted)."""
 
-    async def check_structured_outputs(self, constraint) -> None:
+    async def check_structured_outputs(self, constraint, tenant: str = "") -> None:
         """Compile a request's output constraint (StructuredOutputsParams) ahead of submitting
-        it; raise ValueError if it cannot compile."""
+        it, in `tenant`'s turn; raise ValueError if it cannot compile."""
 
     def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str

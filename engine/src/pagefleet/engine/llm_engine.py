@@ -8,13 +8,11 @@ prompt, so they take its blocks from the prefix cache instead of computing them 
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import dataclasses
 import functools
 import itertools
 import json
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,11 +67,11 @@ from pagefleet.engine.spec_decode.stats import SpecDecodeCounters
 from pagefleet.engine.spec_decode.verifier import StepTokens, propose, sample_with_drafts
 from pagefleet.engine.structured import (
     GrammarCompiler,
-    GrammarError,
-    SequenceGrammar,
+    GrammarGate,
+    advance_grammar,
     constrain_logits,
+    trim_drafts,
 )
-from pagefleet.engine.structured.compiler import Compilation
 
 FAILED_RANK_GRACE_S = 5.0
 DRAFT_CPU_DISABLE_AT = 8  # see _spec_disable_at
@@ -102,7 +100,6 @@ class _Group:
     arrival_time: float
     sequences: list[_Sequence] = field(default_factory=list)
     pending: list[_Sequence] = field(default_factory=list)  # siblings waiting for the prompt
-    compiling: Compilation | None = None  # its grammar, still compiling (not yet scheduled)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int | None = None  # prompt tokens the first sample found cached
     kv_transfer_params: dict | None = None  # set when a prefill engine holds the blocks
@@ -172,9 +169,12 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         self._group_of: dict[str, str] = {}  # scheduler request id -> user request id
         self._ids = itertools.count()
-        self._grammar_compiler: GrammarCompiler | None = None  # made by the first grammar
-        self._grammar_lock = threading.Lock()
-        self._compiling: dict[str, _Group] = {}  # groups waiting for their grammar
+        # Constrained requests wait there for their grammar (compiled on first use).
+        self.grammars = GrammarGate(
+            lambda: GrammarCompiler(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+            )
+        )
         self._failures: list[tuple[str, Exception]] = []  # requests failed off the step path
         # Told of every step and KV pull, on the engine's thread (metrics, event flushing).
         self.observers: list[EngineObserver] = []
@@ -431,8 +431,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the KV transfer service, the tensor-parallel ranks and their workers (the engine
         is unusable after)."""
-        if self._grammar_compiler is not None:
-            self._grammar_compiler.close()
+        self.grammars.close()
         if self.connector is not None:
             self.connector.close()
         if self.tier_copier is not None:
@@ -685,53 +684,31 @@ class LLMEngine:
                 0.0 if params.logprobs is not None else None,
             )
             group.sequences.append(seq)
-        # Validates the request (its siblings share its prompt and parameters).
-        if params.structured_outputs is not None:
-            self.scheduler.check_request(group.sequences[0].request)
-            group.compiling = self.grammar_compiler.compile(params.structured_outputs)
-            if not self._attach_grammar(group):  # raises GrammarError (a ValueError)
-                self._compiling[request_id] = group
+        # Validates the request (its siblings share its prompt and parameters); a grammar
+        # raises GrammarError (a ValueError) if it cannot compile.
+        first = group.sequences[0].request
+        constraint = params.structured_outputs
+        if constraint is None:
+            self.scheduler.add_request(first)
         else:
-            self.scheduler.add_request(group.sequences[0].request)
+            self.scheduler.check_request(first)
+            requests = [seq.request for seq in group.sequences]
+            if self.grammars.admit(request_id, constraint, requests):
+                self.scheduler.add_request(first)
         group.pending = group.sequences[1:]
         self.groups[request_id] = group
         for seq in group.sequences:
             self._group_of[seq.request.request_id] = request_id
         return request_id
 
-    @property
-    def grammar_compiler(self) -> GrammarCompiler:
-        """The structured-output grammar compiler (pool and cache), made on first use."""
-        with self._grammar_lock:  # the API server's handlers ask for it too
-            if self._grammar_compiler is None:
-                vocab = self.model_config.vocab_size
-                self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
-            return self._grammar_compiler
-
-    def _attach_grammar(self, group: _Group) -> bool:
-        """Give each sequence its matcher and queue the group once its grammar is compiled;
-        False while it compiles. Raises GrammarError if the compile failed or timed out."""
-        compiled = self.grammar_compiler.result(group.compiling)
-        if compiled is None:
-            return False
-        for seq in group.sequences:
-            seq.request.grammar = SequenceGrammar(compiled)
-        group.compiling = None
-        self.scheduler.add_request(group.sequences[0].request)
-        return True
-
     def _admit_compiled(self) -> None:
         """Queue the groups whose grammar is now ready; fail the ones whose compile failed."""
-        for request_id, group in list(self._compiling.items()):
-            try:
-                ready = self._attach_grammar(group)
-            except GrammarError as e:
-                del self._compiling[request_id]
-                self.abort_request(request_id)
-                self._failures.append((request_id, e))
-                continue
-            if ready:
-                del self._compiling[request_id]
+        ready, failed = self.grammars.take_ready()
+        for request_id in ready:
+            self.scheduler.add_request(self.groups[request_id].sequences[0].request)
+        for request_id, error in failed:
+            self.abort_request(request_id)
+            self._failures.append((request_id, error))
 
     def take_failures(self) -> list[tuple[str, Exception]]:
         """Requests that failed after add_request accepted them (a grammar that failed to
@@ -740,16 +717,10 @@ class LLMEngine:
         return failures
 
     def _advance_grammar(self, seq: _Sequence, start: int) -> None:
-        """Walk the sequence's matcher over the tokens this step kept (after stop strings cut
-        them); a grammar that is complete ends the request (stop), as EOS would."""
-        req = seq.request
-        grammar = req.grammar
-        if not grammar.accept(req.all_token_ids[start:]):
-            logger.warning("request %s: a token broke its grammar; aborting", req.request_id)
-            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        elif grammar.finished and not req.status.finished:
-            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-            if seq.detok:
+        ended = advance_grammar(seq.request, start)
+        if ended is not None:
+            self.scheduler.finish(seq.request, ended)
+            if ended is RequestStatus.FINISHED_STOPPED and seq.detok:
                 seq.detok.flush()
 
     def _kv_transfer_role(self, params: SamplingParams):
@@ -780,7 +751,7 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
-        self._compiling.pop(request_id, None)
+        self.grammars.discard(request_id)
         group.pending = []
         group.metrics.finished_time = time.time()
         for seq in group.sequences:
@@ -838,7 +809,7 @@ class LLMEngine:
             return aborted
         if self.tier_copier is not None:
             self._tier_tick()
-        if self._compiling:
+        if self.grammars.waiting:
             self._admit_compiled()
         out = self.scheduler.schedule()
         if self.tier_copier is not None:
@@ -852,9 +823,8 @@ class LLMEngine:
                 self.connector.wait_for_results(0.005)
             if self.scheduler.tier_loading:
                 self.tier_copier.wait(0.005)
-            if self._compiling:  # only grammars compiling: wait for one, don't spin
-                futures = [g.compiling.future for g in self._compiling.values()]
-                concurrent.futures.wait(futures, 0.005, concurrent.futures.FIRST_COMPLETED)
+            if self.grammars.waiting:  # only grammars compiling: wait for one, don't spin
+                self.grammars.wait(0.005)
             return []
         now = time.time()
         num_prompt = 0
@@ -906,9 +876,7 @@ class LLMEngine:
             limit = self.spec_disable_at
             enabled = limit is None or len(self.scheduler.running) < limit
             propose(self.proposer, [r for r in step.requests if r.status is running], enabled)
-            for req in step.requests:  # drafts the grammar rejects are never worth verifying
-                if req.grammar is not None and req.spec_token_ids:
-                    del req.spec_token_ids[req.grammar.draft_prefix(req.spec_token_ids) :]
+            trim_drafts(step.requests)
         stats = StepStats(num_prompt, num_generated, len(out.preempted))
         for observer in self.observers:
             observer.on_step(stats)

@@ -45,6 +45,7 @@ class Request:
         "extra_keys",
         "grammar",
         "hold_blocks",
+        "logit_bias",
         "max_len",
         "num_cached_blocks",
         "num_cached_tokens",
@@ -108,6 +109,8 @@ class Request:
         # Structured outputs: the sequence's grammar state (structured.SequenceGrammar), set
         # by the engine once the grammar is compiled; None when unconstrained.
         self.grammar = None
+        # sampling_params.logit_bias as (token ids, biases) tensors, built by its first step.
+        self.logit_bias = None
         self.hold_blocks = False
         self.remote_source: RemoteSource | None = None
         stop = set(sampling_params.stop_token_ids)

@@ -55,6 +55,7 @@ from pagefleet.common.http_errors import (
     error_response,
     wait_disconnect,
 )
+from pagefleet.common.names import TENANT_HEADER
 from pagefleet.router.flow_control import FlowConfig, FlowControl, Held, tenant_of
 from pagefleet.router.pd import (
     decode_body,
@@ -504,22 +505,22 @@ async def metrics(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    """The engines' own answer while one is ready; else the last one seen, else --model's
-    card: the router knows its models at zero engines too (clients list them first)."""
+    """An engine's own answer (a ready one first, else one not scraped yet); else the last
+    one seen, else --model's card: the router knows its models at zero engines too (clients
+    list them first)."""
     state = _state(request)
-    for pod in state.router.registry.pods(state.router.clock()):
-        if pod.healthy:
-            try:
-                r = await state.client.get(
-                    f"{pod.url}/v1/models",
-                    headers=_forward_headers({}, state.config.upstream_api_key),
-                )
-                answer = r.json()
-            except (httpx.HTTPError, ValueError):
-                continue
-            if r.status_code == 200:
-                state.models_seen = answer
-            return JSONResponse(answer, r.status_code)
+    for pod in state.router.registry.reachable():
+        try:
+            r = await state.client.get(
+                f"{pod.url}/v1/models",
+                headers=_forward_headers({}, state.config.upstream_api_key),
+            )
+            answer = r.json()
+        except (httpx.HTTPError, ValueError):
+            continue
+        if r.status_code == 200:
+            state.models_seen = answer
+        return JSONResponse(answer, r.status_code)
     if state.models_seen is not None:
         return JSONResponse(state.models_seen)
     model = state.config.model
@@ -834,7 +835,8 @@ async def _send_unless_client_leaves(client: httpx.AsyncClient, upstream, reques
 
 
 def _forward_headers(request_headers: dict, api_key: str | None) -> dict:
-    keep = {"content-type", "x-request-id", "accept"}
+    # The tenant too: an engine's grammar compiles take turns by it.
+    keep = {"content-type", "x-request-id", "accept", TENANT_HEADER}
     headers = {k: v for k, v in request_headers.items() if k.lower() in keep}
     headers.setdefault("content-type", "application/json")
     if api_key:

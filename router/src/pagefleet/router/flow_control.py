@@ -20,6 +20,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from pagefleet.common.names import TENANT_HEADER
 from pagefleet.router.scoring import Candidate, Pod
 
 OVERFLOW_TENANT = "~overflow"  # the tenants beyond max_tenants share this one
@@ -37,7 +38,7 @@ class FlowConfig:
     queue_timeout: float = 120.0  # seconds a request may be held
     saturation_waiting: float | None = None  # vllm:num_requests_waiting >= this: saturated
     saturation_kv: float | None = None  # vllm:kv_cache_usage_perc >= this: saturated
-    tenant_header: str = "x-tenant-id"
+    tenant_header: str = TENANT_HEADER
     max_tenants: int = 64  # per model
     max_models: int = 32
 

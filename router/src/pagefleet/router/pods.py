@@ -86,6 +86,12 @@ class PodRegistry:
         if self.on_lost:
             self.on_lost(name)
 
+    def reachable(self) -> list[Pod]:
+        """Pods worth asking a question routing does not hang on (their /v1/models): ready
+        ones first, then those not scraped yet; ejected ones not at all."""
+        live = [st for st in self.status.values() if not st.ejected]
+        return [st.pod for st in sorted(live, key=lambda st: not st.ready)]
+
     def pods(self, now: float) -> list[Pod]:
         """Pods with their freshest load. A pod whose data is stale reads as the fleet's mean
         load (unknown, neither idle nor busy); one not ready (never scraped, or ejected) reads
