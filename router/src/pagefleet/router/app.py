@@ -57,6 +57,7 @@ from pagefleet.common.http_errors import (
 )
 from pagefleet.common.names import TENANT_HEADER
 from pagefleet.router.flow_control import FlowConfig, FlowControl, Held, tenant_of
+from pagefleet.router.openapi import declare_bodies
 from pagefleet.router.pd import (
     decode_body,
     refuse_fleet_fields,
@@ -426,6 +427,7 @@ def build_router_app(router: Router, client: httpx.AsyncClient | None = None) ->
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    declare_bodies(app)
     return app
 
 
