@@ -255,6 +255,20 @@ def chat(http, **body):
     return http.post("/v1/chat/completions", json={"messages": messages, "seed": 0, **body})
 
 
+def test_a_grammar_compiled_long_ago_is_served_from_the_cache(http):
+    """A constraint compiled more than the compile time limit ago comes from the cache: before,
+    the server waited for the cached compile with what was left of the limit (nothing), and
+    answered 400 "took too long" (a CI flake whenever the second request came 10 s later)."""
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": POINTS}}
+    assert chat(http, response_format=rf, max_tokens=60).status_code == 200
+    compiler = http.app.state.server.engine.engine.grammars.compiler
+    for entry in compiler._cache.values():
+        entry.started -= 3600  # compiled an hour ago
+    again = chat(http, response_format=rf, max_tokens=60)
+    assert again.status_code == 200, again.text
+    jsonschema.validate(json.loads(again.json()["choices"][0]["message"]["content"]), POINTS)
+
+
 def test_response_format_json_schema_on_chat_streamed_and_not(http):
     rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": POINTS, "strict": True}}
     body = chat(http, response_format=rf, max_tokens=120, n=2).json()

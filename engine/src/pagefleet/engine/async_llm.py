@@ -206,6 +206,9 @@ class AsyncLLM:
         the time limit."""
         compiler = self.engine.grammars.compiler
         entry = compiler.compile(constraint, tenant)
+        if entry.future.done():  # cached: however long ago it compiled (or failed)
+            compiler.result(entry)
+            return
         remaining = compiler.timeout_s - (time.monotonic() - entry.started)
         try:  # shielded: a waiter's timeout must not cancel the shared compile
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry.future)), remaining)
