@@ -7,10 +7,10 @@ past its probes, and rolls an engine Deployment.
 Every request is accounted for: succeeded (greedy text equal to the offline engine's), wrong
 (a 200 with other text: a defect), failed with a retryable status and Retry-After, failed
 otherwise (by reason), or lost (no answer before the client's timeout). At the end no engine
-may hold a KV block. Each fault's window runs from a second before it until the lab shows it
-healed (the pod Ready again, the roll done) plus a margin: the success rate outside every
-window is the fleet's steady reliability. TTFT (streamed requests) is reported per phase (the
-last fault begun before the request).
+may hold a KV block. Each fault has a window (see `Window`) over its deployment's requests:
+the success rate outside every window is the fleet's reliability under churn, and an engine
+that dies, freezes or rolls must cost no more than the requests it was serving. TTFT (streamed
+requests) is reported per phase (the last fault begun before the request).
 
 `plan_short()` runs in `make test` (e2e/cluster/test_soak.py); benchmarks/soak.py runs the long
 plan and writes the table docs/benchmarks.md records.
@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -37,6 +38,7 @@ from .fleet import (
     for_cpu,
     md_pods,
     metrics,
+    pod_url,
     prepare_namespace,
     ready,
     router_url,
@@ -49,7 +51,7 @@ NS = "soak"
 PD, COLO = "soak-pd", "soak-colo"
 MODEL = "tiny"
 MAX_TOKENS = 12
-WINDOW_MARGIN_S = 3.0  # after a fault healed, the fleet's caches and scrapes settle
+WINDOW_MARGIN_S = 3.0  # after a fault, the routers' scrapes and ejections settle
 # Engines let blocks held for a decode pod go after this long (the default is 120 s): a
 # decode that died mid-transfer must not leave them held past the soak's end.
 HOLD_TIMEOUT_S = 10
@@ -85,16 +87,16 @@ class Plan:
 def plan_short() -> Plan:
     """One fault of each kind in under a minute of load (the CI soak)."""
     return Plan(
-        duration_s=55,
-        max_requests=400,
+        duration_s=40,
+        max_requests=300,
         rate=2.0,
         faults=(
-            Fault(6, "kill-engine", COLO),
-            Fault(14, "cut-link", PD, "prefill", hold_s=4),
-            Fault(22, "kill-router", PD),
-            Fault(28, "freeze", COLO, hold_s=9),
-            Fault(34, "kill-operator", ""),
-            Fault(38, "roll", COLO),
+            Fault(4, "kill-engine", COLO),
+            Fault(8, "cut-link", PD, "prefill", hold_s=3),
+            Fault(14, "kill-router", PD),
+            Fault(19, "freeze", COLO, hold_s=7),
+            Fault(27, "roll", COLO),
+            Fault(32, "kill-operator", ""),
         ),
     )
 
@@ -292,10 +294,22 @@ class LoadGenerator:
 
 @dataclass
 class Window:
+    """A fault's seconds: the requests of its deployment (every deployment's, for the
+    operator) that overlap [start, end] are "around" it. The window closes WINDOW_MARGIN_S
+    after the fault itself ends (a kill, the link back up, the pod resumed, the roll begun);
+    only a router kill keeps it open until the router is Ready again, since nothing else can
+    answer its clients. `recovered` is when the lab showed the victim back (a pod restarted
+    and Ready, the roll done), for the report."""
+
     fault: Fault
     start: float  # seconds since the soak began
-    end: float | None = None  # when the lab showed it healed (plus the margin)
+    end: float = 0.0
+    recovered: float | None = None
     detail: str = ""
+
+    def covers(self, o: Outcome) -> bool:
+        scoped = not self.fault.deployment or self.fault.deployment == o.deployment
+        return scoped and o.start <= self.end and o.end >= self.start
 
 
 def container_pid(pod: dict) -> int:
@@ -323,11 +337,13 @@ def ready_again(lab: Lab, pod: dict) -> bool:
 
 
 class Chaos:
-    """Runs a plan's faults at their times and measures when the lab shows each healed."""
+    """Runs a plan's faults at their times; each returns (whether its window waits for the
+    recovery, the recovery's predicate), measured on a thread of its own."""
 
     def __init__(self, fleet: Fleet, t0: float) -> None:
         self.fleet, self.lab, self.t0 = fleet, fleet.lab, t0
         self.windows: list[Window] = []
+        self.watchers: list[threading.Thread] = []
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -339,14 +355,26 @@ class Chaos:
                 time.sleep(delay)
             window = Window(fault, self.now() - 1.0)
             self.windows.append(window)
-            healed = getattr(self, "_" + fault.kind.replace("-", "_"))(fault, window)
-            threading.Thread(target=self._until_healed, args=(window, healed)).start()
-
-    def _until_healed(self, window: Window, healed) -> None:
-        try:
-            self.lab.wait_for(healed, 300, f"{window.fault.kind} to heal")
-        finally:
+            until_recovered, recovered = getattr(self, "_" + fault.kind.replace("-", "_"))(
+                fault, window
+            )
             window.end = self.now() + WINDOW_MARGIN_S
+            watcher = threading.Thread(
+                target=self._recovery, args=(window, recovered, until_recovered)
+            )
+            watcher.start()
+            self.watchers.append(watcher)
+
+    def wait(self) -> None:
+        for watcher in self.watchers:
+            watcher.join()
+
+    def _recovery(self, window: Window, recovered, window_waits: bool) -> None:
+        with contextlib.suppress(AssertionError):  # reported as never recovered
+            self.lab.wait_for(recovered, 300, f"{window.fault.kind} to recover")
+            window.recovered = self.now()
+            if window_waits:
+                window.end = window.recovered + WINDOW_MARGIN_S
 
     def _kill(self, pod: dict, window: Window):
         restarts = pod["status"]["containerStatuses"][0]["restartCount"]
@@ -355,42 +383,37 @@ class Chaos:
         return lambda: restarted_and_ready(self.lab, pod, restarts)
 
     def _kill_engine(self, fault: Fault, window: Window):
-        return self._kill(pods_of(self.lab, fault)[0], window)
+        return False, self._kill(pods_of(self.lab, fault)[0], window)
 
     def _kill_router(self, fault: Fault, window: Window):
-        return self._kill(pods_of(self.lab, fault, "router")[0], window)
+        return True, self._kill(pods_of(self.lab, fault, "router")[0], window)
 
     def _kill_operator(self, fault: Fault, window: Window):
-        """SIGKILL, then a new operator process (as its Deployment's ReplicaSet would)."""
+        """SIGKILL, then a new operator process (as its Deployment's ReplicaSet would), back
+        once it holds the leader Lease (the dead one's expires first)."""
         fleet = self.fleet
-        fleet.operator.kill()
+        os.killpg(fleet.operator.pid, signal.SIGKILL)  # its whole group, as a container's
         fleet.operator.wait()
+        self.lab.processes.remove(fleet.operator)
         fleet.restarts += 1
-        fleet.operator = start_operator(
-            self.lab, "--autoscale-interval", "1", name=f"operator-{fleet.restarts}"
-        )
-        window.detail = f"operator-{fleet.restarts}"
-        return lambda: fleet.operator.poll() is None
+        name = f"operator-{fleet.restarts}"
+        fleet.operator = start_operator(self.lab, "--autoscale-interval", "1", name=name)
+        window.detail = name
+        return False, lambda: "took the lease" in self.lab.log(name)
 
     def _cut_link(self, fault: Fault, window: Window):
-        """The prefill pod's eth0 down for `hold_s`, cut while it holds blocks for a decode
-        pod if one comes within a few seconds (mid-transfer), then up with its route."""
+        """The prefill pod's eth0 down for `hold_s`, cut once it is prefilling or holding
+        blocks for a decode pod (the hand-off then fails or waits), then up with its route."""
         pod = pods_of(self.lab, fault)[0]
         netns = self.lab.network.pod_netns[pod["metadata"]["uid"]]
-        with contextlib.suppress(AssertionError):
-            self.lab.wait_for(
-                lambda: metrics(self.lab, pod).get("pagefleet:kv_transfer_held_blocks", 0) > 0,
-                5,
-                "a transfer in flight",
-            )
-        held = metrics(self.lab, pod).get("pagefleet:kv_transfer_held_blocks", 0)
+        state = self.lab.in_lab(in_flight, pod_url(pod))
         _ip("-n", netns, "link", "set", "eth0", "down")
-        window.detail = f"{pod['metadata']['name']} ({held:.0f} blocks held at the cut)"
+        window.detail = f"{pod['metadata']['name']}, cut {state or 'while idle'}"
         time.sleep(fault.hold_s)
         _ip("-n", netns, "link", "set", "eth0", "up")
         with contextlib.suppress(subprocess.CalledProcessError):  # gone with the link or not
             _ip("-n", netns, "route", "add", "default", "via", self.lab.network.node_ip)
-        return lambda: ready_again(self.lab, pod)
+        return False, lambda: ready_again(self.lab, pod)
 
     def _freeze(self, fault: Fault, window: Window):
         pod = pods_of(self.lab, fault)[0]
@@ -402,26 +425,47 @@ class Chaos:
         finally:
             with contextlib.suppress(ProcessLookupError):  # the kubelet may have killed it
                 os.killpg(group, signal.SIGCONT)
-        return lambda: ready_again(self.lab, pod)
+        return False, lambda: ready_again(self.lab, pod)
 
     def _roll(self, fault: Fault, window: Window):
-        """A new engine pod template (one engine arg changed): the pool's Deployment rolls."""
+        """A new engine pod template (one engine arg changed): the pool's Deployment rolls,
+        pod by pod, each old one draining on SIGTERM."""
         md = self.lab.kube.get("pagefleet.io/v1alpha1", "ModelDeployment", NS, fault.deployment)
         args = dict(md["spec"]["engineArgs"])
         args["max-num-seqs"] = 64 if args.get("max-num-seqs") != 64 else 32
         self.lab.kube.patch(md, {"spec": {"engineArgs": args}})
         window.detail = f"max-num-seqs {args['max-num-seqs']}"
-        names = {p["metadata"]["name"] for p in pods_of(self.lab, fault)}
-        engines = len(names)
+        old = {p["metadata"]["name"] for p in md_pods(self.lab, NS, fault.deployment)}
+        replicas = sum(pool.get("replicas", 1) for pool in md["spec"]["pools"].values())
 
         def rolled() -> bool:
-            now = pods_of(self.lab, fault)
             pods = md_pods(self.lab, NS, fault.deployment)
-            return len(now) == len(pods) == engines and not names & {
-                p["metadata"]["name"] for p in now
-            }
+            names = {p["metadata"]["name"] for p in ready(pods)}
+            return len(pods) == len(names) == replicas and not names & old
 
-        return rolled
+        return False, rolled
+
+
+def in_flight(url: str, within_s: float = 8.0) -> str:
+    """Poll a prefill pod's gauges every 20 ms until it is prefilling or holding blocks for a
+    decode pod (the moment to cut its link); what it was doing, or "" if neither came."""
+    deadline = time.monotonic() + within_s
+    with httpx.Client(timeout=2) as http:
+        while time.monotonic() < deadline:
+            text = http.get(f"{url}/metrics").text
+            held = gauge(text, "pagefleet:kv_transfer_held_blocks")
+            if held:
+                return f"{held:.0f} blocks held"
+            if gauge(text, "vllm:num_requests_running"):
+                return "prefilling"
+            time.sleep(0.02)
+    return ""
+
+
+def gauge(text: str, name: str) -> float:
+    """A metric's value in Prometheus text, summed over its label sets."""
+    pattern = rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$"
+    return sum(float(v) for v in re.findall(pattern, text, re.MULTILINE))
 
 
 def _ip(*args: str) -> None:
@@ -440,6 +484,7 @@ class Report:
     held_blocks: float
     busy_engines: list[str]  # engines still running or holding requests at the end
     seconds: float
+    transfers: dict[str, float] = field(default_factory=dict)  # decode pods' KV pulls
 
     def verdict(self, o: Outcome) -> str:
         if o.timed_out:
@@ -451,10 +496,7 @@ class Report:
         return "failed: " + (o.error or f"HTTP {o.status}")
 
     def around_a_fault(self, o: Outcome) -> bool:
-        return any(
-            o.start <= (w.end if w.end is not None else self.seconds) and o.end >= w.start
-            for w in self.windows
-        )
+        return any(w.covers(o) for w in self.windows)
 
     def counts(self) -> Counter:
         return Counter(self.verdict(o) for o in self.outcomes)
@@ -484,19 +526,28 @@ class Report:
             "",
             f"success outside the fault windows: {calm_ok}/{calm}"
             f" ({100 * calm_ok / max(calm, 1):.1f}%); KV blocks held at the end:"
-            f" {self.held_blocks:.0f}",
+            f" {self.held_blocks:.0f}; decode pods' KV pulls (since their last start):"
+            f" {self.transfers}",
             "",
-            "| phase | fault at (s) | healed by (s) | requests | ok | TTFT p50 (ms) | p99 (ms) |",
-            "|---|---|---|---|---|---|---|",
+            "| phase | fault at (s) | window to (s) | back at (s) | requests | ok |"
+            " TTFT p50 (ms) | p99 (ms) |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for (name, outcomes), window in zip(self.phases(), [None, *self.windows], strict=True):
             ttfts = sorted(o.ttft for o in outcomes if o.ttft is not None)
             at = f"{window.start + 1:.0f}" if window else "-"
-            healed = f"{window.end:.0f}" if window and window.end is not None else "-"
+            until = f"{window.end:.0f}" if window else "-"
+            back = (
+                "-"
+                if window is None
+                else "never"
+                if window.recovered is None
+                else (f"{window.recovered:.0f}")
+            )
             detail = f" ({window.detail})" if window and window.detail else ""
             ok = sum(self.verdict(o) == "ok" for o in outcomes)
             lines.append(
-                f"| {name}{detail} | {at} | {healed} | {len(outcomes)} | {ok} |"
+                f"| {name}{detail} | {at} | {until} | {back} | {len(outcomes)} | {ok} |"
                 f" {_ms(ttfts, 0.5)} | {_ms(ttfts, 0.99)} |"
             )
         return "\n".join(lines)
@@ -535,15 +586,23 @@ def run_soak(fleet: Fleet, plan: Plan, offline) -> Report:
     load.wait()
     seconds = time.monotonic() - t0
     lab = fleet.lab
-    lab.wait_for(lambda: all(w.end is not None for w in chaos.windows), 300, "every fault healed")
+    chaos.wait()  # every victim back (or given up on): the end state counts every engine
     # Blocks a dead decode pod never read go at the hold timeout; requests end on their own.
     with contextlib.suppress(AssertionError):
         lab.wait_for(lambda: quiesced(lab) == (0.0, []), HOLD_TIMEOUT_S * 3, "engines idle")
     held, busy = quiesced(lab)
+    transfers: Counter = Counter()
+    for pod in ready(md_pods(lab, NS, PD)):
+        if pod["metadata"]["labels"].get("pagefleet.io/role") == "decode":
+            m = metrics(lab, pod)
+            for what in ("transfers", "failures", "fallbacks"):
+                transfers[what] += m.get(f"pagefleet:kv_transfer_{what}_total", 0.0)
     expected = {}
     for o in load.outcomes:
         key = (o.kind, o.prompt)
         if key not in expected:
             answer = offline.chat if o.kind == "chat" else offline.complete
             expected[key] = answer(o.prompt, MAX_TOKENS)
-    return Report(plan, load.outcomes, chaos.windows, expected, held, busy, seconds)
+    return Report(
+        plan, load.outcomes, chaos.windows, expected, held, busy, seconds, dict(transfers)
+    )
