@@ -1,17 +1,18 @@
 """Scenario: the metrics path with a real Prometheus. The lab's Prometheus scrapes the engine and
 router pods at their IPs with the scrape config the Prometheus Operator makes of the chart's
 ServiceMonitor, and evaluates the chart's PrometheusRule. The operator runs with
---prometheus-url: a pool at zero wakes for requests the router holds, grows on the engines'
-queue and returns to zero, reading only Prometheus. Meanwhile every shipped query is evaluated
-under load:
+--prometheus-url: a pool at zero wakes for the requests the router holds and returns to zero
+when the load stops, reading only Prometheus. On the way every shipped query is evaluated:
 
-- each KEDA trigger the operator renders returns, at Prometheus' first scrape after a reading,
-  the value the builtin autoscaler reads from the pods themselves;
-- each dashboard panel's expression (Grafana's variables substituted as Grafana does) returns
-  the series it is meant to, with the labels its legend and grouping use, and its variables
-  offer the namespace and model;
-- an engine killed fires PagefleetEngineDown for that pod alone (not for the pods that were
-  still loading their model).
+- each KEDA trigger the operator renders for the pool returns, at Prometheus' first scrape
+  after a reading, the value the builtin autoscaler reads from the pods themselves (the
+  router's queue at zero, the engine's waiting and running requests under load);
+- the engine killed fires PagefleetEngineDown for that pod alone, and nothing fired before it
+  (not while the engine loaded its model, when Prometheus already scraped it);
+- under load each dashboard panel's expression (Grafana's variables substituted as Grafana
+  does, run as Grafana runs a panel: a range query at $__interval) returns the series it is
+  meant to, with the labels its legend and grouping use; its variables offer the namespace
+  and the model.
 
 What it catches: a renamed metric or label (a panel, trigger or alert returns nothing), a
 relabeling missing from the ServiceMonitor (pagefleet_io_pool, namespace, pod), a trigger whose
