@@ -86,14 +86,14 @@ def target_relabelings(spec: dict, port: str) -> list[dict]:
             "regex": port,
         },
         {
-            "source_labels": kind_name,
+            "source_labels": list(kind_name),
             "separator": ";",
             "regex": "Node;(.*)",
             "replacement": "${1}",
             "target_label": "node",
         },
         {
-            "source_labels": kind_name,
+            "source_labels": list(kind_name),
             "separator": ";",
             "regex": "Pod;(.*)",
             "replacement": "${1}",
