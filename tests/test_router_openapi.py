@@ -37,7 +37,7 @@ def test_fuzzing_the_router_through_to_an_engine_finds_no_server_error(tiny_chec
 
     path = tiny_checkpoints["llama"]
     with (
-        running_server(path) as (engine, engine_proc),
+        running_server(path, timeout=180) as (engine, engine_proc),
         running_router("--endpoints", engine, "--tokenizer", path, "--model", "tiny") as (
             router,
             router_proc,
