@@ -594,6 +594,8 @@ async def _route(
     """The request's candidates, once an engine can take it (held meanwhile), or the answer
     that ends it (503 full or past its deadline, 499 client left, 400)."""
     router = state.router
+    if router.clock() >= deadline:  # tried again and again: engines that come and go
+        return _refuse(router, router.flow.label(model), "deadline")
     try:
         routed = router.decide(path, body, _role(router), hashes)
         if router.flow.must_hold(model, routed.candidates):
