@@ -45,7 +45,7 @@ from .fleet import (
     start_operator,
     wait_serving,
 )
-from .lab import Lab
+from .lab import Lab, wait_for
 
 NS = "soak"
 PD, COLO = "soak-pd", "soak-colo"
@@ -371,7 +371,7 @@ class Chaos:
 
     def _recovery(self, window: Window, recovered, window_waits: bool) -> None:
         with contextlib.suppress(AssertionError):  # reported as never recovered
-            self.lab.wait_for(recovered, 300, f"{window.fault.kind} to recover")
+            wait_for(recovered, 300, f"{window.fault.kind} to recover")
             window.recovered = self.now()
             if window_waits:
                 window.end = window.recovered + WINDOW_MARGIN_S
@@ -588,8 +588,8 @@ def run_soak(fleet: Fleet, plan: Plan, offline) -> Report:
     lab = fleet.lab
     chaos.wait()  # every victim back (or given up on): the end state counts every engine
     # Blocks a dead decode pod never read go at the hold timeout; requests end on their own.
-    with contextlib.suppress(AssertionError):
-        lab.wait_for(lambda: quiesced(lab) == (0.0, []), HOLD_TIMEOUT_S * 3, "engines idle")
+    with contextlib.suppress(AssertionError):  # what is left is reported
+        wait_for(lambda: quiesced(lab) == (0.0, []), HOLD_TIMEOUT_S * 3, "engines idle")
     held, busy = quiesced(lab)
     transfers: Counter = Counter()
     for pod in ready(md_pods(lab, NS, PD)):
