@@ -575,6 +575,27 @@ def quiesced(lab: Lab) -> tuple[float, list[str]]:
     return held, busy
 
 
+def offline_answers(offline, keys: set[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    """The offline engine's greedy text for each (kind, prompt), in one batch: the answer a
+    request must get whichever pods served it."""
+    from pagefleet.engine.sampling_params import SamplingParams
+
+    keys = sorted(keys)
+    prompts = []
+    for kind, prompt in keys:
+        if kind == "chat":
+            messages = [{"role": "user", "content": prompt}]
+            ids = offline.tokenizer.apply_chat_template(
+                messages, tokenize=True, add_generation_prompt=True
+            )
+            prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+        else:
+            prompts.append(prompt)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outputs = offline.llm.generate(prompts, params, use_tqdm=False)
+    return {key: out.outputs[0].text for key, out in zip(keys, outputs, strict=True)}
+
+
 def run_soak(fleet: Fleet, plan: Plan, offline) -> Report:
     """Load and faults at once, every answer in, then the engines' end state."""
     t0 = time.monotonic()
@@ -597,12 +618,7 @@ def run_soak(fleet: Fleet, plan: Plan, offline) -> Report:
             m = metrics(lab, pod)
             for what in ("transfers", "failures", "fallbacks"):
                 transfers[what] += m.get(f"pagefleet:kv_transfer_{what}_total", 0.0)
-    expected = {}
-    for o in load.outcomes:
-        key = (o.kind, o.prompt)
-        if key not in expected:
-            answer = offline.chat if o.kind == "chat" else offline.complete
-            expected[key] = answer(o.prompt, MAX_TOKENS)
+    expected = offline_answers(offline, {(o.kind, o.prompt) for o in load.outcomes})
     return Report(
         plan, load.outcomes, chaos.windows, expected, held, busy, seconds, dict(transfers)
     )
