@@ -155,10 +155,38 @@ def deployments() -> list[dict]:
 
 @dataclass
 class Fleet:
+    """The lab and what runs on its node: the operator is a process there, restarted when it
+    exits (as its Deployment would restart it: a leader that missed its renew deadline exits
+    on purpose)."""
+
     lab: Lab
     operator: subprocess.Popen
     urls: dict[str, str] = field(default_factory=dict)  # deployment -> its router's URL
-    restarts: int = 0  # operator restarts (names its processes)
+    restarts: int = 0  # operator processes started after the first (names their logs)
+    exits: int = 0  # operator processes that exited on their own
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def kill_operator(self) -> str:
+        """SIGKILL the operator's process group (as a container's), start a new one; its
+        name."""
+        with self.lock:
+            os.killpg(self.operator.pid, signal.SIGKILL)
+            return self._replace_operator()
+
+    def supervise(self, stop: threading.Event) -> None:
+        while not stop.wait(1.0):
+            with self.lock:
+                if self.operator.poll() is not None:
+                    self.exits += 1
+                    self._replace_operator()
+
+    def _replace_operator(self) -> str:
+        self.operator.wait()
+        self.lab.processes.remove(self.operator)
+        self.restarts += 1
+        name = f"operator-{self.restarts}"
+        self.operator = start_operator(self.lab, "--autoscale-interval", "1", name=name)
+        return name
 
 
 def start_fleet(lab: Lab) -> Fleet:
@@ -391,13 +419,7 @@ class Chaos:
     def _kill_operator(self, fault: Fault, window: Window):
         """SIGKILL, then a new operator process (as its Deployment's ReplicaSet would), back
         once it holds the leader Lease (the dead one's expires first)."""
-        fleet = self.fleet
-        os.killpg(fleet.operator.pid, signal.SIGKILL)  # its whole group, as a container's
-        fleet.operator.wait()
-        self.lab.processes.remove(fleet.operator)
-        fleet.restarts += 1
-        name = f"operator-{fleet.restarts}"
-        fleet.operator = start_operator(self.lab, "--autoscale-interval", "1", name=name)
+        name = self.fleet.kill_operator()
         window.detail = name
         return False, lambda: "took the lease" in self.lab.log(name)
 
@@ -485,6 +507,7 @@ class Report:
     busy_engines: list[str]  # engines still running or holding requests at the end
     seconds: float
     transfers: dict[str, float] = field(default_factory=dict)  # decode pods' KV pulls
+    operator_exits: int = 0  # operator processes that exited on their own (restarted)
 
     def verdict(self, o: Outcome) -> str:
         if o.timed_out:
@@ -527,7 +550,7 @@ class Report:
             f"success outside the fault windows: {calm_ok}/{calm}"
             f" ({100 * calm_ok / max(calm, 1):.1f}%); KV blocks held at the end:"
             f" {self.held_blocks:.0f}; decode pods' KV pulls (since their last start):"
-            f" {self.transfers}",
+            f" {self.transfers}; operator exits on its own: {self.operator_exits}",
             "",
             "| phase | fault at (s) | window to (s) | back at (s) | requests | ok |"
             " TTFT p50 (ms) | p99 (ms) |",
@@ -601,13 +624,18 @@ def run_soak(fleet: Fleet, plan: Plan, offline) -> Report:
     t0 = time.monotonic()
     load, chaos = LoadGenerator(fleet, plan, t0), Chaos(fleet, t0)
     faults = threading.Thread(target=chaos.run, args=(plan.faults,), name="chaos")
+    stop = threading.Event()
+    supervisor = threading.Thread(target=fleet.supervise, args=(stop,), name="supervisor")
     faults.start()
+    supervisor.start()
     load.run()
     faults.join()
     load.wait()
     seconds = time.monotonic() - t0
     lab = fleet.lab
     chaos.wait()  # every victim back (or given up on): the end state counts every engine
+    stop.set()
+    supervisor.join()
     # Blocks a dead decode pod never read go at the hold timeout; requests end on their own.
     with contextlib.suppress(AssertionError):  # what is left is reported
         wait_for(lambda: quiesced(lab) == (0.0, []), HOLD_TIMEOUT_S * 3, "engines idle")
@@ -620,5 +648,13 @@ def run_soak(fleet: Fleet, plan: Plan, offline) -> Report:
                 transfers[what] += m.get(f"pagefleet:kv_transfer_{what}_total", 0.0)
     expected = offline_answers(offline, {(o.kind, o.prompt) for o in load.outcomes})
     return Report(
-        plan, load.outcomes, chaos.windows, expected, held, busy, seconds, dict(transfers)
+        plan,
+        load.outcomes,
+        chaos.windows,
+        expected,
+        held,
+        busy,
+        seconds,
+        dict(transfers),
+        fleet.exits,
     )
