@@ -115,8 +115,12 @@ def plan_long(duration_s: float = 600, rate: float = 3.0) -> Plan:
         Fault(175, "freeze", PD, "prefill", hold_s=8),  # past readiness only
     )
     period, faults, start = 200.0, [], 20.0
-    while start + period <= duration_s:
-        faults += [Fault(start + f.at_s, f.kind, f.deployment, f.role, f.hold_s) for f in cycle]
+    while start < duration_s:  # the last cycle cut short: no fault in the last 30 s
+        faults += [
+            Fault(start + f.at_s, f.kind, f.deployment, f.role, f.hold_s)
+            for f in cycle
+            if start + f.at_s + f.hold_s < duration_s - 30
+        ]
         start += period
     return Plan(duration_s, int(duration_s * rate * 2), rate, tuple(faults))
 
