@@ -220,7 +220,8 @@ def run_router(args: argparse.Namespace) -> int:
     import yaml
 
     from pagefleet.common.fleet_auth import curve_keys, load_fleet_secret
-    from pagefleet.router.app import Router, RouterConfig, build_router_app
+    from pagefleet.router.app import build_router_app
+    from pagefleet.router.core import Router, RouterConfig
     from pagefleet.router.flow_control import FlowConfig
     from pagefleet.router.kv_subscriber import KVEventSubscriber
     from pagefleet.router.pods import PodRegistry
