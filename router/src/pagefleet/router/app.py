@@ -47,6 +47,7 @@ from pagefleet.router.core import (
     RouterConfig,
     admit,
     disaggregate,
+    engine_headers,
     release_loop,
     wants_prefill,
 )
@@ -160,10 +161,7 @@ async def livez() -> Response:
 
 
 async def health(request: Request) -> Response:
-    router = _state(request).router
-    # Holding requests, the router can take them with no engine up (at zero replicas it must,
-    # or nothing would reach it to wake the pool).
-    if not router.flow.enabled and not any(p.healthy for p in router.registry.pods(router.clock())):
+    if not _state(request).router.accepting():
         return error_response(503, "no healthy engine", "service_unavailable")
     return Response(status_code=200)
 
@@ -180,7 +178,7 @@ async def models(request: Request) -> Response:
             try:
                 r = await state.client.get(
                     f"{pod.url}/v1/models",
-                    headers=_forward_headers({}, state.config.upstream_api_key),
+                    headers=engine_headers({}, state.config.upstream_api_key),
                 )
                 return JSONResponse(r.json(), r.status_code)
             except (httpx.HTTPError, ValueError):
@@ -216,7 +214,7 @@ async def proxy(state: AppState, path: str, request: Request) -> Response:
         functools.partial(wait_disconnect, request),
         functools.partial(_on_tokenizing_thread, state),
     )
-    routed.headers = _forward_headers(dict(request.headers), config.upstream_api_key)
+    routed.headers = engine_headers(dict(request.headers), config.upstream_api_key)
     if wants_prefill(router, routed):
         left = functools.partial(wait_disconnect, request)
         await disaggregate(router, state.client, routed, left)
@@ -275,15 +273,6 @@ async def _send_unless_client_leaves(client: httpx.AsyncClient, upstream, reques
             send.cancel()
             with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
                 await send
-
-
-def _forward_headers(request_headers: dict, api_key: str | None) -> dict:
-    keep = {"content-type", "x-request-id", "accept"}
-    headers = {k: v for k, v in request_headers.items() if k.lower() in keep}
-    headers.setdefault("content-type", "application/json")
-    if api_key:
-        headers["authorization"] = f"Bearer {api_key}"
-    return headers
 
 
 def _relay(

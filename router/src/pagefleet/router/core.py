@@ -270,6 +270,11 @@ class Router:
         self.metrics.decision.observe(time.perf_counter() - started)
         return RoutedRequest(path, body, hashes, routing, candidates)
 
+    def accepting(self) -> bool:
+        """Whether requests can be taken now: an engine is healthy, or they can be held (at
+        zero replicas they must be, or nothing would reach the router to wake the pool)."""
+        return self.flow.enabled or any(p.healthy for p in self.registry.pods(self.clock()))
+
     def serving_role(self) -> str | None:
         """The role of the pod that answers a request: decode where the fleet is
         disaggregated, else any that serves both."""
@@ -379,6 +384,17 @@ def read_request(
     if router.config.model and body.get("model") not in (None, router.config.model):
         return body, None
     return body, router.hashes_by_size(path, body, sizes)
+
+
+def engine_headers(request_headers: dict, api_key: str | None) -> dict:
+    """The headers a request carries to an engine: the client's content type, request id and
+    accept, and the router's own key (never the client's)."""
+    keep = {"content-type", "x-request-id", "accept"}
+    headers = {k: v for k, v in request_headers.items() if k.lower() in keep}
+    headers.setdefault("content-type", "application/json")
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    return headers
 
 
 def model_of(config: RouterConfig, body: dict) -> str:
