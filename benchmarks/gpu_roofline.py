@@ -183,8 +183,8 @@ def matmul_rate(device: torch.device, n: int, dtype: torch.dtype, iters: int) ->
 
 def build_model(shape: ModelShape, dtype: torch.dtype, device: torch.device, max_positions: int):
     """A random-weight CausalLM allocated straight in `dtype` on `device` (no checkpoint)."""
-    from pagefleet.engine.model.rope import RotaryEmbedding
-    from pagefleet.engine.model.transformer import CausalLM, ModelConfig
+    from pagefleet.engine.model import llama
+    from pagefleet.engine.model.config import ModelConfig
 
     cfg = ModelConfig(
         architecture="LlamaForCausalLM",
@@ -207,7 +207,7 @@ def build_model(shape: ModelShape, dtype: torch.dtype, device: torch.device, max
         bos_token_id=None,
     )
     with torch.device("meta"):
-        model = CausalLM(cfg, max_positions)
+        model = llama.build(cfg, max_positions)
     model = model.to(dtype).to_empty(device=device)  # allocated once, in the final dtype
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -215,7 +215,7 @@ def build_model(shape: ModelShape, dtype: torch.dtype, device: torch.device, max
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02)
-    model.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope).to(device)
+    model.materialize(device)
     return model.eval()
 
 

@@ -329,11 +329,11 @@ def test_the_engine_pool_arithmetic_per_rank_matches_its_tensor_parallel_shards(
     import torch
 
     from pagefleet.engine.model.parallel import TPLayout
-    from pagefleet.engine.model.transformer import ModelConfig
+    from pagefleet.engine.model.registry import model_config
     from pagefleet.engine.runner import kv_bytes_per_block
 
     for kv_heads in (1, 2, 4, 8):
-        config = ModelConfig.from_hf({**LLAMA3_8B, "num_key_value_heads": kv_heads})
+        config = model_config({**LLAMA3_8B, "num_key_value_heads": kv_heads})
         for size in (1, 2, 4, 8):
             if kv_heads % size and size % kv_heads:
                 continue

@@ -17,10 +17,11 @@ import torch
 from torch.testing import assert_close
 
 from hf_reference import ARCH_CASES, hf_model, randomise_biases
+from pagefleet.engine.model.layers import TPParts
 from pagefleet.engine.model.loader import load_model, read_config
 from pagefleet.engine.model.packed import PackedLinear, linear_add
 from pagefleet.engine.model.parallel import TPLayout
-from pagefleet.engine.model.transformer import ModelConfig, TPParts
+from pagefleet.engine.model.registry import model_config
 
 ROWS = 5
 CPU = torch.device("cpu")
@@ -90,7 +91,7 @@ def test_tp_shards_of_fused_layers_equal_slices_of_separate_projections(checkpoi
     and gate|up are its slices of HF's outputs; the row-parallel o_proj and down_proj partial
     sums add up to HF's output with the bias counted once."""
     path = checkpoints[name]
-    cfg = ModelConfig.from_hf(read_config(path))
+    cfg = model_config(read_config(path))
     hf_layer = hf_model(path).model.layers[0]
     x = _inputs(cfg.hidden_size, 0)
     heads_out = _inputs(cfg.num_heads * cfg.head_dim, 2)

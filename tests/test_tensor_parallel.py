@@ -16,7 +16,7 @@ from hf_reference import ARCH_CASES, randomise_biases
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.distributed.step_codec import decode_step, encode_step
 from pagefleet.engine.model.parallel import TPLayout
-from pagefleet.engine.model.transformer import ModelConfig
+from pagefleet.engine.model.registry import model_config
 from ray_nodes import RAY_ENV
 from server_utils import metric_value, running_server
 
@@ -164,7 +164,7 @@ def test_step_broadcast_round_trip(tiny_checkpoints):
 
 
 def _config(heads: int, kv_heads: int, intermediate: int = 128, vocab: int = 509):
-    return ModelConfig.from_hf(
+    return model_config(
         {
             "architectures": ["LlamaForCausalLM"],
             "vocab_size": vocab,

@@ -64,7 +64,8 @@ class StepSpec:
 def _runner(spec: StepSpec):
     """A model runner over a one-layer model shaped by the spec (prepare() builds metadata)."""
     from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
-    from pagefleet.engine.model.transformer import CausalLM, ModelConfig
+    from pagefleet.engine.model import llama
+    from pagefleet.engine.model.config import ModelConfig
     from pagefleet.engine.runner import ModelRunner
 
     cfg = ModelConfig(
@@ -87,7 +88,7 @@ def _runner(spec: StepSpec):
         eos_token_id=None,
         bos_token_id=None,
     )
-    model = CausalLM(cfg, 4096)
+    model = llama.build(cfg, 4096)
     return ModelRunner(
         model,
         spec.block_size,

@@ -17,7 +17,7 @@ import torch
 from pagefleet.common.capacity import CapacityPlan, kv_pool_plan
 from pagefleet.engine.attention.backend import select_backend
 from pagefleet.engine.config import EngineArgs
-from pagefleet.engine.model.transformer import CausalLM
+from pagefleet.engine.model.causal_lm import CausalLM
 from pagefleet.engine.request import Request
 from pagefleet.engine.runner import ModelRunner, kv_bytes_per_token
 from pagefleet.engine.sampling_params import SamplingParams

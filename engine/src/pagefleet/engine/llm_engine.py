@@ -41,13 +41,14 @@ from pagefleet.engine.kv_sizing import (
     kv_pool_blocks,
     kv_pool_plan_of,
 )
+from pagefleet.engine.model.causal_lm import CausalLM
 from pagefleet.engine.model.loader import (
     kv_cache_format,
     load_model,
     read_config,
     resolve_dtype,
 )
-from pagefleet.engine.model.transformer import CausalLM, ModelConfig
+from pagefleet.engine.model.registry import model_config
 from pagefleet.engine.outputs import (
     CompletionOutput,
     RequestMetrics,
@@ -143,7 +144,7 @@ class LLMEngine:
             )
         self.draft_model: CausalLM | None = None
         if args.simulate is not None:
-            self.model_config = ModelConfig.from_hf(hf_config)
+            self.model_config = model_config(hf_config)
             num_blocks = args.num_gpu_blocks_override or args.simulate.num_gpu_blocks
             self._log_kv_size(num_blocks, None)
             runner = SimulatedRunner(args.simulate, self.model_config.vocab_size)

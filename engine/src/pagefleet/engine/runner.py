@@ -22,7 +22,7 @@ from pagefleet.engine.attention.backend import (
 )
 from pagefleet.engine.cuda_graph import DecodeGraphs
 from pagefleet.engine.kv_cache.fp8 import check_fp8_backend
-from pagefleet.engine.model.transformer import CausalLM
+from pagefleet.engine.model.causal_lm import CausalLM
 from pagefleet.engine.outputs import TokenLogprobs
 from pagefleet.engine.request import Request
 from pagefleet.engine.sampler import top_logprobs
@@ -49,7 +49,7 @@ def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
     its bytes per value (1 for fp8)."""
     cfg = model.config
     return capacity.kv_bytes_per_token(
-        cfg.num_layers,
+        cfg.num_kv_layers,
         cfg.num_kv_heads,  # the checkpoint's: split (or replicated) over the TP ranks
         cfg.head_dim,
         torch.empty((), dtype=dtype).element_size(),
@@ -85,7 +85,7 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.kv_pool = torch.zeros(
-            cfg.num_layers,
+            cfg.num_kv_layers,
             2,
             model.num_kv_heads,
             num_blocks,
@@ -97,7 +97,7 @@ class ModelRunner:
         self.kv_scales = kv_scales
         self.kv_caches = [
             LayerKV(self.kv_pool[i, 0], self.kv_pool[i, 1], kv_scales[i] if kv_scales else None)
-            for i in range(cfg.num_layers)
+            for i in range(cfg.num_kv_layers)
         ]
         self.kv_cache_dtype = str(dtype).removeprefix("torch.")
         self.decode_graphs: DecodeGraphs | None = None  # see capture_decode_graphs

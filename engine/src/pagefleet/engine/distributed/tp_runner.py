@@ -40,6 +40,8 @@ from pagefleet.engine.distributed.step_codec import (
     stop_head,
 )
 from pagefleet.engine.kv_sizing import kv_pool_blocks
+from pagefleet.engine.model.causal_lm import CausalLM
+from pagefleet.engine.model.layers import TPParts
 from pagefleet.engine.model.loader import (
     kv_cache_format,
     load_model,
@@ -47,7 +49,7 @@ from pagefleet.engine.model.loader import (
     resolve_dtype,
 )
 from pagefleet.engine.model.parallel import TPLayout
-from pagefleet.engine.model.transformer import CausalLM, ModelConfig, TPParts
+from pagefleet.engine.model.registry import model_config
 from pagefleet.engine.outputs import TokenLogprobs
 from pagefleet.engine.request import Request
 from pagefleet.engine.runner import ModelRunner, prompt_logprob_entries
@@ -95,7 +97,7 @@ def check_tensor_parallel(args: EngineArgs, hf_config: dict) -> None:
                 f'--tensor-parallel-size > 1 moves KV over NIXL only: "kv_connector": '
                 f'"nixl" in --kv-transfer-config, not {connector!r}'
             )
-    TPLayout.of(ModelConfig.from_hf(hf_config), 0, args.tensor_parallel_size)
+    TPLayout.of(model_config(hf_config), 0, args.tensor_parallel_size)
 
 
 def start_rank_zero(
@@ -123,7 +125,7 @@ def start_rank_zero(
 
 def load_shard(job: ShardJob, group: RankGroup) -> CausalLM:
     """This rank's shard of the model, on its device."""
-    cfg = ModelConfig.from_hf(read_config(job.args.model))
+    cfg = model_config(read_config(job.args.model))
     tp = TPParts(TPLayout.of(cfg, group.rank, group.size), group)
     dtype = resolve_dtype(job.args.dtype, group.device)
     return load_model(job.args.model, dtype, group.device, job.max_model_len, tp)

@@ -1,13 +1,13 @@
-"""Load a local Hugging Face checkpoint directory: config, safetensors shards, tokenizer.
+"""Load a checkpoint into the model its family builds: config, tensors, tokenizer dtype.
 
-Weights stream shard by shard into a model built without initialisation; q/k/v and gate/up
-projections are concatenated on the way in (the model runs them as one matmul each). A
-tensor-parallel rank reads only its slice of each tensor from the file (see model/parallel.py).
+The model is built on the meta device (no initialisation), materialised on the target device,
+then every checkpoint tensor goes to the parameter its name maps to, through that parameter's
+weight loader (model/weights.py), which reads only this rank's slice under tensor parallelism.
+A parameter whose parts did not all arrive is an error naming it.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -19,10 +19,14 @@ from pagefleet.engine.kv_cache.fp8 import (
     is_kv_scale,
     read_kv_scales,
 )
+from pagefleet.engine.model.causal_lm import CausalLM
+from pagefleet.engine.model.checkpoint import read_config, tensor_sources, weight_files
+from pagefleet.engine.model.layers import TPParts
 from pagefleet.engine.model.packed import prepack_supported
-from pagefleet.engine.model.parallel import TPLayout
-from pagefleet.engine.model.rope import RotaryEmbedding
-from pagefleet.engine.model.transformer import CausalLM, ModelConfig, TPParts
+from pagefleet.engine.model.registry import family_of, model_config
+from pagefleet.engine.model.weights import param_loaders
+
+__all__ = ["kv_cache_format", "load_model", "read_config", "resolve_dtype", "weight_files"]
 
 DTYPES = {
     "float32": torch.float32,
@@ -30,13 +34,6 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "half": torch.float16,
-}
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 
 
@@ -55,38 +52,22 @@ def kv_cache_format(
     per-layer (k_scale, v_scale): the checkpoint's calibrated ones, 1.0 where it has none. Every
     tensor-parallel rank reads the same scales (they are per layer, not per head)."""
     if is_fp8(kv_cache_dtype):
-        num_layers = ModelConfig.from_hf(read_config(path)).num_layers
+        num_layers = model_config(read_config(path)).num_layers
         return FP8_KV_DTYPE, read_kv_scales(weight_files(Path(path)), num_layers)
     return (dtype if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype, device)), None
 
 
-def read_config(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model path {str(path)!r} is not a directory")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{path} has no config.json")
-    return json.loads(config_file.read_text())
-
-
-def weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (path / s).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{path} lacks shards named in its index: {missing}")
-        return [path / s for s in shards]
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    found = sorted(path.glob("*.safetensors"))
-    if found:
-        return found
-    raise FileNotFoundError(
-        f"{path} has no weights: expected model.safetensors or model.safetensors.index.json"
-    )
+def build_model(
+    hf_config: dict, dtype: torch.dtype, device: torch.device, max_positions: int, tp=None
+) -> CausalLM:
+    """The family's model for this config, materialised (uninitialised) on `device`."""
+    family, arch = family_of(hf_config)
+    cfg = family.config_from_hf(hf_config, arch)
+    with torch.device("meta"):
+        model = family.build(cfg, max_positions, tp)
+    model = model.to_empty(device=device).to(dtype)
+    model.materialize(device)
+    return model
 
 
 def load_model(
@@ -100,106 +81,38 @@ def load_model(
     """The model (or with `tp`, this rank's shard of it) on `device`, in `dtype`; on a float32
     CPU model the linear layers then run on oneDNN-prepacked weights (model/packed.py) unless
     `prepack` is False (the benchmarks' and tests' unpacked reference)."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    cfg = ModelConfig.from_hf(read_config(path))
-    files = weight_files(path)
-    layout = tp.layout if tp else None
-    with torch.device("meta"):
-        model = CausalLM(cfg, max_positions, tp)
-    model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope).to(device)
-    params = dict(model.named_parameters())
-    # Each fused parameter is filled part by part; remember which parts arrived.
-    loaded: set[str] = set()
-    fused_parts: dict[str, set[int]] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                target, part = _target(name)
-                if target is None or (cfg.tie_word_embeddings and target == "lm_head.weight"):
-                    continue
-                if target not in params:
-                    raise ValueError(f"unexpected weight {name!r} in {file.name}")
-                dest = params[target]
-                if layout is None:
-                    tensor = f.get_tensor(name)
-                else:
-                    tensor = _read_slice(f, name, layout.checkpoint_slice(target, part, cfg))
-                    dest = _vocab_rows(dest, target, layout)
-                _copy(dest, tensor, part, _part_sizes(target, cfg, layout), target)
-                loaded.add(target)
-                if part is not None:
-                    fused_parts.setdefault(target, set()).add(part)
-    if cfg.tie_word_embeddings:
-        loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
-    incomplete = sorted(t for t, parts in fused_parts.items() if len(parts) < _num_parts(t))
-    if missing or incomplete:
-        raise ValueError(f"checkpoint {path} lacks weights: {missing + incomplete}")
+    model = build_model(read_config(path), dtype, device, max_positions, tp)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaders = param_loaders(model)
+    arrived: dict[str, set] = {}
+    for source in tensor_sources(path):
+        if is_kv_scale(source.name):
+            continue  # KV scales belong to the cache (kv_cache_format), not the weights
+        target = model.checkpoint_target(source.name)
+        if target is None:
+            continue
+        name, part = target
+        if name not in loaders:
+            raise ValueError(f"unexpected weight {source.name!r} in checkpoint {path}")
+        loaders[name].load(params[name], source, part)
+        arrived.setdefault(name, set()).add(part)
+    _check_complete(model, loaders, arrived, path)
     if prepack and prepack_supported(device, dtype):
         model.prepack()
     return model.eval()
 
 
-def _target(name: str) -> tuple[str | None, int | None]:
-    if name.endswith("rotary_emb.inv_freq") or is_kv_scale(name):
-        return None, None  # KV scales belong to the cache (kv_cache_format), not the weights
-    name = name.removeprefix("model.")
-    for hf, (ours, part) in _FUSED.items():
-        if f".{hf}." in name:
-            return name.replace(hf, ours), part
-    return name, None
-
-
-def _num_parts(target: str) -> int:
-    return 3 if "qkv_proj" in target else 2
-
-
-def _read_slice(f, name: str, piece: tuple[int, int, int] | None) -> torch.Tensor:
-    """Only this rank's rows (dim 0) or columns (dim 1) of a tensor, read from the file."""
-    if piece is None:
-        return f.get_tensor(name)
-    dim, start, length = piece
-    lazy = f.get_slice(name)
-    return lazy[start : start + length] if dim == 0 else lazy[:, start : start + length]
-
-
-def _vocab_rows(param: torch.Tensor, target: str, layout: TPLayout) -> torch.Tensor:
-    """The rows of a vocabulary slice the checkpoint fills; the padding past the vocabulary's
-    end (last rank only) is zeroed, as no token reaches it."""
-    if target not in ("embed_tokens.weight", "lm_head.weight"):
-        return param
-    rows = layout.vocab_end - layout.vocab_start
-    with torch.no_grad():
-        param[rows:].zero_()
-    return param[:rows]
-
-
-def _part_sizes(target: str, cfg: ModelConfig, layout: TPLayout | None) -> list[int]:
-    """Rows of each checkpoint projection inside a fused parameter (of this rank's shard)."""
-    if "qkv_proj" in target:
-        heads = layout.num_heads if layout else cfg.num_heads
-        kv_heads = layout.num_kv_heads if layout else cfg.num_kv_heads
-        q, kv = heads * cfg.head_dim, kv_heads * cfg.head_dim
-        return [q, kv, kv]
-    return [layout.intermediate_size if layout else cfg.intermediate_size] * 2
-
-
-@torch.no_grad()
-def _copy(param, tensor, part: int | None, sizes: list[int], target: str) -> None:
-    if part is None:
-        if param.shape != tensor.shape:
-            raise ValueError(f"{target}: checkpoint shape {tuple(tensor.shape)} != {param.shape}")
-        param.copy_(tensor)
-        return
-    start = sum(sizes[:part])
-    dest = param.narrow(0, start, sizes[part])
-    if dest.shape != tensor.shape:
-        raise ValueError(
-            f"{target}[{part}]: checkpoint shape {tuple(tensor.shape)} != {dest.shape}"
-        )
-    dest.copy_(tensor)
+def _check_complete(model: CausalLM, loaders: dict, arrived: dict[str, set], path) -> None:
+    """Every parameter got all its parts (a tied LM head shares the embedding's)."""
+    lacking = []
+    for name, _ in model.named_parameters():  # tied parameters are listed once
+        loader = loaders.get(name)
+        if loader is None:
+            lacking.append(f"{name} (no loader)")
+            continue
+        missing = loader.parts - arrived.get(name, set())
+        if missing:
+            parts = "" if missing == {None} else f" (parts {sorted(map(str, missing))})"
+            lacking.append(name + parts)
+    if lacking:
+        raise ValueError(f"checkpoint {path} lacks weights: {sorted(lacking)}")

@@ -21,7 +21,7 @@ from torch import nn
 from pagefleet.engine.model.packed import pack_weight, shard_linear
 
 if TYPE_CHECKING:
-    from pagefleet.engine.model.transformer import ModelConfig
+    from pagefleet.engine.model.config import ModelConfig
 
 
 class Collectives(Protocol):
@@ -73,25 +73,6 @@ class TPLayout:
     @property
     def vocab_end(self) -> int:
         return min(self.vocab_start + self.vocab_per_rank, self.vocab_size)
-
-    def checkpoint_slice(
-        self, target: str, part: int | None, cfg: ModelConfig
-    ) -> tuple[int, int, int] | None:
-        """(dim, start, length) of a checkpoint tensor this rank loads into `target` (part:
-        q/k/v = 0/1/2 of qkv_proj, gate/up = 0/1 of gate_up_proj), or None for all of it."""
-        hd = cfg.head_dim
-        if "qkv_proj" in target:
-            if part == 0:
-                return 0, self.rank * self.num_heads * hd, self.num_heads * hd
-            return 0, self.first_kv_head * hd, self.num_kv_heads * hd
-        if "gate_up_proj" in target:
-            return 0, self.rank * self.intermediate_size, self.intermediate_size
-        if target.endswith(("o_proj.weight", "down_proj.weight")):
-            width = self.num_heads * hd if "o_proj" in target else self.intermediate_size
-            return 1, self.rank * width, width
-        if target in ("embed_tokens.weight", "lm_head.weight"):
-            return 0, self.vocab_start, self.vocab_end - self.vocab_start
-        return None  # norms and row-parallel biases: every rank holds them whole
 
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:

@@ -1,0 +1,116 @@
+"""The decoder-only language model every family builds on: embedding, a stack of decoder
+layers the family supplies, final norm, LM head, rotary table, and the map from checkpoint
+tensor names to this model's parameters.
+
+Tokens arrive flattened (no padding); layers that attend go through an `AttentionBackend` over
+the paged KV pool. Under tensor parallelism the model is one rank's shard, whose
+`compute_logits` returns the full logits on rank 0 and None on the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import torch
+from torch import nn
+
+from pagefleet.engine.attention.backend import AttentionBackend, AttentionMetadata, LayerKV
+from pagefleet.engine.model.config import ModelConfig
+from pagefleet.engine.model.layers import RMSNorm, TPParts, embedding, lm_head
+from pagefleet.engine.model.packed import pack_children
+from pagefleet.engine.model.rope import RotaryEmbedding
+
+# Checkpoint projections that load into one fused parameter: (ours, part).
+FUSED_PROJECTIONS: dict[str, tuple[str, str]] = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+}
+
+LayerFactory = Callable[[ModelConfig, int, TPParts | None], nn.Module]
+
+
+class CausalLM(nn.Module):
+    """Embedding → decoder layers (`make_layer(cfg, index, tp)`) → norm → LM head.
+
+    A decoder layer's forward is `(x, positions, rope, backend, kv_caches, meta) -> x` and its
+    `prepack()` moves its linears onto packed weights (model/packed.py)."""
+
+    # Checkpoint name pieces renamed to ours (families with more fused layers extend it).
+    fused_projections: dict[str, tuple[str, str]] = FUSED_PROJECTIONS
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        tp: TPParts | None,
+        make_layer: LayerFactory,
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tp = tp
+        self.max_positions = max_positions
+        self.embed_tokens = embedding(cfg, tp)
+        self.layers = nn.ModuleList(make_layer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = lm_head(cfg, tp)
+        self.tie_weights()
+        self.rope = self.make_rope()
+
+    def make_rope(self) -> nn.Module:
+        cfg = self.config
+        return RotaryEmbedding(cfg.head_dim, self.max_positions, cfg.rope)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def materialize(self, device: torch.device) -> None:
+        """After the parameters left the meta device: re-tie the embeddings and compute the
+        buffers no checkpoint holds (the rotary table)."""
+        self.tie_weights()
+        self.rope = self.make_rope().to(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        kv_caches: list[LayerKV],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, backend, kv_caches, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)
+
+    def prepack(self) -> None:
+        """Move every linear layer onto oneDNN-prepacked weights (model/packed.py): call once,
+        after the weights are loaded, on a float32 CPU model."""
+        for layer in self.layers:
+            layer.prepack()
+        pack_children(self, ("lm_head",))
+
+    def checkpoint_target(self, name: str) -> tuple[str, Hashable] | None:
+        """(parameter name, part) a checkpoint tensor loads into, or None for tensors the model
+        does not keep (rotary tables, a tied LM head)."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        for theirs, (ours, part) in self.fused_projections.items():
+            if f".{theirs}." in name:
+                return name.replace(theirs, ours), part
+        return name, None
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this model (or rank) keeps in its pool."""
+        return self.tp.layout.num_kv_heads if self.tp else self.config.num_kv_heads

@@ -1,0 +1,47 @@
+"""What the engine knows of a model's shape, whatever its family: `ModelConfig`.
+
+A family module (model/registry.py) builds one from the checkpoint's config.json; families with
+more to say subclass it (their extra fields keep defaults, so the common ones stay positional).
+The runner, KV sizing and tensor-parallel layout read only these fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int  # decoder layers (all of them keep KV in the dense families)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    rope: dict
+    eos_token_id: int | list[int] | None
+    bos_token_id: int | None
+    hidden_act: str = "silu"
+    # Layers that attend over the paged KV pool, in order (None: every layer). A hybrid family
+    # lists its full-attention layers here; the pool has one plane per listed layer.
+    kv_layer_indices: tuple[int, ...] | None = field(default=None)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a plane in the KV pool."""
+        return self.num_layers if self.kv_layer_indices is None else len(self.kv_layer_indices)
+
+    def kv_slot(self, layer_index: int) -> int:
+        """The pool plane of decoder layer `layer_index` (which must attend over the pool)."""
+        if self.kv_layer_indices is None:
+            return layer_index
+        return self.kv_layer_indices.index(layer_index)

@@ -1,0 +1,125 @@
+"""How checkpoint tensors reach a model's parameters.
+
+A `TensorSource` is one named tensor in a checkpoint, read lazily: a tensor-parallel rank reads
+only its slice (safetensors reads just those bytes). Each parameter has a weight loader, which
+the layer that owns it attaches as it builds it (it knows its fused parts and its rank's
+slice), as vLLM's layers do: the loader stays generic, and a new layer kind or weight format
+brings its own loaders instead of new cases in model/loader.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+class TensorSource(Protocol):
+    """One checkpoint tensor, not yet read."""
+
+    name: str
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def read(self) -> torch.Tensor: ...
+
+    def read_slice(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) start..start+length only."""
+        ...
+
+
+@dataclass(frozen=True)
+class Slice:
+    """The part of a checkpoint tensor a rank holds: `length` rows (dim 0) or columns (dim 1)
+    from `start`."""
+
+    dim: int
+    start: int
+    length: int
+
+
+# loader(param, source, part): copy `source` (or this rank's slice of it) into `param` (or
+# the part of it that `part` names: a q/k/v piece of a fused projection, an expert, ...).
+WeightLoader = Callable[[nn.Parameter, TensorSource, Hashable], None]
+
+
+@dataclass(frozen=True)
+class ParamLoader:
+    """How a parameter is filled: its loader, and the parts it needs before it is complete."""
+
+    load: WeightLoader
+    parts: frozenset
+
+
+def set_weight_loader(module: nn.Module, param: str, loader: WeightLoader, parts=(None,)) -> None:
+    """Attach `loader` for `module`'s parameter `param` (if it has one: an absent bias is
+    skipped), complete once every part in `parts` has arrived. Kept on the module, which
+    survives the move off the meta device (parameters are replaced by it)."""
+    if getattr(module, param, None) is None:
+        return
+    loaders = module.__dict__.setdefault("weight_loaders", {})
+    loaders[param] = ParamLoader(loader, frozenset(parts))
+
+
+def param_loaders(model: nn.Module) -> dict[str, ParamLoader]:
+    """Every parameter's loader by its full name (tied parameters under each name)."""
+    found = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, loader in module.__dict__.get("weight_loaders", {}).items():
+            found[f"{prefix}.{name}" if prefix else name] = loader
+    return found
+
+
+def read_piece(source: TensorSource, piece: Slice | None) -> torch.Tensor:
+    if piece is None:
+        return source.read()
+    return source.read_slice(piece.dim, piece.start, piece.length)
+
+
+@torch.no_grad()
+def copy_checked(dest: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+    if dest.shape != tensor.shape:
+        raise ValueError(f"{what}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
+    dest.copy_(tensor)
+
+
+def whole_loader(piece: Slice | None = None) -> WeightLoader:
+    """The tensor (or this rank's `piece` of it) fills the parameter."""
+
+    def load(param: nn.Parameter, source: TensorSource, part: Hashable) -> None:
+        copy_checked(param.data, read_piece(source, piece), source.name)
+
+    return load
+
+
+def fused_loader(sizes: dict[Hashable, int], pieces: dict[Hashable, Slice | None]) -> WeightLoader:
+    """Several checkpoint tensors stacked along dim 0 of one parameter (q/k/v, gate/up), each
+    `sizes[part]` rows of this rank's share, in the order `sizes` lists them."""
+    offsets, start = {}, 0
+    for part, size in sizes.items():
+        offsets[part] = start
+        start += size
+
+    def load(param: nn.Parameter, source: TensorSource, part: Hashable) -> None:
+        dest = param.data.narrow(0, offsets[part], sizes[part])
+        copy_checked(dest, read_piece(source, pieces.get(part)), f"{source.name} (part {part})")
+
+    return load
+
+
+def vocab_loader(piece: Slice | None) -> WeightLoader:
+    """A vocabulary slice (embedding / LM head rows): the checkpoint fills its rows, and the
+    padding past the vocabulary's end (last rank only) is zeroed, as no token reaches it."""
+
+    def load(param: nn.Parameter, source: TensorSource, part: Hashable) -> None:
+        tensor = read_piece(source, piece)
+        rows = tensor.shape[0]
+        with torch.no_grad():
+            param.data[rows:].zero_()
+        copy_checked(param.data[:rows], tensor, source.name)
+
+    return load
