@@ -120,7 +120,8 @@ def _option(key: str, value: str) -> core.HeaderValueOption:
     # Overwrite: the default (append) would keep a value the client sent beside ours, and a
     # client could then steer the proxy with its own x-gateway-destination-endpoint.
     return core.HeaderValueOption(
-        header=core.HeaderValue(key=key, raw_value=value.encode()), append_action=OVERWRITE
+        header=core.HeaderValue(key=key.lower(), raw_value=value.encode()),
+        append_action=OVERWRITE,
     )
 
 
