@@ -54,7 +54,17 @@ class PoolListener:
     # gateway's own filters would set it.
     subset_header: str | None = None
     host: str = "127.0.0.1"
-    body_mode: str = "FULL_DUPLEX_STREAMED"  # or BUFFERED
+    # How bodies go to the picker: FULL_DUPLEX_STREAMED (GIE's) or BUFFERED; by default
+    # BUFFERED for a FailOpen pool: Envoy (1.40) cannot fail open once it has streamed a body
+    # to the picker (it answers 500, ext_proc_error_gRPC_error_14), while a buffered body is
+    # still its own to send on.
+    body_mode: str | None = None
+
+    @property
+    def bodies(self) -> str:
+        if self.body_mode is not None:
+            return self.body_mode
+        return "BUFFERED" if self.failure_mode == "FailOpen" else "FULL_DUPLEX_STREAMED"
 
     def __post_init__(self) -> None:
         if self.shape not in SHAPES or self.failure_mode not in FAILURE_MODES:
@@ -133,7 +143,7 @@ def _address(host: str, port: int) -> dict:
 
 
 def _ext_proc(cluster: str, pool: PoolListener) -> dict:
-    body = pool.body_mode
+    body = pool.bodies
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
