@@ -18,6 +18,7 @@ import celpy
 import jsonschema
 import pytest
 import yaml
+from gateway_schemas import validate_inference_pool
 from keda_schema import validate_scaled_object
 from lws_schema import validate_builtin as validate_kubernetes
 from lws_schema import validate_leader_worker_set
@@ -291,6 +292,8 @@ VALIDATORS: dict[tuple[str, str], Callable[[dict], None]] = {
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): lambda o: validate_leader_worker_set(
         o, KUBERNETES_VERSIONS
     ),
+    # The Inference Extension's published CRD's fields, closed (tests/gateway_schemas.py).
+    ("inference.networking.k8s.io/v1", "InferencePool"): validate_inference_pool,
 }
 
 
@@ -864,6 +867,7 @@ def test_operator_rbac_is_least_privilege_and_covers_what_it_creates(rendered):
         *(("", "pods", v) for v in ("get", "list", "watch")),
         ("", "events", "create"),
         *(("keda.sh", "scaledobjects", v) for v in owned_verbs),
+        *(("inference.networking.k8s.io", "inferencepools", v) for v in owned_verbs),
     }
     assert granted == expected
     # No nodes, no cluster scope in namespace mode.
@@ -890,6 +894,7 @@ def test_operator_rbac_is_least_privilege_and_covers_what_it_creates(rendered):
         "Secret",
         "NetworkPolicy",
         "LeaderWorkerSet",
+        "InferencePool",
     } <= kinds
 
 
