@@ -206,3 +206,16 @@ def test_the_schema_refuses_what_the_api_server_would(broken):
     broken(pool)
     with pytest.raises((AssertionError, jsonschema.ValidationError)):
         validate_inference_pool(pool)
+
+
+def test_the_model_deployment_is_ready_only_once_its_picker_is():
+    """With an InferencePool, a Gateway's requests need the picker: Ready waits for its pods
+    as for the router's (and says which)."""
+    from pagefleet.operator.status import Observed, PoolObserved, build_status
+
+    pools = (PoolObserved("colocated", 2, 2, 2, "spec"),)
+    waiting = build_status("m", 1, Observed(pools, 1, 1, picker_replicas=1), {}, "T1")
+    ready = {c["type"]: c for c in waiting["conditions"]}["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "PickerNotReady")
+    serving = build_status("m", 1, Observed(pools, 1, 1, None, None, None, 1, 1), {}, "T2")
+    assert {c["type"]: c for c in serving["conditions"]}["Ready"]["status"] == "True"

@@ -581,7 +581,7 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
     images = pinned_images(previous, config.images)
     error: tuple[str, str] | None = None
     pools: list[PoolObserved] = []
-    router = (0, 0)
+    router = picker = (0, 0)
     capacity: CapacityVerdict | None = None
     try:
         spec = parse_spec(md.get("spec"))
@@ -617,6 +617,8 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
                 )
             )
         router = _deployment(client, namespace, f"{name}-router", uid)
+        if spec.inference_pool is not None:
+            picker = _deployment(client, namespace, f"{name}-epp", uid)
         missing = None
         if spec.api_key_secret is not None:
             missing = missing_secret_key(client, namespace, spec.api_key_secret)
@@ -646,7 +648,15 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
         # condition (every pool on an unlabelled GPU node would warn otherwise).
         announce(client, md, capacity.reason, capacity.message)
     verdict = (capacity.status, capacity.reason, capacity.message) if capacity else None
-    observed = Observed(tuple(pools), router[0], router[1], error, images_status(images), verdict)
+    observed = Observed(
+        tuple(pools),
+        router[0],
+        router[1],
+        error,
+        images_status(images),
+        verdict,
+        *picker,
+    )
     status = build_status(name, meta.get("generation"), observed, previous, _now_iso())
     patch = merge_diff(previous, status)
     if patch:

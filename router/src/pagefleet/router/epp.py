@@ -12,6 +12,14 @@ response: the proxy reports which endpoint served it (so a retry on a fallback m
 to that pod), and its body streams back through here untouched, which ends the request's
 in-flight count and gives its token usage.
 
+P/D through the gateway: llm-d's picker names a prefill pod in a request header and a sidecar
+in the decode pod runs the prefill. pagefleet has no sidecar, and its engines obey only
+kv_transfer_params the fleet secret signed; so the picker runs the prefill itself (the router's
+code), then hands Envoy the decode body with the prefill's signed params: the secret stays in
+the pickers, the engines stay as they are, and a failed prefill degrades to the decode pod
+prefilling alone. The cost: the picker's answer waits for the prefill, so the proxy's message
+timeout must cover --prefill-timeout (as it must cover the flow-control queue timeout).
+
 Body modes (Envoy's protocol_config): FULL_DUPLEX_STREAMED (what GIE gateways configure: the
 whole request is buffered here, then the headers answer and the body are sent back) and
 BUFFERED (the headers are let through, the buffered body's answer routes). Modes that pass the
