@@ -48,6 +48,13 @@ def add_epp_parser(sub) -> None:
         "retries down the list (Envoy's override_host policy); 0 for one that routes on a "
         "single ip:port (an ORIGINAL_DST cluster) (0)",
     )
+    p.add_argument(
+        "--max-streams",
+        type=int,
+        default=1024,
+        help="ext_proc streams (requests) served at once; beyond, RESOURCE_EXHAUSTED and the "
+        "proxy's failure mode: each may buffer a body of --max-request-body-bytes (1024)",
+    )
     add_picking_arguments(p)
     p.set_defaults(func=run_epp)
 
@@ -57,20 +64,22 @@ def run_epp(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.fallback_endpoints < 0:
-        raise ValueError("--fallback-endpoints must be >= 0")
+    # Every scrape would be an INFO line.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.fallback_endpoints < 0 or args.max_streams < 1:
+        raise ValueError("--fallback-endpoints must be >= 0 and --max-streams >= 1")
     # The picker's own client reaches engines for scrapes and prefills only (each with its
     # own timeout); the gateway carries the requests.
     router, subscribers = build_router(args, 1 + args.fallback_endpoints, args.prefill_timeout)
     try:
-        asyncio.run(serve(router, args.host, args.port, args.metrics_port, args.fallback_endpoints))
+        asyncio.run(serve(router, args))
     finally:
         for sub in subscribers:
             sub.stop()
     return 0
 
 
-async def serve(router, host: str, port: int, metrics_port: int, fallbacks: int) -> None:
+async def serve(router, args: argparse.Namespace) -> None:
     """Until SIGTERM or SIGINT: then stop taking streams and let those in flight finish."""
     import grpc
     import httpx
@@ -87,10 +96,11 @@ async def serve(router, host: str, port: int, metrics_port: int, fallbacks: int)
         transport=AiohttpTransport(),
         timeout=httpx.Timeout(config.read_timeout, connect=config.connect_timeout),
     )
-    picker = EndpointPicker(router, client, fallbacks)
+    host, port, metrics_port = args.host, args.port, args.metrics_port
+    picker = EndpointPicker(router, client, args.fallback_endpoints)
     limit = config.max_body_bytes + GRPC_HEADROOM
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=args.max_streams)
     pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
     health_grpc.add_HealthServicer_to_server(Health(router), server)
     server.add_insecure_port(f"{host}:{port}")
