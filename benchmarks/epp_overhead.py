@@ -121,6 +121,37 @@ async def overhead_rounds(shape: Shape, urls: dict, pids: dict, rounds: int, see
     return stats
 
 
+async def one_at_a_time(urls: dict, requests: int, seed: int) -> dict[str, dict]:
+    """Each path's own latency, nothing queued: one streamed completion at a time, the paths
+    taking turns request by request. TTFT (the first text) and end-to-end, p50/p90, in ms."""
+    rng = random.Random(seed)
+    words = ["cache", "block", "router", "gateway", "picker", "token", "engine", "prefix"]
+    times: dict[str, list[tuple[float, float]]] = {p: [] for p in PATHS}
+    async with httpx.AsyncClient(timeout=120.0) as client:
+        for i in range(requests + 2):  # the first two warm the connections
+            prompt = " ".join(rng.choice(words) for _ in range(98))
+            for p in PATHS:
+                body = {"model": "sim", "prompt": f"{p} {i} {prompt}", "max_tokens": 16}
+                sent, first = time.perf_counter(), None
+                async with client.stream(
+                    "POST", f"{urls[p]}/v1/completions", json={**body, "stream": True}
+                ) as r:
+                    async for chunk in r.aiter_raw():
+                        if first is None and b'"text"' in chunk:
+                            first = time.perf_counter() - sent
+                if i >= 2 and first is not None:
+                    times[p].append((first, time.perf_counter() - sent))
+    out = {}
+    for p, pairs in times.items():
+        ttft, e2e = [t for t, _ in pairs], [e for _, e in pairs]
+        out[p] = {
+            f"{k}_p{q}": pct(v, q) * 1e3
+            for k, v in (("ttft", ttft), ("e2e", e2e))
+            for q in (50, 90)
+        }
+    return out
+
+
 def proxy_cpu_ms(summary: dict, path: str, processes: tuple[str, ...]) -> float:
     """CPU per request of a path's proxy processes, less what they spend anyway (scraping)
     measured while the direct rounds ran."""
@@ -155,7 +186,18 @@ def run_overhead(args, tmp: Path) -> dict:
             requests = 30 if args.quick else 90
             shape = Shape("light", "completions", requests, args.rate)
             stats = asyncio.run(overhead_rounds(shape, urls, pids, args.rounds, args.seed))
+            alone = asyncio.run(one_at_a_time(urls, 10 if args.quick else 40, args.seed))
     summary = {p: summarize(stats[p]) for p in PATHS}
+    summary["one_at_a_time"] = alone
+    base = alone["direct"]
+    print("\n== one request at a time (nothing queued)")
+    for p in PATHS:
+        a = alone[p]
+        added = (a["ttft_p50"] - base["ttft_p50"], a["ttft_p90"] - base["ttft_p90"])
+        print(
+            f"  {p:>7}: TTFT p50/p90 {a['ttft_p50']:.1f} / {a['ttft_p90']:.1f} ms "
+            f"(added {added[0]:+.1f} / {added[1]:+.1f}); end to end p50 {a['e2e_p50']:.1f} ms"
+        )
     d = summary["direct"]
     print(f"\n== overhead: {d['requests']} requests a path at {args.rate:g} req/s")
     for p in PATHS:
@@ -188,7 +230,8 @@ def run_overhead(args, tmp: Path) -> dict:
 
 def run_fleet_path(path: str, users, args, tmp: Path) -> dict:
     demo = str(demo_checkpoint())
-    with engines(args.engines, events=path != "round-robin") as (urls, kv):
+    # A generous start-up wait: several engines load at once on a busy 2-core machine.
+    with engines(args.engines, events=path != "round-robin", timeout=900.0) as (urls, kv):
         before = [scrape(u) for u in urls]
         picking = ["--endpoints", ",".join(urls), "--tokenizer", demo]
         picking += ["--prefix-index", "precise", "--kv-events-endpoints", ",".join(kv)]

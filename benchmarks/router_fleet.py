@@ -80,7 +80,7 @@ def build_trace(args, rng: random.Random) -> list[dict]:
 
 
 @contextlib.contextmanager
-def engines(n: int, events: bool):
+def engines(n: int, events: bool, timeout: float = 120.0):
     procs, urls, kv = [], [], []
     model = str(demo_checkpoint())
     try:
@@ -117,7 +117,7 @@ def engines(n: int, events: bool):
             )
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
-            wait_healthy(url, timeout=120.0)
+            wait_healthy(url, timeout=timeout)
         yield urls, kv
     finally:
         for p in procs:
