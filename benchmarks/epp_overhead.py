@@ -36,21 +36,19 @@ from types import SimpleNamespace
 
 import httpx
 from procs import process, wait_healthy
-from router_fleet import PROFILE, build_trace, engines, oracle_hit_rate, replay, scrape
-from router_overhead import (
-    PathStats,
-    Shape,
-    cpu_seconds,
-    engine_cmd,
-    own_cpu,
-    pct,
-    run_round,
-    summarize,
-    tagged,
+from router_fleet import (
+    PROFILE,
+    build_trace,
+    engines,
+    hit_rate,
+    oracle_hit_rate,
+    replay,
+    scrape,
 )
+from router_fleet import pct as fleet_pct  # failed requests' NaN TTFTs left out
+from router_overhead import Shape, engine_cmd, pct, run_shape, summarize
 
 from pagefleet.engine.cache import demo_checkpoint
-from pagefleet.fleet.bench_serve import build_dataset
 from pagefleet.fleet.envoy_gateway import Bootstrap, PoolListener
 from pagefleet.fleet.up import free_port
 
@@ -79,46 +77,6 @@ def gateway(picking: list[str], tmp: Path):
                     break
             time.sleep(0.1)
         yield f"http://127.0.0.1:{port}", picker.pid, proxy.pid
-
-
-async def overhead_rounds(shape: Shape, urls: dict, pids: dict, rounds: int, seed: int):
-    dataset = build_dataset(
-        SimpleNamespace(
-            dataset="random", num_prompts=shape.requests, input_len=shape.input_len, seed=seed
-        )
-    )
-    convs = [[{"role": "user", "content": c.turns[0]}] for c in dataset]
-    per_round = -(-len(convs) // rounds)
-    rng = random.Random(seed + 1)
-    stats = {p: PathStats() for p in PATHS}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with contextlib.AsyncExitStack() as stack:
-        clients = {
-            p: await stack.enter_async_context(
-                httpx.AsyncClient(base_url=urls[p], timeout=120.0, limits=limits)
-            )
-            for p in PATHS
-        }
-        warm = convs[: min(8, len(convs))]
-        for p in PATHS:  # connections, the tokenizers, the prompt caches
-            await run_round(clients[p], shape, tagged(warm, f"warm-{p}"), [0.0] * len(warm))
-        for r in range(rounds):
-            batch = convs[r * per_round : (r + 1) * per_round]
-            if not batch:
-                break
-            gaps = [rng.expovariate(shape.rate) for _ in batch]
-            order = PATHS[r % len(PATHS) :] + PATHS[: r % len(PATHS)]
-            for p in order:
-                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-                client_before = own_cpu()
-                results, seconds = await run_round(clients[p], shape, tagged(batch, p), gaps)
-                s = stats[p]
-                s.results += results
-                s.seconds += seconds
-                for name, pid in pids.items():
-                    s.cpu[name] = s.cpu.get(name, 0.0) + cpu_seconds(pid) - before[name]
-                s.cpu["client"] = s.cpu.get("client", 0.0) + own_cpu() - client_before
-    return stats
 
 
 async def one_at_a_time(urls: dict, requests: int, seed: int) -> dict[str, dict]:
@@ -185,7 +143,7 @@ def run_overhead(args, tmp: Path) -> dict:
             }
             requests = 30 if args.quick else 90
             shape = Shape("light", "completions", requests, args.rate)
-            stats = asyncio.run(overhead_rounds(shape, urls, pids, args.rounds, args.seed))
+            stats = asyncio.run(run_shape(shape, urls, pids, args.rounds, args.seed, PATHS))
             alone = asyncio.run(one_at_a_time(urls, 10 if args.quick else 40, args.seed))
     summary = {p: summarize(stats[p]) for p in PATHS}
     summary["one_at_a_time"] = alone
@@ -250,22 +208,14 @@ def run_fleet_path(path: str, users, args, tmp: Path) -> dict:
             time.sleep(0.5)  # a few scrapes
             results, order = asyncio.run(replay(users, targets, args.output_tokens, args.think))
         after = [scrape(u) for u in urls]
-    hits = sum(
-        a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
-        for a, b in zip(after, before, strict=True)
-    )
-    queries = sum(
-        a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"]
-        for a, b in zip(after, before, strict=True)
-    )
     ttfts = [r[1] for r in results]
     span = max(r[3] for r in results) - min(r[0] for r in results)
     return {
         "path": path,
-        "hit_rate": hits / max(queries, 1),
+        "hit_rate": hit_rate(before, after),
         "oracle_hit_rate": oracle_hit_rate(order, args.engines, PROFILE["num_gpu_blocks"]),
-        "ttft_p50": pct(ttfts, 50),
-        "ttft_p90": pct(ttfts, 90),
+        "ttft_p50": fleet_pct(ttfts, 50),
+        "ttft_p90": fleet_pct(ttfts, 90),
         "output_tok_s": sum(r[2] for r in results) / span,
         "requests": len(results),
         "failed": sum(1 for r in results if r[1] != r[1]),

@@ -20,9 +20,8 @@ fields. Metadata is checked with a built-in kind's rules (kubernetes-validate) b
 
 from __future__ import annotations
 
-from typing import Any
-
 import jsonschema
+from keda_schema import _closed  # closed objects, as strict field validation treats them
 
 _DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 _GROUP = {"type": "string", "maxLength": 253, "pattern": r"^$|" + _DNS1123_SUBDOMAIN}
@@ -52,17 +51,6 @@ _HOSTNAME = {
     "pattern": r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
 }
 _DURATION = {"type": "string", "pattern": r"^([0-9]{1,5}(h|m|s|ms)){1,4}$"}
-
-
-def _closed(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
-    schema: dict[str, Any] = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": properties,
-    }
-    if required:
-        schema["required"] = list(required)
-    return schema
 
 
 def _kind(api_version: str, kind: str, spec: dict) -> dict:
