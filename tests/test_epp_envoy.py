@@ -72,7 +72,7 @@ def epp(*flags: str, env: dict | None = None):
         )
         proc.log_path = log.name
         try:
-            wait_healthy(proc, f"http://{LOCAL}:{metrics_port}", 60)
+            wait_healthy(proc, f"http://{LOCAL}:{metrics_port}", 120)
             yield (LOCAL, grpc_port), f"http://{LOCAL}:{metrics_port}"
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -142,8 +142,8 @@ def gateway(tiny_checkpoints):
         # engines' ports.
         (e1, _), (e2, _), (epp_b, metrics_b) = together(
             stack,
-            running_server(path, "--max-model-len", "1024"),
-            running_server(path, "--max-model-len", "1024"),
+            running_server(path, "--max-model-len", "1024", timeout=180),
+            running_server(path, "--max-model-len", "1024", timeout=180),
             epp(
                 "--endpoints",
                 f"{fakes.prefill.url}@prefill,{decode}",
