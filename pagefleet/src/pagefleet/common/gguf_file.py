@@ -111,8 +111,8 @@ class _Cursor:
         n = self.scalar(GGUFValueType.UINT64, what)
         if n * min_size > self.left:
             raise GGUFError(
-                f"{self.name}: {what} declares {n} items, more than the {self.left} bytes "
-                "left in the file can hold"
+                f"{self.name}: truncated or corrupt: {what} declares {n} items, more than "
+                f"the {self.left} bytes left in the file can hold"
             )
         return n
 
