@@ -125,6 +125,25 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise GGUFError(f"{self.name}: {what} is not UTF-8 ({e.reason})") from None
 
+    def strings(self, n: int, what: str) -> list[str]:
+        """`n` strings in a row: `string()` inlined, as vocabularies hold ~10^5 of them."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        out = []
+        try:
+            for _ in range(n):
+                (length,) = struct.unpack_from("<Q", buf, pos)
+                pos += 8
+                if length > MAX_STRING or pos + length > end:
+                    raise struct.error
+                out.append(str(buf[pos : pos + length], "utf-8"))
+                pos += length
+        except struct.error:
+            raise GGUFError(f"{self.name}: truncated or corrupt: {what}[{len(out)}]") from None
+        except UnicodeDecodeError as e:
+            raise GGUFError(f"{self.name}: {what}[{len(out)}] is not UTF-8 ({e.reason})") from None
+        self.pos = pos
+        return out
+
     def value_type(self, what: str) -> GGUFValueType:
         raw = self.scalar(GGUFValueType.UINT32, f"{what} type")
         try:
@@ -142,7 +161,7 @@ class _Cursor:
             raise GGUFError(f"{self.name}: {what} is an array of arrays (not used by models)")
         n = self.count(what, _MIN_SIZE[item])
         if item == GGUFValueType.STRING:
-            return [self.string(f"{what}[{i}]") for i in range(n)]
+            return self.strings(n, what)
         fmt = _SCALARS[item]
         size = struct.calcsize(fmt)
         return np.frombuffer(self.take(n * size, what), dtype=np.dtype(fmt)).tolist()

@@ -43,7 +43,7 @@ Stream a chat completion:
 
   curl -N {router}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "stream": true, "max_tokens": 32,
-         "messages": [{{"role": "user", "content": "What is a KV cache?"}}]}}'
+         "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
 
 Metrics: {router}/metrics (router)
 {engine_metrics}
@@ -267,8 +267,20 @@ def add_up_parser(sub) -> None:
         help="run a local fleet (engines + router) on 127.0.0.1 with the demo model",
         description=__doc__,
     )
-    p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
-    p.add_argument("--served-model-name", default="demo")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint dir or GGUF file (default: SmolLM2-135M-Instruct, fetched once)",
+    )
+    p.add_argument(
+        "--tiny", action="store_true", help="the tiny random checkpoint instead (no download)"
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: SmolLM2-135M-Instruct for the demo model, "
+        "else demo)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address for every process (127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="the router's port (8000)")
     p.add_argument("--engines", type=int, default=1, help="colocated engines (1)")
@@ -297,13 +309,14 @@ def run_up(args: argparse.Namespace) -> int:
     import tempfile
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from pagefleet.engine.cache import demo_checkpoint
+    from pagefleet.engine.cache import model_to_serve
 
+    model, served_name = model_to_serve(args.model, args.tiny, args.served_model_name)
     disaggregated = args.disaggregated if args.disaggregated is not None else not args.simulate
     secrets_dir = tempfile.TemporaryDirectory(prefix="pagefleet-secret-")
     opts = FleetOptions(
-        model=str(args.model or demo_checkpoint()),
-        served_model_name=args.served_model_name,
+        model=model,
+        served_model_name=served_name,
         host=args.host,
         port=args.port,
         engines=args.engines,
