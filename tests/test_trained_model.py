@@ -11,6 +11,8 @@ import contextlib
 import functools
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -322,7 +324,7 @@ def _lm_eval(backend, tasks_dir: Path, **model_args) -> list[dict]:
 
 
 def test_lm_eval_local_completions_against_the_server_equals_its_hf_backend(
-    engine_url, hf, tmp_path
+    engine_url, hf, tmp_path, capsys
 ):
     from lm_eval.models.huggingface import HFLM
 
@@ -353,5 +355,55 @@ def test_lm_eval_local_completions_against_the_server_equals_its_hf_backend(
     worst = max(abs(ours[k] - theirs[k]) for k in ours)
     assert worst <= 1e-4, worst
     accuracy = [sorted((s["doc_id"], s["acc"]) for s in run) for run in (served, reference)]
+    with capsys.disabled():
+        correct = sum(acc for _, acc in accuracy[0])
+        print(f"\nlm-eval on SmolLM2: max |dloglikelihood| {worst:.2e}, {correct:.0f}/4 correct")
     assert accuracy[0] == accuracy[1]
     assert sum(acc for _, acc in accuracy[0]) >= 3  # a trained model knows these
+
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_AS_WRITTEN = [ROOT / "README.md", ROOT / "docs" / "getting-started.md"]
+
+
+def _blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", text, re.DOTALL)
+
+
+def _commands(block: str) -> list[list[str]]:
+    """A bash block's commands as words (continuation lines joined, comments dropped)."""
+    joined = block.replace("\\\n", " ")
+    return [words for line in joined.splitlines() if (words := shlex.split(line, comments=True))]
+
+
+def _run_as_written(words: list[str], router: str, answers: list[dict]) -> None:
+    """curl runs against the test's fleet (its port for 8000) and must print the page's
+    answer; a make target must exist (`make -n`: the fleet above is what `make up` runs, and
+    `make test` is this suite); a pagefleet command must parse with its real flags."""
+    from pagefleet.common.cli import build_parser
+
+    if words[0] == "curl":
+        words = [w.replace("http://127.0.0.1:8000", router) for w in words]
+        out = subprocess.run(words, capture_output=True, text=True, timeout=120, check=True)
+        if "chat/completions" in words[2]:
+            message = json.loads(out.stdout)["choices"][0]["message"]
+            assert {k: message[k] for k in ("role", "content")} in answers, out.stdout
+        else:
+            assert out.stdout, words
+    elif words[0] == "make":
+        dry = subprocess.run(["make", "-n", *words[1:]], cwd=ROOT, capture_output=True, text=True)
+        assert dry.returncode == 0 and dry.stdout, dry.stderr
+    else:
+        assert words[0] in ("pagefleet", ".venv/bin/pagefleet"), f"unknown command {words}"
+        build_parser().parse_args(words[1:])
+
+
+def test_readme_and_getting_started_commands_run_as_written(fleet):
+    router = fleet["children"]["router"]["url"]
+    for page in RUN_AS_WRITTEN:
+        text = page.read_text()
+        answers = [json.loads(block) for block in _blocks(text, "json")]
+        commands = [words for block in _blocks(text, "bash") for words in _commands(block)]
+        assert any(w[0] == "curl" and "chat/completions" in w[2] for w in commands), page
+        for words in commands:
+            _run_as_written(words, router, answers)
