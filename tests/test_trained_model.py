@@ -31,12 +31,8 @@ from pagefleet.fleet.up import free_port
 BIN = Path(sys.executable).parent
 WHEEL = BIN.parent / "demo-wheel" / SMOLLM2.wheel  # kept by `make demo-model`
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
-CHATS = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "Write one sentence about the moon.",
-]
-# Measured on this model (fp8 e4m3 cache, scales 1.0, two chats of 48 tokens): see the test.
+CHATS = ["What is the capital of France?", "Write one sentence about the moon."]
+# fp8 e4m3 cache (scales 1.0) against the float cache, two chats of 48 tokens: see the test.
 MIN_FP8_TOP1_AGREEMENT = 0.9
 MAX_FP8_MEAN_ABS_DELTA_LOGPROB = 0.08
 
@@ -239,9 +235,10 @@ def _score(url: str, token_ids: list[int]) -> list[dict | None]:
 
 
 def test_fp8_kv_cache_agrees_with_the_float_cache_on_real_text(gguf_file, engine_url, capsys):
-    """Measured here on two chats of 48 tokens: top-1 agreement 1.00 and mean |delta
-    logprob| ~0.02 (the tiny random checkpoints give 0.90-0.98; near-flat distributions flip
-    more ties). A cache read with the wrong scale or layout agrees on a few percent."""
+    """Measured on this model (scales 1.0): top-1 agreement 0.96 and mean |delta logprob|
+    0.04 over two chats of 48 tokens; the tiny random checkpoints give 0.90-0.98 with
+    near-flat distributions. A cache read with the wrong scale or layout agrees on a few
+    percent."""
     from pagefleet.engine.llm import LLM
     from pagefleet.engine.sampling_params import SamplingParams
 
@@ -249,7 +246,7 @@ def test_fp8_kv_cache_agrees_with_the_float_cache_on_real_text(gguf_file, engine
     params = SamplingParams(temperature=0, max_tokens=48, logprobs=0, ignore_eos=True)
     agree = total = 0
     delta = 0.0
-    for content in CHATS[1:]:
+    for content in ["Name three primary colors.", "Write one sentence about the moon."]:
         out = fp8.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
         prompt, tokens = out.prompt_token_ids, out.outputs[0].token_ids
         scored = _score(engine_url, prompt + tokens)
@@ -371,9 +368,20 @@ def _blocks(text: str, language: str) -> list[str]:
 
 
 def _commands(block: str) -> list[list[str]]:
-    """A bash block's commands as words (continuation lines joined, comments dropped)."""
-    joined = block.replace("\\\n", " ")
-    return [words for line in joined.splitlines() if (words := shlex.split(line, comments=True))]
+    """A bash block's commands as words (continued lines and quotes spanning lines joined,
+    comments dropped)."""
+    commands, pending = [], ""
+    for line in block.replace("\\\n", " ").splitlines():
+        pending = f"{pending}\n{line}" if pending else line
+        try:
+            words = shlex.split(pending, comments=True)
+        except ValueError:  # a quoted string goes on to the next line
+            continue
+        if words:
+            commands.append(words)
+        pending = ""
+    assert not pending, f"unterminated command: {pending}"
+    return commands
 
 
 def _run_as_written(words: list[str], router: str, answers: list[dict]) -> None:
