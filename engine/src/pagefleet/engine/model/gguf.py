@@ -112,15 +112,15 @@ def _config_of(header: GGUFHeader) -> dict:
         config["rope_scaling"] = {"type": "linear", "factor": factor}
     elif scaling != "none":
         raise GGUFError(f"{header.path.name}: rope scaling {scaling!r} is not supported")
-    for name, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
-        if isinstance(meta.get(f"tokenizer.ggml.{gguf_key}"), int):
-            config[name] = meta[f"tokenizer.ggml.{gguf_key}"]
+    for name in ("bos_token_id", "eos_token_id"):
+        if isinstance(meta.get(f"tokenizer.ggml.{name}"), int):
+            config[name] = meta[f"tokenizer.ggml.{name}"]
     return config
 
 
 def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """GGUF name -> shape (row-major) of every tensor the family needs (biases and q/k norms
-    are optional: the file's having them switches them on)."""
+    """GGUF name -> shape (row-major) of every tensor the family needs (q/k/v biases and q/k
+    norms are `_optional_shape`'s: the family decides by architecture whether it has them)."""
     hidden, ffn = config["hidden_size"], config["intermediate_size"]
     hd = config["head_dim"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
