@@ -81,6 +81,12 @@ def test_the_charts_default_model_deployment_serves_on_cpu(tmp_path, model_store
         wait_serving(lab, "serving", "llama-3-8b", engines=1)
         url = router_url(lab, "serving", "llama-3-8b")
         assert_serves_as_offline(lab, url, "llama-3-8b", offline)
+        restarts = [
+            c["restartCount"]
+            for p in lab.kube.pods("serving")
+            for c in p["status"]["containerStatuses"]
+        ]
+        assert restarts == [0] * len(restarts), lab.describe()
         (pool,) = lab.kube.list("inference.networking.k8s.io/v1", "InferencePool", "serving")
         picker = lab.wait_for(
             lambda: ready(md_pods(lab, "serving", "llama-3-8b", "epp")), 60, "the picker Ready"
@@ -88,12 +94,6 @@ def test_the_charts_default_model_deployment_serves_on_cpu(tmp_path, model_store
         assert pool["spec"]["endpointPickerRef"]["name"] == "llama-3-8b-epp"
         gateway = start_gateway(lab, "serving", "inference-gateway", picker["status"]["podIP"])
         assert_serves_as_offline(lab, pod_url(gateway, GATEWAY_PORT), "llama-3-8b", offline)
-        restarts = [
-            c["restartCount"]
-            for p in lab.kube.pods("serving")
-            for c in p["status"]["containerStatuses"]
-        ]
-        assert restarts == [0] * len(restarts), lab.describe()
         # The chart's policy (the operator) and the operator's (router, picker, engines) let
         # through what runs: the operator, router and picker watch the API, the router and
         # the picker follow the engine, the Gateway calls the picker and the engine.
