@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from e2e.cluster.conftest import open_lab  # noqa: E402 (after the path is set)
 from e2e.cluster.fleet import Offline  # noqa: E402
-from e2e.cluster.soak import plan_long, run_soak, start_fleet  # noqa: E402
+from e2e.cluster.soak import lab_options, plan_long, run_soak, start_fleet  # noqa: E402
 
 
 def model_store(root: Path) -> Path:
@@ -56,7 +56,7 @@ def main() -> int:
         store = model_store(Path(tmp))
         offline = Offline(store / "tiny")
         started = time.monotonic()
-        with open_lab(Path(tmp) / "lab", claims={"models": str(store)}) as lab:
+        with open_lab(Path(tmp) / "lab", **lab_options(store)) as lab:
             fleet = start_fleet(lab)
             print(f"fleet serving after {time.monotonic() - started:.0f} s")
             report = run_soak(fleet, plan, offline)

@@ -1,5 +1,7 @@
 """A chaos soak in the cluster lab: Poisson chat and completion requests through the routers of a
-disaggregated (prefill + decode) and a colocated ModelDeployment, while a fault schedule
+disaggregated (prefill + decode) and a colocated ModelDeployment, and to the colocated one also
+through a Gateway's Envoy asking its Endpoint Picker (the InferencePool the operator makes for
+it), while a fault schedule
 SIGKILLs engine, router and operator processes, cuts a prefill pod's link (link down in its
 network namespace) while it holds blocks for a transfer, freezes a pod (SIGSTOP, then SIGCONT)
 past its probes, and rolls an engine Deployment.
@@ -31,10 +33,15 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
 from .fleet import (
+    ENVOY_REPOSITORY,
+    GATEWAY_PORT,
+    INFERENCE_POOL_CRD,
+    envoy_image,
     for_cpu,
     md_pods,
     metrics,
@@ -42,6 +49,7 @@ from .fleet import (
     prepare_namespace,
     ready,
     router_url,
+    start_gateway,
     start_operator,
     wait_serving,
 )
@@ -49,6 +57,7 @@ from .lab import Lab, wait_for
 
 NS = "soak"
 PD, COLO = "soak-pd", "soak-colo"
+GATEWAY = "gateway"  # the route through Envoy and the colocated deployment's picker
 MODEL = "tiny"
 MAX_TOKENS = 12
 WINDOW_MARGIN_S = 3.0  # after a fault, the routers' scrapes and ejections settle
@@ -154,7 +163,16 @@ def deployments() -> list[dict]:
         router={"pdThresholdTokens": 64},
         kvTransfer={"connector": "nixl"},
     )
-    return [pd, md(COLO, {"colocated": {"replicas": 2}})]
+    # An Endpoint Picker for the colocated pool: a Gateway's Envoy sends it a share of the load,
+    # with one fallback endpoint per pick (Envoy retries a failed connection there).
+    colo = md(COLO, {"colocated": {"replicas": 2}})
+    colo["spec"]["inferencePool"] = {"enabled": True, "fallbackEndpoints": 1}
+    return [pd, colo]
+
+
+def lab_options(model_store: Path) -> dict:
+    """What open_lab needs for the soak: the model claim, and Envoy's image for the Gateway."""
+    return {"claims": {"models": str(model_store)}, "images": {ENVOY_REPOSITORY: envoy_image()}}
 
 
 @dataclass
@@ -194,7 +212,10 @@ class Fleet:
 
 
 def start_fleet(lab: Lab) -> Fleet:
+    """Both deployments serving through their routers, and the Gateway through the picker;
+    `urls` by route: each deployment's name (its router), and GATEWAY."""
     prepare_namespace(lab, NS)
+    lab.kube.create(INFERENCE_POOL_CRD)  # the Inference Extension's, installed beforehand
     operator = start_operator(lab, "--autoscale-interval", "1")
     for md in deployments():
         lab.kube.create(md)
@@ -202,6 +223,9 @@ def start_fleet(lab: Lab) -> Fleet:
     for name, engines in ((PD, 2), (COLO, 2)):
         wait_serving(lab, NS, name, engines, timeout=300)
         fleet.urls[name] = router_url(lab, NS, name)
+    picker = lab.wait_for(lambda: ready(md_pods(lab, NS, COLO, "epp")), 120, "the picker Ready")
+    gateway = start_gateway(lab, NS, "soak-gateway", picker[0]["status"]["podIP"])
+    fleet.urls[GATEWAY] = pod_url(gateway, GATEWAY_PORT)
     return fleet
 
 
@@ -212,6 +236,7 @@ def start_fleet(lab: Lab) -> Fleet:
 class Outcome:
     index: int
     deployment: str
+    route: str  # the deployment's router, or GATEWAY
     kind: str  # completion | chat
     prompt: str
     stream: bool
@@ -298,7 +323,8 @@ class LoadGenerator:
         else:
             prompt = rng.choice(SHORT_PROMPTS)
         stream = rng.random() < self.plan.stream_share
-        return Outcome(index, deployment, kind, prompt, stream, now)
+        route = GATEWAY if deployment == COLO and rng.random() < 0.5 else deployment
+        return Outcome(index, deployment, route, kind, prompt, stream, now)
 
     def run(self) -> None:
         plan = self.plan
@@ -312,7 +338,7 @@ class LoadGenerator:
                 time.sleep(delay)
             o = self.request(len(self.outcomes), time.monotonic() - self.t0)
             self.outcomes.append(o)
-            url = self.fleet.urls[o.deployment]
+            url = self.fleet.urls[o.route]
             self.futures.append(self.clients.submit(send, url, o, plan.client_timeout_s))
 
     def wait(self) -> None:
@@ -551,10 +577,23 @@ class Report:
             "|---|---|",
             *(f"| {name} | {n} |" for name, n in sorted(counts.items())),
             "",
+            "requests that succeeded, per route: "
+            + ", ".join(
+                f"{route} {sum(self.verdict(o) == 'ok' for o in mine)}/{len(mine)}"
+                for route in sorted({o.route for o in self.outcomes})
+                for mine in [[o for o in self.outcomes if o.route == route]]
+            ),
+            "",
             f"success outside the fault windows: {calm_ok}/{calm}"
             f" ({100 * calm_ok / max(calm, 1):.1f}%); KV blocks held at the end:"
             f" {self.held_blocks:.0f}; decode pods' KV pulls (since their last start):"
             f" {self.transfers}; operator exits on its own: {self.operator_exits}",
+            *(
+                f"- outside every window: request {o.index} via {o.route} at {o.start:.1f}-"
+                f"{o.end:.1f} s: {self.verdict(o)}"
+                for o in self.outcomes
+                if self.verdict(o) != "ok" and not self.around_a_fault(o)
+            ),
             "",
             "| phase | fault at (s) | window to (s) | back at (s) | requests | ok |"
             " TTFT p50 (ms) | p99 (ms) |",

@@ -1,5 +1,6 @@
 """The chaos soak's short plan (e2e/cluster/soak.py; the long one is benchmarks/soak.py): under
-Poisson load through a disaggregated and a colocated deployment, one fault of each kind (an
+Poisson load through a disaggregated and a colocated deployment (the latter's through its router
+and through a Gateway's Envoy and Endpoint Picker), one fault of each kind (an
 engine, a router and the operator SIGKILLed, a prefill pod's link cut, a pod frozen past its
 probes, an engine Deployment rolled). Every request gets an answer, no answer is wrong, no KV
 block stays held, and outside the seconds around each fault at least 99% succeed."""
@@ -7,11 +8,11 @@ block stays held, and outside the seconds around each fault at least 99% succeed
 from __future__ import annotations
 
 from .conftest import open_lab
-from .soak import plan_short, run_soak, start_fleet
+from .soak import lab_options, plan_short, run_soak, start_fleet
 
 
 def test_a_short_chaos_soak_loses_nothing_and_answers_right(tmp_path, model_store, offline):
-    with open_lab(tmp_path / "lab", claims={"models": str(model_store)}) as lab:
+    with open_lab(tmp_path / "lab", **lab_options(model_store)) as lab:
         fleet = start_fleet(lab)
         report = run_soak(fleet, plan_short(), offline)
         print(report.table())
