@@ -196,6 +196,16 @@ def test_a_pool_at_zero_wakes_at_once_on_the_routers_queue():
     assert woken.idle_since is None
 
 
+def test_pods_on_their_way_out_do_not_wake_a_pool_at_zero():
+    """Just after a scale to zero the pool's pod may still be listed, Ready and answering,
+    until the ReplicaSet deletes it. Fails for: the formula keeping "the last pod" of a pool
+    at zero (it wakes again at once, and flaps), or demand on it not waking the pool."""
+    leaving = Observation(0.0, 0.0, pods=1, replicas=0)
+    assert decide(leaving, (), PoolReplicas(0, 0), TO_ZERO, 0.0).replicas == 0
+    busy = Observation(5.0, 1.0, pods=1, replicas=0)
+    assert decide(busy, (), PoolReplicas(0, 0), TO_ZERO, 0.0).replicas == 2  # ceil(5/4)
+
+
 def test_a_pool_at_zero_stays_there_while_nothing_is_queued():
     """Fails for: a pool at 0 woken by nothing, or by a router that did not answer."""
     idle = decide(at_zero(0), (), PoolReplicas(0, 0), TO_ZERO, 0.0)

@@ -8,7 +8,9 @@ lab (e2e/cluster/test_metrics.py)."""
 
 from __future__ import annotations
 
+import re
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -37,6 +39,7 @@ from pagefleet.operator.status import PoolObserved
 from server_utils import free_port
 
 P = "pagefleet_operator:"
+CHART_README = Path(__file__).resolve().parent.parent / "deploy/helm/pagefleet/README.md"
 MD = {"namespace": NS, "pagefleet_io_deployment": "llama"}
 
 
@@ -208,3 +211,23 @@ def test_failed_queue_reads_are_counted_and_the_series_go_with_the_model_deploym
                 60,
                 "the series gone",
             )
+
+
+def test_the_charts_readme_lists_every_series_and_reason():
+    """What users read to write their queries: fails when a series or a reason value is added,
+    renamed or dropped without the chart's README saying so."""
+    metrics = OperatorMetrics()
+    metrics.reconciled(NS, "llama", "InvalidSpec", 0.01)
+    metrics.observed(NS, "llama", "m", (pool("colocated", 1, 1, 1, ScaleReason.SPEC),))
+    metrics.decided(NS, "llama", "colocated", 1, 1, ScaleReason.DEMAND)
+    metrics.read_failed(NS, "llama", ReadSource.PROMETHEUS, 1)
+    page = metrics.page().decode()
+    exported = set(
+        re.findall(r"^(pagefleet_operator:\w+?)(?:_bucket|_count|_sum|_created)?[{ ]", page, re.M)
+    )
+    readme = CHART_README.read_text()
+    documented = set(re.findall(r"pagefleet_operator:\w+", readme))
+    documented |= {P + name for name in re.findall(r", (pool_\w+) \|", readme)}
+    assert exported == documented, exported ^ documented
+    row = next(line for line in readme.splitlines() if line.startswith(f"| {P}pool_desired"))
+    assert set(re.findall(r"`(\w+)`", row)) >= {str(r) for r in ScaleReason}

@@ -104,7 +104,10 @@ def recommend(obs: Observation, spec: Autoscaling) -> tuple[int, str, ScaleReaso
     a word (BOUNDS where min/max changed the number)."""
     target = spec.target_waiting_per_replica
     queued = f" + {obs.queued:g} queued" if obs.queued else ""
-    if obs.pods == 0:
+    # At zero replicas only demand wakes the pool: pods still seen are on their way out (the
+    # ReplicaSet deletes them just after the scale to zero), and the formula below would keep
+    # the last of them.
+    if obs.pods == 0 or obs.replicas == 0:
         if obs.replicas == 0 and obs.demand > 0:
             raw = math.ceil(obs.demand / target)
             why = f"{obs.waiting:g} waiting{queued} with no pods"
