@@ -316,3 +316,7 @@ def test_each_decision_names_its_cause_from_the_closed_set():
     assert held_up.cause == ScaleReason.STABILIZATION
     # At zero with minReplicas 1: the bound wakes the pool, not demand.
     assert decide(at_zero(0), (), PoolReplicas(0, 0), SPEC, 0.0).cause == ScaleReason.BOUNDS
+    # A burst at zero is a wake, however the step limit or maxReplicas bounded it.
+    burst = decide(at_zero(1000), (), PoolReplicas(0, 0), TO_ZERO, 0.0)
+    assert (burst.replicas, burst.cause) == (4, ScaleReason.WAKE)
+    assert "step limited" in burst.reason

@@ -282,11 +282,17 @@ def operator_agrees(lab, prom: LabPrometheus, desired: int) -> dict:
 
 
 def decisions(prom: LabPrometheus, direction: str, reason: str) -> float:
-    """The builtin autoscaler's decisions of the pool counted so far (on the leader)."""
+    """The builtin autoscaler's decisions of the pool counted in the scenario, by whichever
+    replica led: each pod's highest count (a restarted pod counts from 0 again), summed."""
     labels = f'pagefleet_io_deployment="{NAME}",pagefleet_io_pool="{POOL}"'
     wanted = f'{labels},direction="{direction}",reason="{reason}"'
-    (total,) = prom.query(f"sum({OP}autoscaler_decisions_total{{{wanted}}}) or vector(0)")
+    counted = f"max_over_time({OP}autoscaler_decisions_total{{{wanted}}}[15m])"
+    (total,) = prom.query(f"sum({counted}) or vector(0)")
     return total.value
+
+
+def restarts(pods: list[dict]) -> int:
+    return sum(c["restartCount"] for p in pods for c in p["status"]["containerStatuses"])
 
 
 def mark(timings: dict[str, float], what: str, started: float) -> None:
@@ -302,7 +308,7 @@ def kill_engine(pod: dict) -> None:
 def test_prometheus_scrapes_the_lab_and_every_shipped_query_answers(tmp_path, model_store):
     timings: dict[str, float] = {}
     started = time.monotonic()
-    load, loading_seen = Load(""), None
+    load, loading_seen, operator_restarts = Load(""), None, None
     with open_lab(tmp_path / "lab", claims={"models": str(model_store)}) as lab:
         prepare_namespace(lab, NS)
         prometheus_url = f"http://{lab.node_ip}:{PROMETHEUS_PORT}"
@@ -395,6 +401,10 @@ def test_prometheus_scrapes_the_lab_and_every_shipped_query_answers(tmp_path, mo
             assert decisions(prom, "up", "wake") == 1
             mark(timings, "zero", started)
             assert load.ok > 0
+            operator_restarts = restarts(lab.kube.pods(NS, "app.kubernetes.io/component=operator"))
         finally:
             prom.close()
-    print(f"metrics path: {timings}, {load.sent} requests sent, loading seen: {loading_seen}")
+    print(
+        f"metrics path: {timings}, {load.sent} requests sent, loading seen: {loading_seen}, "
+        f"operator restarts: {operator_restarts}"
+    )

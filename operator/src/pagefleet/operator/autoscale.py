@@ -21,13 +21,14 @@ TOLERANCE = 0.1
 class ScaleReason(enum.StrEnum):
     """Why a pool has its desired replicas, in one word from a closed set: what the operator's
     metrics label a pool with (the status' reason says it in full). Of the limits a decision
-    met, the last one applied names it."""
+    met, the last one applied names it; but a pool leaving zero for demand is woken, and one
+    going to zero for its idle window is scaled to zero, whatever else bounded the number."""
 
     DEMAND = "demand"  # the HPA formula on the queues moved or kept it
     WITHIN_TOLERANCE = "within_tolerance"  # the queues are within 10% of the target
     LAST_POD_KEPT = "last_pod_kept"  # the formula says 0: only the idle window goes to zero
     NO_METRICS = "no_metrics"  # no pod answered: holding
-    WAKE = "wake"  # demand at zero pods
+    WAKE = "wake"  # from zero, for demand (requests held at the router)
     IDLE_AT_ZERO = "idle_at_zero"  # nothing waiting or queued, no pods
     SCALE_TO_ZERO = "scale_to_zero"  # idle for scaleToZeroIdleSeconds
     STABILIZATION = "stabilization"  # held by a stabilisation window
@@ -244,6 +245,8 @@ def decide(
         desired = floor
         notes.append(f"waiting for {current - pool.ready} pod(s) of the last step to be ready")
         cause = ScaleReason.PODS_NOT_READY
+    if current == 0 and desired > 0 and observation.demand > 0:
+        cause = ScaleReason.WAKE  # a cold start, however many pods it starts
     reason = latest_reason + "".join(f"; {n}" for n in notes) + f" -> {desired}"
     return Decision(desired, reason, latest, needed(recommendations, spec, now), idle, cause)
 
