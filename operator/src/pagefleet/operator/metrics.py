@@ -6,8 +6,8 @@ ModelDeployment's and its pools' names aside, and a ModelDeployment's series go 
 
 The series carry the label names the chart's ServiceMonitor gives the engines' series
 (`namespace`, `pagefleet_io_deployment`, `pagefleet_io_pool`, `model_name`), so that one query
-joins the two; the chart scrapes the operator with honorLabels, as kube-state-metrics is.
-The HTTP shell (`serve`) is at the end."""
+joins the two; the chart scrapes the operator with honorLabels, as kube-state-metrics is
+scraped. The HTTP shell (`MetricsServer`) is at the end."""
 
 from __future__ import annotations
 
