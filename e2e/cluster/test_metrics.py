@@ -1,9 +1,9 @@
 """Scenario: the metrics path with a real Prometheus. The lab's Prometheus scrapes the engine,
 router and operator pods at their IPs with the scrape configs the Prometheus Operator makes of
 the chart's two ServiceMonitors, and evaluates the chart's PrometheusRule. The operator is the
-chart's (two replicas, one leading), with operator.prometheusUrl: a pool at zero wakes for the
-requests the router holds and returns to zero when the load stops, reading only Prometheus. On
-the way every shipped query is evaluated:
+chart's (two replicas, one leading, in a namespace of their own) with operator.prometheusUrl:
+a pool at zero wakes for the requests the router holds and returns to zero when the load
+stops, reading only Prometheus. On the way every shipped query is evaluated:
 
 - each KEDA trigger the operator renders for the pool returns, at Prometheus' first scrape
   after a reading, the value the builtin autoscaler reads from the pods themselves (the
@@ -68,6 +68,9 @@ from .servicemonitor import scrape_configs
 
 NS, NAME, MODEL, POOL = "serving", "watched", "tiny", "colocated"
 REFUSED = "refused"  # a ModelDeployment the operator refuses: a hostPath it does not allow
+# The chart's release, its operator with it, in a namespace of its own (watching NS): the
+# operator's series name NS only if its ServiceMonitor honours their labels.
+RELEASE_NS = "pagefleet-system"
 SCRAPE_S = 1
 OPERATORS = 2  # the chart's default: one leads
 OPERATOR_JOB = "pf-pagefleet-operator"  # its Service, the job of its targets
@@ -95,13 +98,17 @@ GRAFANA = {"namespace": [NS], "model": [MODEL]}
 def chart_values(prometheus_url: str) -> dict:
     """The chart as a user installs it with Prometheus: ServiceMonitors and rules on, scraped
     every second and alerting after a second, so the scenario does not wait minutes; the
-    operator reads queues from that Prometheus, every half second. The ModelDeployments are
-    the scenario's own."""
+    operator reads queues from that Prometheus, every half second, and watches NS. The
+    ModelDeployments are the scenario's own."""
     alerts = {"engineDown": {"for": "1s"}, "reconcileErrors": {"for": "1s"}}
     return {
         "serviceMonitor": {"enabled": True, "interval": f"{SCRAPE_S}s", "scrapeTimeout": "1s"},
         "prometheusRule": {"enabled": True, "alerts": alerts},
-        "operator": {"prometheusUrl": prometheus_url, "autoscaleInterval": 0.5},
+        "operator": {
+            "prometheusUrl": prometheus_url,
+            "autoscaleInterval": 0.5,
+            "watchNamespaces": [NS],
+        },
         "modelDeployment": {"enabled": False},
         "modelCache": {"enabled": False},
     }
@@ -112,7 +119,7 @@ def chart_objects(tmp_path: Path, prometheus_url: str) -> tuple[list[dict], list
     Operator's to read), and the rest: what the API gets (the CRD is installed already)."""
     values = tmp_path / "metrics-values.yaml"
     values.write_text(yaml.safe_dump(chart_values(prometheus_url)))
-    docs = helm_template("pf", NS, values)
+    docs = helm_template("pf", RELEASE_NS, values)
     monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
     (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
     rest = [
@@ -230,7 +237,7 @@ def fired(prom: LabPrometheus, alert: str, label: str = "pod", window_s: int = 3
 
 
 def operator_pods(lab) -> list[dict]:
-    return ready(lab.kube.pods(NS, "app.kubernetes.io/component=operator"))
+    return ready(lab.kube.pods(RELEASE_NS, "app.kubernetes.io/component=operator"))
 
 
 def check_leader(lab, prom: LabPrometheus) -> None:
@@ -238,7 +245,7 @@ def check_leader(lab, prom: LabPrometheus) -> None:
     up = prom.query(f'up{{job="{OPERATOR_JOB}"}} == 1')
     assert len(up) == OPERATORS, up
     (leader,) = prom.query(f"{OP}leader == 1")
-    lease = lab.kube.get("coordination.k8s.io/v1", "Lease", NS, OPERATOR_JOB)
+    lease = lab.kube.get("coordination.k8s.io/v1", "Lease", RELEASE_NS, OPERATOR_JOB)
     assert leader.labels["pod"] == lease["spec"]["holderIdentity"], (leader, lease)
     assert len(prom.query(f"{OP}leader == 0")) == OPERATORS - 1
 
@@ -311,6 +318,7 @@ def test_prometheus_scrapes_the_lab_and_every_shipped_query_answers(tmp_path, mo
     load, loading_seen, operator_restarts = Load(""), None, None
     with open_lab(tmp_path / "lab", claims={"models": str(model_store)}) as lab:
         prepare_namespace(lab, NS)
+        lab.kube.create_namespace(RELEASE_NS)
         prometheus_url = f"http://{lab.node_ip}:{PROMETHEUS_PORT}"
         monitors, rule_groups, chart = chart_objects(tmp_path, prometheus_url)
         configs = [config for monitor in monitors for config in scrape_configs(monitor)]
@@ -364,7 +372,10 @@ def test_prometheus_scrapes_the_lab_and_every_shipped_query_answers(tmp_path, mo
             assert refusals == {REFUSED}, refusals
             errors = prom.query(f'{OP}reconcile_errors_total{{reason="HostPathNotAllowed"}}')
             assert [e.labels["pagefleet_io_deployment"] for e in errors] == [REFUSED]
-            assert errors[0].labels["namespace"] == NS  # the ModelDeployment's: honorLabels
+            # The ModelDeployment's namespace, not the operator pod's (the ServiceMonitor's
+            # honorLabels); that of the operator's own series is the pod's.
+            assert errors[0].labels["namespace"] == NS
+            assert {s.labels["namespace"] for s in prom.query(f"{OP}leader")} == {RELEASE_NS}
             loading_seen = prom.query(f'min_over_time(up{{pod="{name}"}}[10m]) == 0') != []
             kill_engine(engine)
             lab.wait_for(
@@ -401,7 +412,9 @@ def test_prometheus_scrapes_the_lab_and_every_shipped_query_answers(tmp_path, mo
             assert decisions(prom, "up", "wake") == 1
             mark(timings, "zero", started)
             assert load.ok > 0
-            operator_restarts = restarts(lab.kube.pods(NS, "app.kubernetes.io/component=operator"))
+            operator_restarts = restarts(
+                lab.kube.pods(RELEASE_NS, "app.kubernetes.io/component=operator")
+            )
         finally:
             prom.close()
     print(
