@@ -47,7 +47,7 @@ class ReadSource(enum.StrEnum):
     """Where a queue read failed."""
 
     ENGINE_PODS = "engine_pods"  # an engine pod's /metrics
-    ROUTER_PODS = "router_pods"  # a router pod's /metrics
+    ROUTER_PODS = "router_pods"  # a router (or Endpoint Picker) pod's /metrics
     PROMETHEUS = "prometheus"  # a query to --prometheus-url
 
 
