@@ -42,10 +42,14 @@ class PodRegistry:
     def __init__(
         self,
         interval: float = 0.075,
-        stale_after: float = 2.0,
+        stale_after: float | None = None,
         eject_after: int = 3,
         timeout: float = 1.0,
     ) -> None:
+        # Data is stale once two scrapes were missed, never sooner than 2 s: a slower interval
+        # than the default must not leave every pod reading as the fleet's mean between scrapes.
+        if stale_after is None:
+            stale_after = max(2.0, 2.5 * interval)
         self.interval, self.stale_after = interval, stale_after
         self.eject_after, self.timeout = eject_after, timeout
         self.status: dict[str, PodStatus] = {}
