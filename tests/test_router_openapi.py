@@ -54,7 +54,7 @@ def test_fuzzing_the_router_through_to_an_engine_finds_no_server_error(tiny_chec
 
             @given(case=operation.as_strategy())
             @settings(
-                max_examples=25 if operation.path in posts else 3,
+                max_examples=12 if operation.path in posts else 2,
                 deadline=None,
                 derandomize=True,
                 suppress_health_check=list(HealthCheck),

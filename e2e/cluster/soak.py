@@ -94,7 +94,9 @@ class Plan:
 
 
 def plan_short() -> Plan:
-    """One fault of each kind in under a minute of load (the CI soak)."""
+    """One fault of each kind in under a minute of load (the CI soak). The roll comes as early
+    as the killed engine is back: its two pods' starts are the longest recovery, and the soak
+    ends only when every victim is back."""
     return Plan(
         duration_s=40,
         max_requests=300,
@@ -103,8 +105,8 @@ def plan_short() -> Plan:
             Fault(4, "kill-engine", COLO),
             Fault(8, "cut-link", PD, "prefill", hold_s=3),
             Fault(14, "kill-router", PD),
-            Fault(19, "freeze", COLO, hold_s=7),
-            Fault(27, "roll", COLO),
+            Fault(21, "roll", COLO),
+            Fault(25, "freeze", PD, "prefill", hold_s=6),  # past readiness only
             Fault(32, "kill-operator", ""),
         ),
     )
@@ -163,10 +165,12 @@ def deployments() -> list[dict]:
         router={"pdThresholdTokens": 64},
         kvTransfer={"connector": "nixl"},
     )
-    # An Endpoint Picker for the colocated pool: a Gateway's Envoy sends it a share of the load,
-    # with one fallback endpoint per pick (Envoy retries a failed connection there).
+    # An Endpoint Picker for the colocated pool: a Gateway's Envoy sends it a share of the load.
+    # No fallback endpoints: the lab's Gateway is the ORIGINAL_DST shape (Envoy Gateway's),
+    # which connects to one `ip:port` and answers 503 to a list (fallbacks need override_host,
+    # whose static endpoint list cannot follow pods that the faults replace).
     colo = md(COLO, {"colocated": {"replicas": 2}})
-    colo["spec"]["inferencePool"] = {"enabled": True, "fallbackEndpoints": 1}
+    colo["spec"]["inferencePool"] = {"enabled": True}
     return [pd, colo]
 
 
