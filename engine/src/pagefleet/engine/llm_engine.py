@@ -40,6 +40,7 @@ from pagefleet.engine.kv_sizing import (
     host_memory_bytes,
     kv_pool_blocks,
     kv_pool_plan_of,
+    state_slots_of,
 )
 from pagefleet.engine.model.causal_lm import CausalLM
 from pagefleet.engine.model.loader import (
@@ -161,7 +162,7 @@ class LLMEngine:
         num_host_blocks = self.tier_copier.host_blocks.shape[0] if self.tier_copier else 0
         self.scheduler = Scheduler.create(
             args.scheduler_config(self.max_model_len),
-            args.cache_config(num_blocks, num_host_blocks),
+            args.cache_config(num_blocks, num_host_blocks, self.runner.state_config()),
             kv_event_listener,
             self.model_config.vocab_size,
         )
@@ -452,8 +453,9 @@ class LLMEngine:
         kv_dtype, kv_scales = self._kv_format()
         num_blocks = self._size_kv_pool(model, kv_dtype)
         backend = select_backend(args.attention_backend, self.device)
+        slots = state_slots_of(args, model)
         runner = ModelRunner(
-            model, args.block_size, num_blocks, backend, self.device, kv_dtype, kv_scales
+            model, args.block_size, num_blocks, backend, self.device, kv_dtype, kv_scales, slots
         )
         if self.device.type == "cuda" and not args.enforce_eager:
             runner.capture_decode_graphs(self._max_decode_rows(), self.max_model_len)
@@ -508,7 +510,8 @@ class LLMEngine:
             num_blocks = self._size_kv_pool(model, kv_dtype, group)
             backend = select_backend(args.attention_backend, self.device)
             runner = tp_runner.ParallelModelRunner(
-                model, args.block_size, num_blocks, backend, kv_dtype, group, executor, kv_scales
+                *(model, args.block_size, num_blocks, backend, kv_dtype, group, executor),
+                *(kv_scales, state_slots_of(args, model)),
             )
         except BaseException:
             self._stop_supervision()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pagefleet.engine.config import CacheConfig, SchedulerConfig
 from pagefleet.engine.kv_cache.host_tier import TierLoad
 from pagefleet.engine.kv_cache.manager import KVCacheManager
+from pagefleet.engine.kv_cache.state_cache import StateStep
 from pagefleet.engine.request import Request, RequestStatus
 from pagefleet.engine.validation import RequestRules
 
@@ -46,6 +47,8 @@ class SchedulerOutput:
     # Speculative decoding: request id -> the drafts it verifies this step (its scheduled
     # count is 1 + len(drafts): the last token, then the drafts; see spec_decode/).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Hybrid models: state-slot moves and snapshots the runner makes in this step.
+    state: StateStep | None = None
     num_tokens: int = 0
 
     @property
@@ -98,6 +101,7 @@ class Scheduler:
             cache_config.enable_prefix_caching,
             listener,
             cache_config.num_host_blocks,
+            cache_config.state,
         )
         return cls(scheduler_config, kv, vocab_size)
 
@@ -164,6 +168,7 @@ class Scheduler:
         if req.status.finished:  # aborted while loading
             self.kv_cache.free(req)
             return req
+        self.kv_cache.state_arrived(req, ok)
         if ok:
             req.num_computed_tokens = max(req.num_computed_tokens, req.num_tokens - 1)
             if self.kv_cache.enable_prefix_caching:
@@ -196,6 +201,7 @@ class Scheduler:
             return None
         self.requests.pop(request_id, None)
         req.status = RequestStatus.FINISHED_ABORTED
+        self.kv_cache.drop_state(req)  # NIXL writes blocks, never state slots
         self.quarantined.append(req)
         return req
 
@@ -265,6 +271,8 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit(out, budget, chunk_cap, num_partial)
         out.num_tokens = cfg.max_num_batched_tokens - budget
+        if scheduled:  # a step nothing runs in moves no state: its moves wait for one that does
+            out.state = self.kv_cache.take_state_step(scheduled)
         tier = self.kv_cache.host_tier
         if tier is not None:
             out.tier_stores = tier.take_stores()
@@ -403,10 +411,13 @@ class Scheduler:
             tokens.append(token)
             if self._append_ends(req, token):
                 finished.append(req)
+        if out.state is not None:
+            kv.state_step_done()
         if finished:
             for req in finished:
                 if req.hold_blocks:
                     self.held[req.request_id] = req
+                    kv.drop_state(req)  # its state went into its transport blocks
                 else:
                     kv.free(req)
                 del self.requests[req.request_id]
