@@ -62,7 +62,7 @@ from pagefleet.engine.sampler import Sampler
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import Scheduler
 from pagefleet.engine.simulated import SimulatedRunner
-from pagefleet.engine.spec_decode.config import SpeculativeConfig
+from pagefleet.engine.spec_decode.config import SpeculativeConfig, refuse_recurrent_state
 from pagefleet.engine.spec_decode.draft import DraftModelProposer
 from pagefleet.engine.spec_decode.ngram import NgramProposer
 from pagefleet.engine.spec_decode.stats import SpecDecodeCounters
@@ -238,6 +238,7 @@ class LLMEngine:
         if _prefill_only(self.args.kv_transfer_config):
             logger.info("Speculative decoding off: a prefill engine (kv_producer) decodes nothing")
             return None, None
+        refuse_recurrent_state(self.model_config, "the model")
         if config.method == "draft_model":
             proposer = self._draft_proposer(config)
             logger.info(
@@ -306,6 +307,7 @@ class LLMEngine:
                 f"{draft_config.get('max_position_embeddings')} < max_model_len "
                 f"{self.max_model_len}"
             )
+        refuse_recurrent_state(model_config(draft_config), f"the draft {path!r}")
         return load_model(path, self.dtype, self.device, self.max_model_len)
 
     def _draft_pool(self) -> DraftPool | None:
@@ -841,7 +843,7 @@ class LLMEngine:
             self._tier_copies(out)
         for req in out.kv_loads:
             first = req.num_cached_blocks  # blocks found in our own prefix cache stay
-            blocks = req.block_ids[: req.num_prompt_blocks]
+            blocks = req.transfer_block_ids  # the prompt's (and a hybrid's state's)
             self.connector.start_load(req.request_id, req.remote_source, blocks, first)
         if not out.scheduled:
             if self.scheduler.loading:  # only transfers in flight: wait for one, don't spin
@@ -881,7 +883,7 @@ class LLMEngine:
                 self._advance_grammar(next(s for s in group.sequences if s.request is req), start)
             if req.hold_blocks and req.request_id in self.scheduler.held:
                 group.kv_transfer_params = self.connector.hold(
-                    req.request_id, req.block_ids[: req.num_prompt_blocks], time.monotonic()
+                    req.request_id, req.transfer_block_ids, time.monotonic()
                 )
             touched[group.request_id] = group
         now = time.time()

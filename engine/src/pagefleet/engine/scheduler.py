@@ -215,7 +215,7 @@ class Scheduler:
 
     @property
     def num_held_blocks(self) -> int:
-        return sum(len(r.block_ids) for r in self.held.values())
+        return sum(len(r.block_ids) + len(r.state_block_ids) for r in self.held.values())
 
     @property
     def num_running(self) -> int:

@@ -112,6 +112,7 @@ class StepStates:
     num_single: int
     single_slots: torch.Tensor  # [num_single] int64
     chunks: list[StateChunk]
+    single_slot_list: list[int] = field(default_factory=list)  # the same, on the host
     before: StateMoves = field(default_factory=StateMoves)
     after: StateMoves = field(default_factory=StateMoves)
     pool: StatePool | None = None  # this rank's, attached by its runner
@@ -153,6 +154,79 @@ def step_states(
             StateChunk(row, n, req.state_slot, tuple(inside.get(req.request_id, ())))
             for req, row, n in chunks
         ],
+        single_slot_list=slots,
         before=before,
         after=after,
+    )
+
+
+# ---------------------------------------------------------------------------- to worker ranks
+
+
+def encode_states(states: StepStates) -> list[int]:
+    """The step's state metadata as host ints, for the tensor-parallel step broadcast: single
+    slots, chunks (start, tokens, slot, saves, then each save's offset and slot), then the
+    moves before and after the forward pass."""
+    out = [states.num_single, *states.single_slot_list, len(states.chunks)]
+    for c in states.chunks:
+        out += [c.start, c.num_tokens, c.slot, len(c.saves), *(x for save in c.saves for x in save)]
+    for moves in (states.before, states.after):
+        out += [len(moves.resets), *moves.resets]
+        out += _encode_block_moves(moves.loads)
+        out += [len(moves.copies), *(x for pair in moves.copies for x in pair)]
+        out += _encode_block_moves(moves.stores)
+    return out
+
+
+def _encode_block_moves(moves: list[tuple[int, list[int]]]) -> list[int]:
+    out = [len(moves)]
+    for slot, blocks in moves:
+        out += [slot, len(blocks), *blocks]
+    return out
+
+
+class _Ints:
+    def __init__(self, ints: list[int]) -> None:
+        self.ints, self.at = ints, 0
+
+    def take(self, n: int) -> list[int]:
+        self.at += n
+        return self.ints[self.at - n : self.at]
+
+    def one(self) -> int:
+        return self.take(1)[0]
+
+    def pairs(self) -> list[tuple[int, int]]:
+        flat = self.take(2 * self.one())
+        return list(zip(flat[::2], flat[1::2], strict=True))
+
+    def block_moves(self) -> list[tuple[int, list[int]]]:
+        out = []
+        for _ in range(self.one()):
+            slot = self.one()
+            out.append((slot, self.take(self.one())))
+        return out
+
+
+def decode_states(ints: list[int], device: torch.device) -> StepStates:
+    """`encode_states`' inverse (the worker attaches its own pool and kernels)."""
+    data = _Ints(ints)
+    singles = data.take(data.one())
+    chunks = []
+    for _ in range(data.one()):
+        start, n, slot = data.take(3)
+        chunks.append(StateChunk(start, n, slot, tuple(data.pairs())))
+    moves = []
+    for _ in range(2):
+        resets = data.take(data.one())
+        loads = data.block_moves()
+        copies = data.pairs()
+        moves.append(StateMoves(resets, loads, copies, data.block_moves()))
+    return StepStates(
+        num_single=len(singles),
+        single_slots=torch.tensor(singles, dtype=torch.int64, device=device),
+        chunks=chunks,
+        single_slot_list=singles,
+        before=moves[0],
+        after=moves[1],
     )

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pagefleet.engine.json_flag import parse_json_object
+from pagefleet.engine.model.config import ModelConfig
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -90,3 +91,15 @@ def _int(raw: dict[str, Any], key: str, default: int | None) -> int:
 
 def _error(what: str) -> ValueError:
     return ValueError(f"--speculative-config {what}")
+
+
+def refuse_recurrent_state(cfg: ModelConfig, which: str) -> None:
+    """Speculation rolls rejected drafts back by forgetting their KV; a recurrent state (a
+    hybrid model's linear-attention layers) has already absorbed them, and keeping a state
+    per draft position is not built: refused rather than silently wrong."""
+    if cfg.state_shape() is not None:
+        raise ValueError(
+            f"--speculative-config: {which} ({cfg.architecture}) has linear-attention layers "
+            "whose recurrent state cannot roll back rejected draft tokens; speculative "
+            "decoding is not supported on hybrid models: serve it without --speculative-config"
+        )
