@@ -117,6 +117,7 @@ class StepStates:
     after: StateMoves = field(default_factory=StateMoves)
     pool: StatePool | None = None  # this rank's, attached by its runner
     kernels: object = None  # LinearAttnKernels (linear_attn/kernels.py), attached likewise
+    scratch: dict = field(default_factory=dict)  # what kernels derive once per step
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv state, recurrent state) of linear-attention layer `index`, every slot."""
