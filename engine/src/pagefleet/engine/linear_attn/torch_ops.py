@@ -67,8 +67,10 @@ def chunked(
     (I + A) u = beta v - beta exp(G) k S0, A[t, i] = beta_t exp(G_t - G_i) k_t.k_i (i < t);
     outputs are exp(G_t) q_t S0 + sum_{i<=t} exp(G_t - G_i) (q_t.k_i) u_i, and the state
     after the chunk exp(G_C) S0 + sum_i exp(G_C - G_i) k_i u_i^T. Padding tokens (beta 0,
-    g 0) write nothing and decay nothing."""
+    g 0) write nothing and decay nothing; a segment shorter than `chunk` is padded only to a
+    multiple of 16 (a prompt chunk under a small token budget would mostly be padding)."""
     length = q.shape[0]
+    chunk = min(chunk, -(-length // 16) * 16)
     pad = -length % chunk
     # [H, chunks, C, D]: heads first, so each chunk's matmuls batch over heads.
     q, k, v = (_chunks(F.pad(x, (0, 0, 0, 0, 0, pad)), chunk) for x in (q, k, v))
@@ -116,7 +118,11 @@ def conv_segment(
     conv_state: torch.Tensor,  # [C, W]: the W inputs before them
     weight: torch.Tensor,  # [C, W + 1]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """T tokens of one sequence: (SiLU(conv) [T, C], inputs [C, W + T] with the W before)."""
+    """T tokens of one sequence: (SiLU(conv) [T, C], inputs [C, W + T] with the W before).
+    The few taps are summed directly (cheaper than conv1d's set-up at these sizes)."""
     inputs = torch.cat([conv_state, x.transpose(0, 1).to(conv_state.dtype)], dim=1)
-    out = F.conv1d(inputs.unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0])[0]
+    length = x.shape[0]
+    out = inputs[:, :length] * weight[:, :1]
+    for tap in range(1, weight.shape[1]):
+        out += inputs[:, tap : tap + length] * weight[:, tap : tap + 1]
     return F.silu(out).transpose(0, 1), inputs

@@ -373,7 +373,7 @@ class TritonKernels:
         _, ssm = states.layer(layer)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         g, beta = g.contiguous(), beta.contiguous()
-        tokens, heads, dv = v.shape
+        heads, dv = v.shape[1:]
         dk = k.shape[2]
         repeat = heads // k.shape[1]
         out = torch.empty_like(v)

@@ -163,6 +163,14 @@ def write_tiny_checkpoint(
                     layer.self_attn.v_proj,
                 ):
                     proj.bias.normal_(0.0, initializer_range)
+    if model_type.startswith("qwen3_5"):
+        # Norms start at 0 (zero-centred: applied as 1 + w) or 1 (the gated norm), and dt_bias
+        # at 1: random values, so a norm loaded without its offset, or swapped with another,
+        # fails the equality tests.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("norm.weight", "dt_bias")):
+                    param.add_(torch.randn(param.shape) * 0.2)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     tokenizer.save_pretrained(path)
