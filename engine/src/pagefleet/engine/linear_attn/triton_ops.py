@@ -3,14 +3,15 @@ prompt chunks, and the per-sequence last inputs it keeps) and the gated delta ru
 of many sequences, and prompt chunks in the chunked form). Tested against torch_ops.py in
 Triton's interpreter (tests/triton_interpret_cases.py); timed only on a GPU.
 
-Chunked delta rule, in two launches per layer. `_chunk_prep` takes one chunk of BT tokens of
-one head: it normalises the keys, forms A = strictly-lower(beta_i exp(G_i - G_j) k_i.k_j),
-inverts (I + A) by forward substitution on the BT x BT tile, and writes the chunk's
-W = (I + A)^-1 (beta exp(G) k) and U = (I + A)^-1 (beta v) and its cumulative log decay G.
-`_chunk_scan` walks one sequence's chunks in order for one head and a slice of the value dim,
-carrying the state S in registers: u = U - W S, o = exp(G) q S + causal(q k^T exp(G_i - G_j)) u,
-S = exp(G_last) S + (exp(G_last - G) k)^T u (torch_ops.chunked's algebra). A snapshot inside a
-prompt chunk starts a new run of chunks there, and the scan stores S after it.
+Chunked delta rule, in two launches per layer. `_chunk_prep` takes one chunk of BT tokens
+of one head (BT 64, or 16/32 when every prompt chunk of the step is that short): it normalises
+the keys, forms A = strictly-lower(beta_i exp(G_i - G_j) k_i.k_j), inverts (I + A) by forward
+substitution on the BT x BT tile, and writes the chunk's W = (I + A)^-1 (beta exp(G) k) and
+U = (I + A)^-1 (beta v) and its cumulative log decay G. `_chunk_scan` walks one sequence's
+chunks in order for one head and a slice of the value dim, carrying the state S in registers:
+u = U - W S, o = exp(G) q S + causal(q k^T exp(G_i - G_j)) u, S = exp(G_last) S +
+(exp(G_last - G) k)^T u (torch_ops.chunked's algebra). A snapshot inside a prompt chunk starts
+a new run of chunks there, and the scan stores S after it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import triton.language as tl
 from pagefleet.engine.linear_attn.kernels import segments
 from pagefleet.engine.linear_attn.state import StepStates
 
-BT = 64  # tokens per chunk of the chunked rule (as torch_ops.CHUNK)
+BT = 64  # most tokens per chunk of the chunked rule (as torch_ops.CHUNK)
 EPS = 1e-6  # l2norm's, as the reference
 
 
@@ -297,6 +298,8 @@ def _chunk_tables(states: StepStates, device: torch.device) -> dict:
     tables = states.scratch.get("triton")
     if tables is not None:
         return tables
+    longest = max((end - first for c in states.chunks for first, end, _ in segments(c)), default=1)
+    bt = min(BT, max(16, triton.next_power_of_2(longest)))  # short chunks: smaller tiles
     save_ptr, save_offset, save_dst = [0], [], []
     piece_start, piece_len, piece_dst, seq_first = [], [], [], [0]
     for chunk in states.chunks:
@@ -304,10 +307,10 @@ def _chunk_tables(states: StepStates, device: torch.device) -> dict:
         save_dst += [d for _, d in chunk.saves]
         save_ptr.append(len(save_offset))
         for first, end, dst in segments(chunk):
-            for at in range(first, end, BT):
+            for at in range(first, end, bt):
                 piece_start.append(chunk.start + at)
-                piece_len.append(min(BT, end - at))
-                piece_dst.append(dst if at + BT >= end and dst is not None else -1)
+                piece_len.append(min(bt, end - at))
+                piece_dst.append(dst if at + bt >= end and dst is not None else -1)
         seq_first.append(len(piece_start))
 
     def ints(values: list[int]) -> torch.Tensor:
@@ -326,6 +329,7 @@ def _chunk_tables(states: StepStates, device: torch.device) -> dict:
         "seq_first": ints(seq_first),
         "max_len": max((c.num_tokens for c in states.chunks), default=0),
         "pieces": len(piece_start),
+        "bt": bt,
     }
     states.scratch["triton"] = tables
     return tables
@@ -405,7 +409,8 @@ class TritonKernels:
         _chunk_prep[(tables["pieces"], heads)](
             k, v, g, beta, w, u, cum, tables["piece_start"], tables["piece_len"],
             q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), *scratch,
-            REPEAT=repeat, DK=dk, DV=dv, BT=BT, BLOCK_K=block_k, BLOCK_V=block_v, eps=EPS,
+            REPEAT=repeat, DK=dk, DV=dv, BT=tables["bt"], BLOCK_K=block_k, BLOCK_V=block_v,
+            eps=EPS,
         )  # fmt: skip
         block_v = min(block_v, 64)
         grid = (len(states.chunks), heads, triton.cdiv(dv, block_v))
@@ -413,6 +418,6 @@ class TritonKernels:
         _chunk_scan[grid](
             q, k, w, u, cum, ssm, out, tables["slot"], tables["seq_first"], *pieces,
             *common, *scratch, *state_strides,
-            REPEAT=repeat, DK=dk, DV=dv, BT=BT, BLOCK_K=block_k, BLOCK_V=block_v,
+            REPEAT=repeat, DK=dk, DV=dv, BT=tables["bt"], BLOCK_K=block_k, BLOCK_V=block_v,
             scale=dk**-0.5, eps=EPS,
         )  # fmt: skip
