@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from conftest import make_request
 from hf_reference import HYBRID_CASES, assert_greedy_matches_hf
 from pagefleet.common.capacity import GB
 from pagefleet.common.cli import main
@@ -229,3 +230,21 @@ def test_speculative_decoding_and_the_offload_tier_are_refused_on_a_hybrid(hybri
         LLM(path, speculative_config=ngram, num_gpu_blocks_override=8, max_model_len=64)
     with pytest.raises(ValueError, match="offload tier keeps KV blocks, not a hybrid"):
         KVCacheManager(8, 16, True, num_host_blocks=4, state=StateConfig(4, 1, 1.0))
+
+
+def test_a_state_slot_is_admitted_with_the_blocks_all_or_nothing_and_weighs_in_usage():
+    """With blocks free but no state slot a hybrid request is not admitted and nothing
+    changes; a running sequence's slot counts in usage by its bytes (here two blocks' worth),
+    so vllm:kv_cache_usage_perc says what the state takes."""
+    kv = KVCacheManager(
+        8, 4, True, state=StateConfig(num_slots=2, transfer_blocks=1, slot_blocks=2)
+    )
+    a, b, c = (make_request(rid, list(range(1, 9))) for rid in "abc")
+    assert kv.allocate_slots(a, 8, []) and kv.allocate_slots(b, 8, [])
+    assert kv.usage == (4 + 2 * 2) / (8 + 2 * 2)
+    assert not kv.allocate_slots(c, 4, [])
+    assert (c.block_ids, c.state_slot, kv.num_free_blocks) == ([], -1, 4)
+    freed = a.state_slot
+    kv.free(a)
+    assert a.state_slot == -1
+    assert kv.allocate_slots(c, 4, []) and c.state_slot == freed
