@@ -123,6 +123,26 @@ def cache_plan_of(
     )
 
 
+def check_holds_one(plan: CapacityPlan, max_model_len: int, device: torch.device) -> None:
+    """Refuse a pool that cannot hold one request of max_model_len, naming the knobs (and,
+    for a hybrid model, the state slots paid before it)."""
+    if plan.holds_one(max_model_len):
+        return
+    memory_flag = "--gpu-memory-utilization" if device.type == "cuda" else "--kv-cache-memory"
+    state = ""
+    if plan.state_slots:
+        state = (
+            f", or lower --max-num-seqs or --num-state-snapshots ({plan.state_slots} "
+            f"linear-attention state slots take {plan.state_bytes / GiB:.2f} GiB first)"
+        )
+    raise ValueError(
+        f"the KV cache holds {plan.block_tokens} tokens, less than one request of "
+        f"max_model_len={max_model_len}: lower --max-model-len, raise {memory_flag} "
+        f"or --num-gpu-blocks-override, or use a smaller --kv-cache-dtype{state} "
+        f"(`pagefleet plan` shows the options)"
+    )
+
+
 def state_slots_of(args: EngineArgs, model: CausalLM) -> int:
     """A hybrid model's state slots (capacity.num_state_slots); 0 for a model without state."""
     if model.config.state_shape() is None:

@@ -37,6 +37,7 @@ from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.detokenizer import Detokenizer
 from pagefleet.engine.kv_sizing import (
     DraftPool,
+    check_holds_one,
     host_memory_bytes,
     kv_pool_blocks,
     kv_pool_plan_of,
@@ -588,16 +589,7 @@ class LLMEngine:
         per_block = kv_bytes_per_block(model, args.block_size, kv_dtype)
         plan = kv_pool_plan_of(args, model, kv_dtype, num_blocks * per_block)
         self._log_kv_size(plan.kv_blocks, plan, model.num_kv_heads)
-        if not plan.holds_one(self.max_model_len):
-            memory_flag = (
-                "--gpu-memory-utilization" if self.device.type == "cuda" else ("--kv-cache-memory")
-            )
-            raise ValueError(
-                f"the KV cache holds {plan.block_tokens} tokens, less than one request of "
-                f"max_model_len={self.max_model_len}: lower --max-model-len, raise {memory_flag} "
-                f"or --num-gpu-blocks-override, or use a smaller --kv-cache-dtype "
-                f"(`pagefleet plan` shows the options)"
-            )
+        check_holds_one(plan, self.max_model_len, self.device)
         return num_blocks
 
     def _log_kv_size(
