@@ -1,15 +1,17 @@
 """Hybrid models (Qwen3.5: Gated DeltaNet and gated attention layers) in one engine on CPU:
 greedy output equals HF transformers' in float32 under chunked prefill with a small token
-budget, preemption in a tight pool and prefix hits at block boundaries (hits counted only where
-no recompute was needed); the state slots balance after 100 clients left mid-stream; the
-engine's pool and `pagefleet plan` agree to the block (tiny checkpoints sized from memory, the
-seed's 27B rows); speculative decoding and the offload tier are refused by name."""
+budget, preemption in a tight pool, prefix hits at block boundaries (hits counted only where
+no recompute was needed) and speculative decoding (the state rolled back to the last kept
+draft); the state slots balance after 100 clients left mid-stream; the engine's pool and
+`pagefleet plan` agree to the block (tiny checkpoints sized from memory, the seed's 27B rows);
+a hybrid draft model and the offload tier are refused by name."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from pagefleet.engine.kv_cache.state_cache import StateConfig
 from pagefleet.engine.kv_sizing import cache_plan_of
 from pagefleet.engine.llm_engine import LLMEngine
 from pagefleet.engine.model import qwen3_5
+from pagefleet.engine.spec_decode.ngram import NgramProposer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 # GiB of cache (state slots, then KV blocks) per checkpoint: seven blocks each, so six
@@ -221,13 +224,63 @@ async def _until(condition, timeout: float = 60.0) -> bool:
     return True
 
 
-def test_speculative_decoding_and_the_offload_tier_are_refused_on_a_hybrid(hybrid_checkpoints):
-    """Speculation would need the state rolled back to the last accepted token, and the offload
-    tier keeps blocks without their states: both refused, naming why, not silently wrong."""
-    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+@dataclass(frozen=True)
+class CorruptedOracle(NgramProposer):
+    """Drafts the known greedy continuation with draft j wrong, j cycling over 0..k (k: none
+    wrong), so verifications keep every number of drafts from none to all."""
+
+    references: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+
+    def propose(self, tokens: list[int], max_tokens: int) -> list[int]:
+        k = min(self.num_speculative_tokens, max_tokens)
+        for prompt, reference in self.references:
+            if tuple(tokens[: len(prompt)]) == prompt:
+                done = len(tokens) - len(prompt)
+                drafts = list(reference[done : done + k])
+                wrong = done % (self.num_speculative_tokens + 1)
+                if wrong < len(drafts):
+                    drafts[wrong] = (drafts[wrong] + 1) % 500 + 5
+                return drafts
+        return []
+
+
+def test_speculative_decoding_rolls_the_state_back_to_the_last_kept_draft(
+    engines, hybrid_checkpoints
+):
+    """Verifying k drafts saves the state after each; whatever number is kept (0..k here, in
+    turn), the next step continues from the state after the last kept token. Fails for: a
+    state not rolled back (it absorbed the rejected drafts), rolled back one token off, or a
+    verification's rows read as separate sequences; outputs are HF's and slots balance."""
+    path = hybrid_checkpoints["qwen3_5"]
+    prompts = _prompts(11, 3)
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    plain = engines["qwen3_5"].generate(prompts, params, use_tqdm=False)
+    refs = tuple(
+        (tuple(p), tuple(o.outputs[0].token_ids)) for p, o in zip(prompts, plain, strict=True)
+    )
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM(path, dtype="float32", speculative_config=spec, num_gpu_blocks_override=32, **ENGINE)
+    try:
+        engine = llm.engine
+        engine.proposer = CorruptedOracle(3, 1, 3, refs)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == [list(r) for _, r in refs]
+        for prompt, out in zip(prompts, outs, strict=True):
+            assert_greedy_matches_hf(path, prompt, list(out.outputs[0].token_ids))
+        per_position = engine.spec_counters.snapshot().accepted_per_pos
+        assert per_position[0] > per_position[1] > per_position[2] > 0  # 1, 2 and 3 kept
+        assert_state_balanced(engine)
+    finally:
+        engine.close()
+
+
+def test_a_hybrid_draft_model_and_the_offload_tier_are_refused(hybrid_checkpoints):
+    """A draft model's own state would need rolling back too, and the offload tier keeps
+    blocks without their states: both refused, naming why, not silently wrong."""
     path = hybrid_checkpoints["qwen3_5_vl"]
-    with pytest.raises(ValueError, match="recurrent state cannot roll back rejected draft"):
-        LLM(path, speculative_config=ngram, num_gpu_blocks_override=8, max_model_len=64)
+    draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="a hybrid draft model is not supported"):
+        LLM(path, speculative_config=draft, num_gpu_blocks_override=8, max_model_len=64)
     with pytest.raises(ValueError, match="offload tier keeps KV blocks, not a hybrid"):
         KVCacheManager(8, 16, True, num_host_blocks=4, state=StateConfig(4, 1, 1.0))
 

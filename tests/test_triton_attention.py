@@ -240,15 +240,24 @@ def test_backend_selection_and_flags(monkeypatch):
 # ---------------------------------------------------------------- linear attention (hybrids)
 
 LINEAR_STEPS = {
-    # Decodes and two prompt chunks: snapshots inside the first, GVA 2:1, head dims that are
-    # not powers of two (32-token tiles).
-    "decodes-chunks-snapshots": cases.LinearStepSpec(
-        [0, 3, 5], [(1, 40, [(9, 7), (32, 8)]), (2, 5, [])]
+    # Decodes with a verification of 3 drafts among them (its state saved after each row),
+    # two prompt chunks with snapshots inside the first, GVA 2:1, head dims that are not
+    # powers of two (32-token tiles).
+    "decodes-verify-chunks-snapshots": cases.LinearStepSpec(
+        [0, 3, 5], [(1, 40, [(9, 7), (32, 8)]), (2, 5, [])], [(6, 4, [(1, 9), (2, 10), (3, 11)])]
     ),
     # GVA 3:1, a conv of width 2, a chunk of two 64-token pieces after a snapshot after its
     # first token, bfloat16 state.
     "gva3-long-chunk-bf16": cases.LinearStepSpec(
-        [4], [(1, 80, [(1, 9)])], 1, 3, 16, 8, 2, torch.bfloat16, seed=1
+        [4],
+        [(1, 80, [(1, 9)])],
+        key_heads=1,
+        value_heads=3,
+        key_dim=16,
+        value_dim=8,
+        conv_width=2,
+        state_dtype=torch.bfloat16,
+        seed=1,
     ),
 }
 

@@ -218,10 +218,12 @@ def fp8_agreement_case(
 @dataclass(frozen=True)
 class LinearStepSpec:
     """One linear-attention step: single-token sequences' slots, then prompt chunks as
-    (slot, tokens, snapshots (offset, destination slot)); the layer's shape."""
+    (slot, tokens, snapshots (offset, destination slot)); `runs` (verifications, shaped as
+    chunks) sit between the first single row and the others; the layer's shape."""
 
     singles: list[int]
     chunks: list[tuple[int, int, list[tuple[int, int]]]]
+    runs: list[tuple[int, int, list[tuple[int, int]]]] = field(default_factory=list)
     key_heads: int = 2
     value_heads: int = 4
     key_dim: int = 12
@@ -242,14 +244,19 @@ def linear_attn_case(spec: LinearStepSpec) -> dict[str, tuple[torch.Tensor, ...]
     gen = torch.Generator().manual_seed(spec.seed)
     hk, hv, dk, dv = spec.key_heads, spec.value_heads, spec.key_dim, spec.value_dim
     shape = SequenceStateShape(1, 2 * hk * dk + hv * dv, spec.conv_width, hv, dk, dv)
-    num_slots = 1 + max([*spec.singles, *(s for s, _, _ in spec.chunks)])
-    num_slots = max(
-        num_slots, 1 + max((d for _, _, saves in spec.chunks for _, d in saves), default=0)
-    )
-    chunks, row = [], len(spec.singles)
+    spans = spec.runs + spec.chunks
+    num_slots = 1 + max([*spec.singles, *(s for s, _, _ in spans)])
+    num_slots = max(num_slots, 1 + max((d for _, _, saves in spans for _, d in saves), default=0))
+    chunks, single_rows, row = [], [0], 1  # the first single, the runs, the other singles
+    for slot, n, saves in spec.runs:
+        chunks.append(StateChunk(row, n, slot, tuple(saves)))
+        row += n
+    single_rows += list(range(row, row + len(spec.singles) - 1))
+    row += len(spec.singles) - 1
     for slot, n, saves in spec.chunks:
         chunks.append(StateChunk(row, n, slot, tuple(saves)))
         row += n
+    rows = single_rows if spec.runs else None
 
     def rand(*size: int) -> torch.Tensor:
         return torch.randn(*size, generator=gen)
@@ -266,7 +273,12 @@ def linear_attn_case(spec: LinearStepSpec) -> dict[str, tuple[torch.Tensor, ...]
         pool.conv.copy_(conv0)
         pool.ssm.copy_(ssm0)
         states = StepStates(
-            len(spec.singles), torch.tensor(spec.singles), chunks, list(spec.singles), pool=pool
+            len(spec.singles),
+            torch.tensor(spec.singles),
+            chunks,
+            list(spec.singles),
+            single_rows=rows,
+            pool=pool,
         )
         conv = kernels.conv(x, weight, states, 0)
         out = kernels.delta_rule(q, k, v, g, beta, states, 0)

@@ -239,7 +239,6 @@ class LLMEngine:
         if _prefill_only(self.args.kv_transfer_config):
             logger.info("Speculative decoding off: a prefill engine (kv_producer) decodes nothing")
             return None, None
-        refuse_recurrent_state(self.model_config, "the model")
         if config.method == "draft_model":
             proposer = self._draft_proposer(config)
             logger.info(
@@ -308,7 +307,7 @@ class LLMEngine:
                 f"{draft_config.get('max_position_embeddings')} < max_model_len "
                 f"{self.max_model_len}"
             )
-        refuse_recurrent_state(model_config(draft_config), f"the draft {path!r}")
+        refuse_recurrent_state(model_config(draft_config), path)
         return load_model(path, self.dtype, self.device, self.max_model_len)
 
     def _draft_pool(self) -> DraftPool | None:

@@ -57,6 +57,7 @@ class Request:
         "sampling_params",
         "spec_token_ids",
         "state_block_ids",
+        "state_drafts",
         "state_saves",
         "state_slot",
         "status",
@@ -115,6 +116,8 @@ class Request:
         self.state_slot = -1
         self.state_block_ids: list[int] = []
         self.state_saves: list[tuple[int, int]] = []
+        # Speculative decoding: slots holding the state after each draft verified this step.
+        self.state_drafts: list[int] = []
         stop = set(sampling_params.stop_token_ids)
         if eos_token_id is not None and not sampling_params.ignore_eos:
             stop.update([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)

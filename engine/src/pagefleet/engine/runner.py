@@ -198,7 +198,10 @@ class ModelRunner:
         # A request verifying drafts is 1 + k single rows (positions in order): the pool
         # takes every row's keys and values before any row attends, so each reads the rows
         # before it as a decode row would, batched with the decodes.
-        singles = sorted(_single_rows(out), key=lambda e: e[2])
+        # (A hybrid's linear-attention layers read a verification's rows in order, as one
+        # short chunk: its rows stay together, requests ordered by their first position.)
+        order = _position if self.state_pool is None else _request_then_position
+        singles = sorted(_single_rows(out), key=order)
         chunks = [
             (k, r, n)
             for k, (r, n) in enumerate(out.scheduled)
@@ -300,7 +303,7 @@ class ModelRunner:
                 and (end + 1 - start) * len(tables[end]) * bs <= self.GROUP_TOKENS
             ):
                 end += 1
-            width = len(tables[end - 1])
+            width = max(len(t) for t in tables[start:end])  # the last's, sorted by length
             padded = [t + [0] * (width - len(t)) for t in tables[start:end]]
             mask = torch.arange(width * bs).unsqueeze(0) < lens[start:end].unsqueeze(1)
             groups.append(
@@ -335,6 +338,14 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[row : row + count])
             result[req.request_id] = (start, prompt_logprob_entries(req, start, logits))
         return result
+
+
+def _position(row: tuple) -> int:
+    return row[2]
+
+
+def _request_then_position(row: tuple) -> tuple[int, int, int]:
+    return row[1].num_computed_tokens, row[0], row[2]
 
 
 def _single_rows(out: SchedulerOutput):

@@ -253,7 +253,7 @@ class Scheduler:
                 # another request a preemption; without room the request decodes plainly.
                 k = self._num_drafts(req, budget)
                 if k and self.kv_cache.allocate_slots(req, 1 + k):
-                    n += k
+                    n += self.kv_cache.reserve_draft_states(req, k)
             # The inline test is the fast path: the last block has room (most decode steps).
             if computed + n > len(req.block_ids) * bs and not self._allocate_or_preempt(
                 req, i, n, out
@@ -445,6 +445,7 @@ class Scheduler:
         ended the request. KV is valid for every input row whose token was kept, so all
         tokens but the new last one count as computed; blocks past them are given back."""
         ended = False
+        start = req.num_computed_tokens
         for token in emitted:
             req.all_token_ids.append(token)
             if self._append_ends(req, token):
@@ -452,6 +453,7 @@ class Scheduler:
                 break
         req.num_computed_tokens = len(req.all_token_ids) - 1
         kv = self.kv_cache
+        kv.state_verified(req, req.num_computed_tokens - start - 1)
         if kv.enable_prefix_caching and req.num_computed_tokens // self.block_size > (
             req.num_cached_blocks
         ):

@@ -233,6 +233,19 @@ class KVCacheManager:
         if self.state is not None:
             self.pool.free(self.state.remote_arrived(request, ok))
 
+    def reserve_draft_states(self, request: Request, num_drafts: int) -> int:
+        """Drafts a decoding request may verify: all of them for a model without state; for a
+        hybrid, as many as spare slots can hold the state after each (rejected drafts are
+        rolled back to one of them)."""
+        if self.state is None:
+            return num_drafts
+        return self.state.reserve_drafts(request, num_drafts)
+
+    def state_verified(self, request: Request, num_accepted: int) -> None:
+        """A verification kept `num_accepted` drafts: the state rolls back to the last kept."""
+        if self.state is not None:
+            self.state.verified(request, num_accepted)
+
     def drop_state(self, request: Request) -> None:
         """Give back the request's state slot, keeping its blocks (handed over to a decode
         pod, or quarantined)."""

@@ -14,6 +14,10 @@ linear_attn/state.py).
   the longest prefix whose boundary has a snapshot; the blocks past it are recomputed, so they
   are not counted as hit tokens. Snapshots are evicted least recently used when a slot is
   needed.
+- **Speculative decoding.** A request verifying k drafts takes up to k spare slots for the
+  step: the state after each draft is saved there, and once the drafts are judged the state
+  after the last kept one becomes the sequence's (the rest of the verification is rolled
+  back). Without spare slots it verifies fewer drafts.
 - **Moves.** What the runner must do to slots around the next forward pass: zero a new
   sequence's slot, copy a snapshot into a hit's slot, load a pulled state from KV blocks,
   snapshot at positions inside the step, store a prefill's state into KV blocks.
@@ -125,8 +129,18 @@ class _Fill:
     """How a request's slot gets its starting state before its next forward pass."""
 
     kind: str  # "reset" | "copy" | "load"
-    source: int = -1  # copy: the snapshot's slot (pinned)
+    source: int = -1  # copy: a snapshot's slot (pinned), or a draft's (given back after)
     blocks: list[int] = field(default_factory=list)  # load: the KV blocks it arrived in
+    release: bool = False  # copy: the source is the request's own draft slot
+
+    def let_go(self, slots: StateSlots) -> None:
+        """The copy will not run (or has): unpin a snapshot, or give a draft's slot back."""
+        if self.kind != "copy":
+            return
+        if self.release:
+            slots.give(self.source)
+        else:
+            slots.pins[self.source] -= 1
 
 
 @dataclass
@@ -135,7 +149,7 @@ class _AfterStep:
 
     publish: list[tuple[BlockHash, int]] = field(default_factory=list)
     release: list[int] = field(default_factory=list)  # transfer slots
-    unpin: list[int] = field(default_factory=list)
+    copied: list[_Fill] = field(default_factory=list)  # their sources are let go
     loaded: list[Request] = field(default_factory=list)  # their transport blocks are free now
 
 
@@ -231,7 +245,7 @@ class StateCache:
                 out.before.resets.append(slot)
             elif fill.kind == "copy":
                 out.before.copies.append((fill.source, slot))
-                self._after.unpin.append(fill.source)
+                self._after.copied.append(fill)
             else:
                 out.before.loads.append((slot, fill.blocks))
                 self._after.loaded.append(self._requests[rid])
@@ -240,6 +254,10 @@ class StateCache:
         for req, n in scheduled:
             if req.state_saves:
                 self._emit_saves(req, req.num_computed_tokens + n, out)
+            if req.state_drafts:  # the state after the last token, then after each draft
+                first = req.num_computed_tokens + 1
+                saves = out.saves.setdefault(req.request_id, [])
+                saves += [(first + i, slot) for i, slot in enumerate(req.state_drafts)]
         return out
 
     def _emit_saves(self, req: Request, end: int, out: StateStep) -> None:
@@ -269,13 +287,34 @@ class StateCache:
             self.slots.publish(block_hash, slot)
         for slot in after.release:
             self.slots.give(slot)
-        for slot in after.unpin:
-            self.slots.pins[slot] -= 1
+        for fill in after.copied:
+            fill.let_go(self.slots)
         freed = []
         for req in after.loaded:
             freed += req.state_block_ids
             req.state_block_ids = []
         return freed
+
+    # ------------------------------------------------------------------ speculation
+
+    def reserve_drafts(self, request: Request, num_drafts: int) -> int:
+        """Take a slot per draft the request verifies this step, as many as are spare (the
+        rest of its drafts wait); returns how many it verifies."""
+        n = min(num_drafts, self.slots.available())
+        request.state_drafts = [self.slots.take() for _ in range(n)]
+        return n
+
+    def verified(self, request: Request, num_accepted: int) -> None:
+        """The drafts are judged: the state after the last kept one (draft `num_accepted`,
+        or the step's last row when all were kept, already in the slot) becomes the
+        sequence's before its next step; the other draft slots go back now."""
+        drafts, request.state_drafts = request.state_drafts, []
+        kept = drafts[num_accepted] if num_accepted < len(drafts) else None
+        for slot in drafts:
+            if slot != kept:
+                self.slots.give(slot)
+        if kept is not None:
+            self._set_fill(request, _Fill("copy", kept, release=True))
 
     # ------------------------------------------------------------------ leaving
 
@@ -284,8 +323,11 @@ class StateCache:
         slot, reserved hand-off slot and pending fill go; its KV blocks are the caller's."""
         fill = self._fills.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
-        if fill is not None and fill.kind == "copy":
-            self.slots.pins[fill.source] -= 1
+        if fill is not None:
+            fill.let_go(self.slots)
+        for slot in request.state_drafts:
+            self.slots.give(slot)
+        request.state_drafts = []
         if request.state_slot >= 0:
             self.slots.give(request.state_slot)
             request.state_slot = -1
@@ -296,8 +338,8 @@ class StateCache:
 
     def _set_fill(self, request: Request, fill: _Fill) -> None:
         old = self._fills.get(request.request_id)
-        if old is not None and old.kind == "copy":
-            self.slots.pins[old.source] -= 1  # a pulled state supersedes the local hit's
+        if old is not None:
+            old.let_go(self.slots)  # superseded (a pulled state replaces a local hit's)
         self._fills[request.request_id] = fill
         self._requests[request.request_id] = request
 

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from pagefleet.engine.linear_attn import torch_ops
-from pagefleet.engine.linear_attn.state import StateChunk, StepStates
+from pagefleet.engine.linear_attn.state import StateChunk, StepStates, single_row_index
 
 
 class LinearAttnKernels(Protocol):
@@ -58,11 +58,10 @@ class TorchKernels:
     def conv(self, x, weight, states, layer):
         conv_state, _ = states.layer(layer)
         out = torch.empty_like(x)
-        ns = states.num_single
-        if ns:
-            slots = states.single_slots
-            y, new = torch_ops.conv_update(x[:ns], conv_state[slots].to(x.dtype), weight)
-            out[:ns] = y
+        if states.num_single:
+            slots, rows = states.single_slots, single_row_index(states, x.device)
+            y, new = torch_ops.conv_update(x[rows], conv_state[slots].to(x.dtype), weight)
+            out[rows] = y
             conv_state[slots] = new.to(conv_state.dtype)
         width = conv_state.shape[-1]
         for chunk in states.chunks:
@@ -79,10 +78,8 @@ class TorchKernels:
         q, k = torch_ops.prepare_qk(q, k, v.shape[1])
         v32, beta = v.float(), beta.float()
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        ns = states.num_single
-        if ns:
-            slots = states.single_slots
-            rows = slice(0, ns)
+        if states.num_single:
+            slots, rows = states.single_slots, single_row_index(states, v.device)
             o, new = torch_ops.recurrent_step(
                 q[rows], k[rows], v32[rows], g[rows], beta[rows], ssm[slots].float()
             )

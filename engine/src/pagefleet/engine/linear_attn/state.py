@@ -105,14 +105,16 @@ def blocks_for_state(state_bytes: int, block_bytes: int) -> int:
 
 @dataclass
 class StepStates:
-    """What the linear-attention layers read in one step: the first `num_single` rows are one
-    token of a sequence each (slot per row), then prompt chunks; `before` and `after` are the
-    slot moves around the forward pass (the runner applies them)."""
+    """What the linear-attention layers read in one step: `num_single` sequences of one token
+    (rows 0.. in order, or `single_rows`; a slot each), then runs of rows read in order
+    (prompt chunks, and a verification's rows under speculative decoding); `before` and
+    `after` are the slot moves around the forward pass (the runner applies them)."""
 
     num_single: int
     single_slots: torch.Tensor  # [num_single] int64
     chunks: list[StateChunk]
     single_slot_list: list[int] = field(default_factory=list)  # the same, on the host
+    single_rows: list[int] | None = None  # None: rows 0..num_single - 1
     before: StateMoves = field(default_factory=StateMoves)
     after: StateMoves = field(default_factory=StateMoves)
     pool: StatePool | None = None  # this rank's, attached by its runner
@@ -136,7 +138,16 @@ def step_states(
     step = step or StateStep()
     before = StateMoves(list(step.before.resets), list(step.before.loads), list(step.before.copies))
     after = StateMoves(stores=list(step.after.stores))
-    spans = [(req, req.num_computed_tokens, 1) for req in singles]
+    # A request with several single rows (verifying drafts, its rows together) is a run.
+    runs: list[tuple[Request, int, int]] = []
+    for row, req in enumerate(singles):
+        if runs and runs[-1][0] is req:
+            runs[-1] = (req, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((req, row, 1))
+    alone = [(req, row) for req, row, n in runs if n == 1]
+    chunks = [run for run in runs if run[2] > 1] + chunks
+    spans = [(req, req.num_computed_tokens, 1) for req, _ in alone]
     spans += [(req, req.num_computed_tokens, n) for req, _, n in chunks]
     inside: dict[str, list[tuple[int, int]]] = {}
     for req, start, n in spans:
@@ -147,15 +158,17 @@ def step_states(
                 after.copies.append((req.state_slot, dst))
             else:
                 inside.setdefault(req.request_id, []).append((position - start, dst))
-    slots = [req.state_slot for req in singles]
+    slots = [req.state_slot for req, _ in alone]
+    rows = [row for _, row in alone]
     return StepStates(
-        num_single=len(singles),
+        num_single=len(alone),
         single_slots=torch.tensor(slots, dtype=torch.int64, device=device),
         chunks=[
             StateChunk(row, n, req.state_slot, tuple(inside.get(req.request_id, ())))
             for req, row, n in chunks
         ],
         single_slot_list=slots,
+        single_rows=None if rows == list(range(len(rows))) else rows,
         before=before,
         after=after,
     )
@@ -168,7 +181,9 @@ def encode_states(states: StepStates) -> list[int]:
     """The step's state metadata as host ints, for the tensor-parallel step broadcast: single
     slots, chunks (start, tokens, slot, saves, then each save's offset and slot), then the
     moves before and after the forward pass."""
-    out = [states.num_single, *states.single_slot_list, len(states.chunks)]
+    rows = states.single_rows
+    out = [states.num_single, *states.single_slot_list, -1 if rows is None else len(rows)]
+    out += [*(rows or ()), len(states.chunks)]
     for c in states.chunks:
         out += [c.start, c.num_tokens, c.slot, len(c.saves), *(x for save in c.saves for x in save)]
     for moves in (states.before, states.after):
@@ -213,6 +228,8 @@ def decode_states(ints: list[int], device: torch.device) -> StepStates:
     """`encode_states`' inverse (the worker attaches its own pool and kernels)."""
     data = _Ints(ints)
     singles = data.take(data.one())
+    num_rows = data.one()
+    rows = None if num_rows < 0 else data.take(num_rows)
     chunks = []
     for _ in range(data.one()):
         start, n, slot = data.take(3)
@@ -228,6 +245,18 @@ def decode_states(ints: list[int], device: torch.device) -> StepStates:
         single_slots=torch.tensor(singles, dtype=torch.int64, device=device),
         chunks=chunks,
         single_slot_list=singles,
+        single_rows=rows,
         before=moves[0],
         after=moves[1],
     )
+
+
+def single_row_index(states: StepStates, device: torch.device) -> slice | torch.Tensor:
+    """The rows of the one-token sequences, for indexing (a slice in the common case)."""
+    if states.single_rows is None:
+        return slice(0, states.num_single)
+    rows = states.scratch.get("single_rows")
+    if rows is None:
+        rows = torch.tensor(states.single_rows, dtype=torch.int64, device=device)
+        states.scratch["single_rows"] = rows
+    return rows

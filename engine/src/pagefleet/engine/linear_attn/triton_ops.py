@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from pagefleet.engine.linear_attn.kernels import segments
-from pagefleet.engine.linear_attn.state import StepStates
+from pagefleet.engine.linear_attn.state import StepStates, single_row_index
 
 BT = 64  # most tokens per chunk of the chunked rule (as torch_ops.CHUNK)
 EPS = 1e-6  # l2norm's, as the reference
@@ -32,13 +32,14 @@ EPS = 1e-6  # l2norm's, as the reference
 
 @triton.jit
 def _conv_update(
-    x, weight, state, slots, out,
+    x, weight, state, slots, rows, out,
     C, stride_xt, stride_ss, stride_sc,
     W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
-    """One token of sequence b: SiLU(sum of the last W inputs and x, weighted), and the last W
-    inputs shifted by one (in place: each program owns its slot's channels)."""
+    """One token of sequence b (row rows[b]): SiLU(sum of the last W inputs and x, weighted),
+    and the last W inputs shifted by one (in place: each program owns its slot's channels)."""
     b = tl.program_id(0)
+    row = tl.load(rows + b)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
     j = tl.arange(0, BLOCK_W)
@@ -46,11 +47,11 @@ def _conv_update(
     slot = tl.load(slots + b)
     base = state + slot * stride_ss + c[:, None] * stride_sc
     old = tl.load(base + j[None, :], mask=cm[:, None] & jm[None, :], other=0.0).to(tl.float32)
-    xv = tl.load(x + b * stride_xt + c, mask=cm, other=0.0).to(tl.float32)
+    xv = tl.load(x + row * stride_xt + c, mask=cm, other=0.0).to(tl.float32)
     w_old = tl.load(weight + c[:, None] * (W + 1) + j[None, :], mask=cm[:, None] & jm[None, :])
     w_new = tl.load(weight + c * (W + 1) + W, mask=cm)
     acc = tl.sum(old * w_old.to(tl.float32), 1) + xv * w_new.to(tl.float32)
-    tl.store(out + b * stride_xt + c, (acc * tl.sigmoid(acc)).to(out.dtype.element_ty), mask=cm)
+    tl.store(out + row * stride_xt + c, (acc * tl.sigmoid(acc)).to(out.dtype.element_ty), mask=cm)
     shifted = tl.load(base + j[None, :] + 1, mask=cm[:, None] & (j[None, :] + 1 < W), other=0.0)
     new = tl.where(j[None, :] == W - 1, xv[:, None], shifted.to(tl.float32))
     tl.store(base + j[None, :], new.to(state.dtype.element_ty), mask=cm[:, None] & jm[None, :])
@@ -134,25 +135,27 @@ def _load_qk(ptr, row, head, stride_t, stride_h, kk, km, eps):
 
 @triton.jit
 def _recurrent(
-    q, k, v, g, beta, ssm, slots, out,
+    q, k, v, g, beta, ssm, slots, rows, out,
     stride_qt, stride_qh, stride_vt, stride_vh, stride_gt,
     stride_ss, stride_sh, stride_sk,
     REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, scale, eps,
 ):  # fmt: skip
-    """One token of sequence b, value head h, BLOCK_V value columns: decay the state, write
-    beta (v - S^T k) along k, read it with q (in place: the program owns those columns)."""
+    """One token of sequence b (row rows[b]), value head h, BLOCK_V value columns: decay the
+    state, write beta (v - S^T k) along k, read it with q (in place: the program owns those
+    columns)."""
     b = tl.program_id(0)
+    row = tl.load(rows + b)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     kk = tl.arange(0, BLOCK_K)
     km, vm = kk < DK, vv < DV
     kh = h // REPEAT
-    qv = _load_qk(q, b, kh, stride_qt, stride_qh, kk, km, eps) * scale
-    kv = _load_qk(k, b, kh, stride_qt, stride_qh, kk, km, eps)
-    val = tl.load(v + b * stride_vt + h * stride_vh + vv, mask=vm, other=0.0).to(tl.float32)
-    decay = tl.exp(tl.load(g + b * stride_gt + h))
-    strength = tl.load(beta + b * stride_gt + h).to(tl.float32)
+    qv = _load_qk(q, row, kh, stride_qt, stride_qh, kk, km, eps) * scale
+    kv = _load_qk(k, row, kh, stride_qt, stride_qh, kk, km, eps)
+    val = tl.load(v + row * stride_vt + h * stride_vh + vv, mask=vm, other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(g + row * stride_gt + h))
+    strength = tl.load(beta + row * stride_gt + h).to(tl.float32)
     slot = tl.load(slots + b)
     cell = ssm + slot * stride_ss + h * stride_sh + kk[:, None] * stride_sk + vv[None, :]
     mask = km[:, None] & vm[None, :]
@@ -160,7 +163,7 @@ def _recurrent(
     update = (val - tl.sum(s * kv[:, None], 0)) * strength
     s += kv[:, None] * update[None, :]
     o = tl.sum(s * qv[:, None], 0)
-    tl.store(out + b * stride_vt + h * stride_vh + vv, o.to(out.dtype.element_ty), mask=vm)
+    tl.store(out + row * stride_vt + h * stride_vh + vv, o.to(out.dtype.element_ty), mask=vm)
     tl.store(cell, s.to(ssm.dtype.element_ty), mask=mask)
 
 
@@ -335,6 +338,17 @@ def _chunk_tables(states: StepStates, device: torch.device) -> dict:
     return tables
 
 
+def _single_rows(states: StepStates, device: torch.device) -> torch.Tensor:
+    """The one-token sequences' rows as a tensor (once per step)."""
+    rows = single_row_index(states, device)
+    if isinstance(rows, slice):
+        rows = states.scratch.get("single_range")
+        if rows is None:
+            rows = torch.arange(states.num_single, dtype=torch.int64, device=device)
+            states.scratch["single_range"] = rows
+    return rows
+
+
 class TritonKernels:
     name = "triton"
 
@@ -348,8 +362,9 @@ class TritonKernels:
         block_w = _pow2(width, 2)
         if states.num_single:
             grid = (states.num_single, triton.cdiv(channels, block_c))
+            rows = _single_rows(states, x.device)
             _conv_update[grid](
-                x, weight, conv_state, states.single_slots, out, channels, *strides,
+                x, weight, conv_state, states.single_slots, rows, out, channels, *strides,
                 W=width, BLOCK_C=block_c, BLOCK_W=block_w,
             )  # fmt: skip
         if states.chunks:
@@ -387,8 +402,9 @@ class TritonKernels:
         state_strides = (ssm.stride(0), ssm.stride(1), ssm.stride(2))
         if states.num_single:
             grid = (states.num_single, heads, triton.cdiv(dv, block_v))
+            rows = _single_rows(states, q.device)
             _recurrent[grid](
-                q, k, v, g, beta, ssm, states.single_slots, out, *common, *state_strides,
+                q, k, v, g, beta, ssm, states.single_slots, rows, out, *common, *state_strides,
                 REPEAT=repeat, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v,
                 scale=scale, eps=EPS,
             )  # fmt: skip

@@ -93,13 +93,13 @@ def _error(what: str) -> ValueError:
     return ValueError(f"--speculative-config {what}")
 
 
-def refuse_recurrent_state(cfg: ModelConfig, which: str) -> None:
-    """Speculation rolls rejected drafts back by forgetting their KV; a recurrent state (a
-    hybrid model's linear-attention layers) has already absorbed them, and keeping a state
-    per draft position is not built: refused rather than silently wrong."""
+def refuse_recurrent_state(cfg: ModelConfig, path: str) -> None:
+    """A draft model proposes from its own KV, rolled back by forgetting it; a draft with
+    recurrent state (a hybrid's linear-attention layers) would need its state rolled back too,
+    which is not built (a hybrid target is: kv_cache/state_cache.py)."""
     if cfg.state_shape() is not None:
         raise ValueError(
-            f"--speculative-config: {which} ({cfg.architecture}) has linear-attention layers "
-            "whose recurrent state cannot roll back rejected draft tokens; speculative "
-            "decoding is not supported on hybrid models: serve it without --speculative-config"
+            f"--speculative-config model {path!r} ({cfg.architecture}) has linear-attention "
+            "layers: a hybrid draft model is not supported (its state cannot roll back "
+            "rejected drafts); use a draft without them, or method ngram"
         )
