@@ -35,7 +35,7 @@ from pagefleet.engine.sampler import top_logprobs
 from pagefleet.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger("pagefleet.engine")
-GiB = 1 << 30
+MiB = 1 << 20
 
 
 @dataclass
@@ -121,10 +121,10 @@ class ModelRunner:
             pool = self.state_pool
             logger.info(
                 "Linear-attention state: %d slots (running sequences + prefix snapshots) of "
-                "%d bytes, %.3f GiB%s, for %d of %d layers (%s kernels)",
+                "%d bytes, %.1f MiB%s, for %d of %d layers (%s kernels)",
                 pool.num_slots,
                 pool.bytes_per_slot,
-                pool.num_slots * pool.bytes_per_slot / GiB,
+                pool.num_slots * pool.bytes_per_slot / MiB,
                 " per rank" if model.tp else "",
                 shape.num_layers,
                 cfg.num_layers,
