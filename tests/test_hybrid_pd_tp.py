@@ -59,8 +59,9 @@ def test_decode_engine_continues_from_the_prefill_engines_state(
 ):
     """Fails for: a state not written into the transport blocks (or written after the prompt's
     last token, which the decode engine recomputes), not loaded into the decode engine's slot,
-    blocks or slots not released on either side, and a pull that moves more or fewer blocks
-    than the prompt's and the state's."""
+    blocks or slots not released on either side, a pull that moves more or fewer blocks than
+    the prompt's and the state's, and a snapshot the decode engine publishes at a boundary it
+    never computed."""
     monkeypatch.setenv("PAGEFLEET_FLEET_SECRET", FLEET_SECRET)
     path = hybrid_checkpoints["qwen3_5_vl"]
     prefill, decode = (
@@ -88,6 +89,11 @@ def test_decode_engine_continues_from_the_prefill_engines_state(
         stats = decode.engine.connector.stats
         assert (stats.transfers, stats.failures, stats.fallbacks) == (2, 0, 0)
         assert stats.bytes == moved
+        # The decode engine never computed the pulled prompts: a later local request over the
+        # same prefix finds their blocks but no state snapshot there, and computes it.
+        longer = [*prompts[0], 5, 6, 7]
+        (out,) = decode.generate([longer], GREEDY, use_tqdm=False)
+        _check(path, [longer], [out])
         for _ in range(3):  # the prefill engine frees what the decode engine released
             prefill.engine.step()
         assert prefill.engine.scheduler.num_held_blocks == 0

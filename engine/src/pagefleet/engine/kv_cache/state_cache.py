@@ -261,10 +261,16 @@ class StateCache:
         return out
 
     def _emit_saves(self, req: Request, end: int, out: StateStep) -> None:
-        """Saves at positions up to `end` (the state there is computed in this step)."""
+        """Saves at positions up to `end` (the state there is computed in this step). Points
+        the sequence passed without computing them (a decode pod's pulled prompt) are gone."""
         due = [point for point in req.state_saves if point[0] <= end]
         req.state_saves = req.state_saves[len(due) :]
+        start = req.num_computed_tokens
         for position, reserved in due:
+            if position < start:
+                if reserved >= 0:
+                    self.slots.give(reserved)
+                continue
             if reserved >= 0:  # the hand-off to a decode pod: into its transport blocks
                 out.saves.setdefault(req.request_id, []).append((position, reserved))
                 out.after.stores.append((reserved, list(req.state_block_ids)))
