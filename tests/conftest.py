@@ -95,3 +95,19 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
         name: str(write_tiny_checkpoint(root / name, arch, **opts))
         for name, (arch, opts) in ARCH_CASES.items()
     }
+
+
+@pytest.fixture(scope="session")
+def hybrid_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """Tiny random Qwen3.5 checkpoints (see hf_reference.HYBRID_CASES)."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from hf_reference import HYBRID_CASES
+    from pagefleet.engine.model.tiny import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("hybrid_checkpoints")
+    return {
+        name: str(write_tiny_checkpoint(root / name, arch, **opts))
+        for name, (arch, opts) in HYBRID_CASES.items()
+    }

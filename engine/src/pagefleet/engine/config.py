@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pagefleet.engine.kv_cache.state_cache import StateConfig
 from pagefleet.engine.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -73,6 +74,9 @@ class EngineArgs:
     # Speculative decoding: vLLM's --speculative-config JSON (or its dict, or the parsed
     # config, which it becomes here); see spec_decode/.
     speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None
+    # Hybrid models: prefix-cache state snapshots kept beside the running sequences' state
+    # (None: max_num_seqs with prefix caching, else 1); see capacity.num_state_slots.
+    num_state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "must be > 0")
@@ -110,6 +114,13 @@ class EngineArgs:
             self.distributed_executor_backend,
             "must be mp or ray",
         )
+        if self.num_state_snapshots is not None:
+            _require(
+                self.num_state_snapshots >= 0,
+                "num_state_snapshots",
+                self.num_state_snapshots,
+                "must be >= 0",
+            )
         if self.num_gpu_blocks_override is not None:
             _require(
                 self.num_gpu_blocks_override >= 1,
@@ -186,11 +197,13 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
 
-    def cache_config(self, num_gpu_blocks: int, num_host_blocks: int = 0) -> CacheConfig:
-        """The cache's shape, with the pool's size as measured (or overridden) and the offload
-        tier's in blocks."""
+    def cache_config(
+        self, num_gpu_blocks: int, num_host_blocks: int = 0, state: StateConfig | None = None
+    ) -> CacheConfig:
+        """The cache's shape, with the pool's size as measured (or overridden), the offload
+        tier's in blocks and a hybrid model's state slots."""
         return CacheConfig(
-            self.block_size, num_gpu_blocks, self.enable_prefix_caching, num_host_blocks
+            self.block_size, num_gpu_blocks, self.enable_prefix_caching, num_host_blocks, state
         )
 
 
@@ -200,6 +213,7 @@ class CacheConfig:
     num_gpu_blocks: int = 0  # the pool's size; sized from memory by the runner when 0
     enable_prefix_caching: bool = EngineArgs.enable_prefix_caching
     num_host_blocks: int = 0  # the CPU offload tier's size (--kv-offloading-size); 0: none
+    state: StateConfig | None = None  # a hybrid model's state slots (kv_cache/state_cache.py)
 
     def __post_init__(self) -> None:
         bs = self.block_size

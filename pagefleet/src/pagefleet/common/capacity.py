@@ -4,7 +4,10 @@ local config.json or safetensors header is the only I/O).
 
 KV bytes per token = 2 (K and V) x attention layers x KV heads per GPU x head dim x bytes per
 value. Only layers that keep KV per token count; a hybrid model's linear-attention layers hold a
-fixed state per sequence, reported apart. GB is 10^9 bytes (GPU makers' unit), KiB 2^10.
+fixed state per sequence, reported apart. An engine keeps that state in slots (one per running
+sequence plus prefix snapshots, `num_state_slots`) carved out of the same memory before the KV
+pool: given the slots, a plan's pool is the engine's to the block. GB is 10^9 bytes (GPU
+makers' unit), KiB 2^10.
 """
 
 from __future__ import annotations
@@ -175,6 +178,10 @@ class ModelShape:
         self, block_size: int, kv_format: ValueFormat, tensor_parallel_size: int = 1
     ) -> int:
         return block_size * self.kv_bytes_per_token(kv_format, tensor_parallel_size)
+
+    def state_bytes_per_slot(self, tensor_parallel_size: int = 1) -> int:
+        """One sequence's linear-attention state on each rank (its heads are split)."""
+        return self.linear_state_bytes_per_sequence // tensor_parallel_size
 
 
 # The largest value a config's shape field may take: far above any real model's, low enough
@@ -354,6 +361,21 @@ def model_shape(config: dict[str, Any] | str | Path) -> ModelShape:
     return shape
 
 
+def num_state_slots(
+    max_num_seqs: int, num_snapshots: int | None = None, prefix_caching: bool = True
+) -> int:
+    """A hybrid engine's state slots: one per running sequence, plus prefix-cache snapshots
+    (default: as many as sequences with prefix caching; without, one spare, the second slot a
+    prefill pod's request needs while it writes its state for the decode pod)."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, not {max_num_seqs}")
+    if num_snapshots is None:
+        num_snapshots = max_num_seqs if prefix_caching else 1
+    if num_snapshots < 0:
+        raise ValueError(f"state snapshots must be >= 0, not {num_snapshots}")
+    return max_num_seqs + num_snapshots
+
+
 # ---------------------------------------------------------------------------- pool capacity
 
 
@@ -371,6 +393,9 @@ class CapacityPlan:
     bytes_per_block: int
     kv_tokens: int  # whole tokens the pool's bytes hold
     kv_blocks: int
+    # A hybrid model's state slots beside the pool (per GPU), paid from the same memory.
+    state_slots: int = 0
+    state_bytes: int = 0
 
     @property
     def block_tokens(self) -> int:
@@ -397,8 +422,11 @@ def kv_pool_plan(
     tensor_parallel_size: int = 1,
     weights_format: str = "",
     weights_bytes: int = 0,
+    state_slots: int = 0,
+    state_bytes: int = 0,
 ) -> CapacityPlan:
-    """The capacity of a KV pool of `kv_bytes` (per GPU) at `per_token` bytes per token."""
+    """The capacity of a KV pool of `kv_bytes` (per GPU) at `per_token` bytes per token;
+    `state_slots` taking `state_bytes` are reported beside it."""
     if block_size < 1:
         raise ValueError(f"block size must be >= 1, not {block_size}")
     if per_token < 1:
@@ -415,6 +443,36 @@ def kv_pool_plan(
         bytes_per_block=per_token * block_size,
         kv_tokens=kv_bytes // per_token,
         kv_blocks=kv_bytes // (per_token * block_size),
+        state_slots=state_slots,
+        state_bytes=state_bytes,
+    )
+
+
+def cache_plan(
+    per_token: int,
+    cache_bytes: int,
+    *,
+    kv_format: ValueFormat,
+    block_size: int = 16,
+    tensor_parallel_size: int = 1,
+    state_slots: int = 0,
+    state_bytes_per_slot: int = 0,
+    weights_format: str = "",
+    weights_bytes: int = 0,
+) -> CapacityPlan:
+    """`cache_bytes` (per GPU) for the whole cache: the state slots first, the rest the KV
+    pool. The engine sizes its pool with this, and `plan` plans with it."""
+    state = state_slots * state_bytes_per_slot
+    return kv_pool_plan(
+        per_token,
+        cache_bytes - state,
+        kv_format=kv_format,
+        block_size=block_size,
+        tensor_parallel_size=tensor_parallel_size,
+        weights_format=weights_format,
+        weights_bytes=weights_bytes,
+        state_slots=state_slots,
+        state_bytes=state,
     )
 
 
@@ -426,8 +484,10 @@ def pool_of_blocks(
     block_size: int = 16,
     tensor_parallel_size: int = 1,
     weights_format: str = "",
+    state_slots: int = 0,
 ) -> CapacityPlan:
-    """A pool of a given number of blocks (the engine's --num-gpu-blocks-override)."""
+    """A pool of a given number of blocks (the engine's --num-gpu-blocks-override), and the
+    state slots beside it."""
     per_token = shape.kv_bytes_per_token(kv_format, tensor_parallel_size)
     return kv_pool_plan(
         per_token,
@@ -435,6 +495,31 @@ def pool_of_blocks(
         kv_format=kv_format,
         block_size=block_size,
         tensor_parallel_size=tensor_parallel_size,
+        weights_format=weights_format or shape.dtype,
+        state_slots=state_slots,
+        state_bytes=state_slots * shape.state_bytes_per_slot(tensor_parallel_size),
+    )
+
+
+def plan_in_memory(
+    shape: ModelShape,
+    cache_bytes: int,
+    *,
+    kv_format: ValueFormat,
+    block_size: int = 16,
+    tensor_parallel_size: int = 1,
+    weights_format: str = "",
+    state_slots: int = 0,
+) -> CapacityPlan:
+    """A cache of `cache_bytes` per rank (the engine's --kv-cache-memory on CPU)."""
+    return cache_plan(
+        shape.kv_bytes_per_token(kv_format, tensor_parallel_size),
+        cache_bytes,
+        kv_format=kv_format,
+        block_size=block_size,
+        tensor_parallel_size=tensor_parallel_size,
+        state_slots=state_slots,
+        state_bytes_per_slot=shape.state_bytes_per_slot(tensor_parallel_size),
         weights_format=weights_format or shape.dtype,
     )
 
@@ -472,20 +557,23 @@ def plan_on_gpu(
     tensor_parallel_size: int = 1,
     block_size: int = 16,
     num_parameters: int | None = None,
+    state_slots: int = 0,
 ) -> CapacityPlan:
     """Capacity of one replica over `tensor_parallel_size` GPUs: memory x utilisation, less
-    this rank's weights and the overhead, goes to the KV pool."""
+    this rank's weights and the overhead, goes to the cache (state slots, then KV pool)."""
     params = num_parameters if num_parameters is not None else shape.num_parameters
     if params is None:
         raise ValueError("the parameter count is unknown: give it (--params)")
     weights = weights_bytes_per_gpu(params, weights_format, tensor_parallel_size)
-    kv = int(budget.gpu_memory * budget.gpu_memory_utilization) - weights - budget.overhead_bytes
-    return kv_pool_plan(
+    cache = int(budget.gpu_memory * budget.gpu_memory_utilization) - weights
+    return cache_plan(
         shape.kv_bytes_per_token(kv_format, tensor_parallel_size),
-        kv,
+        cache - budget.overhead_bytes,
         kv_format=kv_format,
         block_size=block_size,
         tensor_parallel_size=tensor_parallel_size,
+        state_slots=state_slots,
+        state_bytes_per_slot=shape.state_bytes_per_slot(tensor_parallel_size),
         weights_format=weights_format,
         weights_bytes=weights,
     )

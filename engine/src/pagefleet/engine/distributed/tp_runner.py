@@ -39,7 +39,7 @@ from pagefleet.engine.distributed.step_codec import (
     encode_step,
     stop_head,
 )
-from pagefleet.engine.kv_sizing import kv_pool_blocks
+from pagefleet.engine.kv_sizing import kv_pool_blocks, state_slots_of
 from pagefleet.engine.model.causal_lm import CausalLM
 from pagefleet.engine.model.layers import TPParts
 from pagefleet.engine.model.loader import (
@@ -145,8 +145,12 @@ class ParallelModelRunner(ModelRunner):
         group: RankGroup,
         executor: Executor,
         kv_scales: list[tuple[float, float]] | None = None,
+        num_state_slots: int = 1,
     ) -> None:
-        super().__init__(model, block_size, num_blocks, backend, group.device, kv_dtype, kv_scales)
+        super().__init__(
+            *(model, block_size, num_blocks, backend, group.device, kv_dtype, kv_scales),
+            num_state_slots,
+        )
         self.group = group
         self.executor = executor
         self.closed = False
@@ -162,9 +166,7 @@ class ParallelModelRunner(ModelRunner):
         head, body = encode_step(inputs.input_ids, inputs.positions, inputs.meta, logit_rows)
         self.group.broadcast(head)
         self.group.broadcast(body)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.backend, self.kv_caches, inputs.meta
-        )
+        hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
         if not logit_rows:
             return hidden[:0], inputs.sample_requests, {}
         rows = torch.tensor(logit_rows, device=self.device)
@@ -216,7 +218,7 @@ def serve_steps(runner: ModelRunner, group: RankGroup, kv: WorkerKV | None = Non
         group.broadcast(body)
         input_ids, positions, meta, logit_rows = decode_step(body, desc_len, runner.block_size)
         with torch.inference_mode():
-            hidden = runner.model(input_ids, positions, runner.backend, runner.kv_caches, meta)
+            hidden = runner.forward(input_ids, positions, meta)
             if len(logit_rows):
                 runner.model.compute_logits(hidden[logit_rows])
         steps += 1
@@ -230,7 +232,8 @@ def build_worker(job: ShardJob, group: RankGroup) -> ModelRunner:
     blocks = kv_pool_blocks(job.args, model, kv_dtype, group.device, job.max_model_len, group)
     backend = select_backend(job.args.attention_backend, group.device)
     runner = ModelRunner(
-        model, job.args.block_size, blocks, backend, group.device, kv_dtype, kv_scales
+        *(model, job.args.block_size, blocks, backend, group.device, kv_dtype, kv_scales),
+        state_slots_of(job.args, model),
     )
     logger.info(
         "rank %d: shard loaded in %.2f s, KV pool of %d blocks",

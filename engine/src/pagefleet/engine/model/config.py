@@ -2,12 +2,36 @@
 
 A family module (model/registry.py) builds one from the checkpoint's config.json; families with
 more to say subclass it (their extra fields keep defaults, so the common ones stay positional).
-The runner, KV sizing and tensor-parallel layout read only these fields.
+The runner, KV sizing and tensor-parallel layout read only these fields (and, for a model with
+recurrent layers, its `state_shape`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SequenceStateShape:
+    """One rank's fixed-size state per sequence in a model's recurrent layers (a hybrid's linear
+    attention): per layer, the causal convolution's last `conv_width` inputs over
+    `conv_channels`, and a key x value matrix per value head. Constant in the context length."""
+
+    num_layers: int
+    conv_channels: int
+    conv_width: int
+    num_heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def values_per_layer(self) -> int:
+        return self.conv_channels * self.conv_width + self.num_heads * self.key_dim * self.value_dim
+
+    @property
+    def values(self) -> int:
+        """Values of one sequence's state over all recurrent layers."""
+        return self.num_layers * self.values_per_layer
 
 
 @dataclass(frozen=True)
@@ -45,3 +69,12 @@ class ModelConfig:
         if self.kv_layer_indices is None:
             return layer_index
         return self.kv_layer_indices.index(layer_index)
+
+    def state_shape(self, tp_size: int = 1) -> SequenceStateShape | None:
+        """One rank's per-sequence recurrent state, or None: the model keeps only paged KV."""
+        return None
+
+    def split_sizes(self) -> dict[str, int]:
+        """What tensor parallelism splits evenly over the ranks, by name (families with more
+        split dimensions add theirs); KV heads have their own rule (model/parallel.py)."""
+        return {"attention heads": self.num_heads, "intermediate_size": self.intermediate_size}

@@ -77,10 +77,7 @@ class TPLayout:
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:
     """Refuse a tensor-parallel size the model's shapes do not split into (vLLM's rules)."""
-    rules = [
-        (cfg.num_heads % size == 0, f"attention heads ({cfg.num_heads})"),
-        (cfg.intermediate_size % size == 0, f"intermediate_size ({cfg.intermediate_size})"),
-    ]
+    rules = [(n % size == 0, f"{what} ({n})") for what, n in cfg.split_sizes().items()]
     kv = cfg.num_kv_heads
     if not (kv % size == 0 or size % kv == 0):
         rules.append((False, f"KV heads ({kv}), nor divide it"))

@@ -100,7 +100,8 @@ class _EngineCollector:
         )
         yield gauge(
             "vllm:kv_cache_usage_perc",
-            "Fraction of KV blocks held by live requests (1 = full).",
+            "Fraction of KV blocks (and a hybrid model's state slots) held by live requests "
+            "(1 = full).",
             stats.kv_cache_usage,
         )
         yield gauge(

@@ -265,6 +265,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "prompt_lookup_max (4): n-gram lengths looked up in the request's tokens)",
     )
     flag(
+        "num_state_snapshots",
+        "hybrid models: linear-attention states kept for prefix-cache hits (default: "
+        "--max-num-seqs with prefix caching, else 1)",
+        type=int,
+    )
+    flag(
         "kv_offloading_backend",
         "the offload tier's implementation (lmcache is not built into pagefleet)",
         choices=["native", "lmcache"],
