@@ -95,3 +95,19 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
         name: str(write_tiny_checkpoint(root / name, arch, **opts))
         for name, (arch, opts) in ARCH_CASES.items()
     }
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """One tiny random checkpoint per mixture-of-experts case (hf_reference.MOE_CASES)."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from hf_reference import MOE_CASES
+    from pagefleet.engine.model.tiny import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("moe-checkpoints")
+    return {
+        name: str(write_tiny_checkpoint(root / name, arch, **opts))
+        for name, (arch, opts) in MOE_CASES.items()
+    }

@@ -26,21 +26,6 @@ import torch
 from pagefleet.engine.model.experts import FusedExperts
 from pagefleet.engine.model.parallel import expert_ranges
 
-ALL2ALL_BACKENDS = ("allgather_reducescatter", "alltoall")
-# vLLM's kernels-library backends, named so a user's flag gets a clear refusal.
-NOT_BUILT = ("naive", "pplx", "deepep_high_throughput", "deepep_low_latency", "flashinfer_all2allv")
-
-
-def check_all2all_backend(name: str) -> None:
-    if name in NOT_BUILT:
-        raise ValueError(
-            f"--all2all-backend {name} needs a GPU communication library pagefleet does not "
-            f"build; choose {' or '.join(ALL2ALL_BACKENDS)}"
-        )
-    if name not in ALL2ALL_BACKENDS:
-        raise ValueError(f"--all2all-backend {name!r}: one of {', '.join(ALL2ALL_BACKENDS)}")
-
-
 class ExpertCollectives(Protocol):
     """What the all-to-all dispatch needs from the rank group (distributed/group.py)."""
 
@@ -73,9 +58,8 @@ class AllToAllDispatch:
     def __init__(self, group: ExpertCollectives, num_experts: int) -> None:
         self.group = group
         ranges = expert_ranges(num_experts, group.size)
-        self.owner_of = torch.tensor(
-            [rank for rank, (_, n) in enumerate(ranges) for _ in range(n)], dtype=torch.int64
-        )
+        self.owners = [rank for rank, (_, n) in enumerate(ranges) for _ in range(n)]
+        self._owner_of: torch.Tensor | None = None  # on the step's device, made on first use
 
     def __call__(self, experts: FusedExperts, x, weights, ids, counts) -> torch.Tensor:
         group = self.group
@@ -86,7 +70,9 @@ class AllToAllDispatch:
         # Sorted by expert, hence by owner (ranks hold ascending ranges of experts).
         order = torch.argsort(mine, stable=True)
         sent_ids = mine.index_select(0, order)
-        owners = self.owner_of.to(ids.device).index_select(0, sent_ids)
+        if self._owner_of is None:  # (the model is built on the meta device)
+            self._owner_of = torch.tensor(self.owners, dtype=torch.int64, device=ids.device)
+        owners = self._owner_of.index_select(0, sent_ids)
         send = torch.bincount(owners, minlength=group.size)
         ones = [1] * group.size
         send_n, recv_n = send.tolist(), group.all_to_all(send, ones, ones).tolist()
