@@ -50,6 +50,7 @@ MOE_CASES = {
     ),
 }
 
+
 def hf_model(path: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 

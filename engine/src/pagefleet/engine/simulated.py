@@ -107,6 +107,10 @@ class SimulatedRunner:
         self.sleep = sleep
         self.simulated_seconds = 0.0
 
+    def expert_load(self) -> None:
+        """No router runs here (ModelRunner.expert_load)."""
+        return None
+
     def execute(self, out: SchedulerOutput):
         """Sleep for the step's modelled time; returns (logits that make the stand-in token
         the only choice, the requests that sample, no prompt logprobs), as ModelRunner."""

@@ -23,8 +23,9 @@ from typing import Protocol
 
 import torch
 
-from pagefleet.engine.model.experts import FusedExperts
+from pagefleet.engine.model.experts import FusedExperts, sum_pairs
 from pagefleet.engine.model.parallel import expert_ranges
+
 
 class ExpertCollectives(Protocol):
     """What the all-to-all dispatch needs from the rank group (distributed/group.py)."""
@@ -81,7 +82,8 @@ class AllToAllDispatch:
         results = _run_received(experts, rows, got)
         back = group.all_to_all(results, recv_n, send_n)
         back.mul_(weights[lo:hi].reshape(-1).index_select(0, order).unsqueeze(1))
-        out = x.new_zeros(per, x.shape[1]).index_add_(0, order // top_k, back)
+        out = x.new_zeros(per, x.shape[1])
+        out[: hi - lo] = sum_pairs(back, order, hi - lo, top_k)
         return group.all_gather(out)[:tokens]
 
 
@@ -91,9 +93,9 @@ def _run_received(experts: FusedExperts, rows: torch.Tensor, ids: torch.Tensor) 
     shard = experts.shard
     regroup = torch.argsort(ids, stable=True)
     held = torch.bincount(ids - shard.first, minlength=shard.count).tolist()
-    out = torch.empty_like(rows)
-    out[regroup] = experts.run_groups(rows.index_select(0, regroup), held)
-    return out
+    return torch.empty_like(rows).index_copy_(
+        0, regroup, experts.run_groups(rows.index_select(0, regroup), held)
+    )
 
 
 def make_dispatch(group, num_experts: int, expert_parallel: bool, backend: str):

@@ -31,12 +31,14 @@ from pagefleet.engine.model.weights import Slice, set_weight_loader, whole_loade
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [tokens, top_k] in the logits' dtype, expert ids [tokens, top_k]): the top-k
-    of the softmax, taken in float32, renormalised to sum to 1 when `normalize`."""
+    of the softmax, taken in float32, renormalised to sum to 1 when `normalize`; each token's
+    experts in ascending id order (the order their outputs are summed in, as HF's loop)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:
         top = top / top.sum(dim=-1, keepdim=True)
-    return top.to(logits.dtype), ids
+    ids, slots = ids.sort(dim=-1)
+    return top.gather(-1, slots).to(logits.dtype), ids
 
 
 def _plain_linear(in_features: int, out_features: int, piece: Slice | None = None) -> nn.Linear:
