@@ -24,6 +24,17 @@ from pagefleet.engine.model.weights import Slice, expert_loader, set_weight_load
 GATE_UP = ("gate", "up")
 
 
+def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Pairs routed to each expert: [num_experts] int64. On CUDA by a scatter-add, because
+    bincount reads the largest id back to the host to size its output, which a captured CUDA
+    graph cannot do."""
+    flat = ids.reshape(-1)
+    if flat.is_cuda:
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+        return counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return torch.bincount(flat, minlength=num_experts)
+
+
 def sum_pairs(rows: torch.Tensor, pairs: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
     """Per token, the sum of its pairs' rows (`pairs[i]` = token x top_k + slot of `rows[i]`;
     pairs not given add nothing): [tokens, hidden]. Slots are summed in order, which `route`

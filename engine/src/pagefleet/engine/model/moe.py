@@ -22,7 +22,7 @@ from pagefleet.engine.model.causal_lm import FUSED_PROJECTIONS, CausalLM
 from pagefleet.engine.model.config import ModelConfig
 from pagefleet.engine.model.expert_load import ExpertLoadStats, summarise
 from pagefleet.engine.model.expert_parallel import make_dispatch
-from pagefleet.engine.model.experts import GATE_UP, FusedExperts
+from pagefleet.engine.model.experts import GATE_UP, FusedExperts, count_per_expert
 from pagefleet.engine.model.layers import MLP, Attention, RMSNorm, TPParts, column_linear
 from pagefleet.engine.model.packed import pack_children
 from pagefleet.engine.model.parallel import ExpertShard, expert_ranges
@@ -102,7 +102,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + this layer's output (the residual's storage may be reused)."""
         weights, ids = route(self.gate(x), self.top_k, self.normalize)
-        counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+        counts = count_per_expert(ids, self.num_experts)
         if self.routed is None:
             self.routed = torch.zeros_like(counts)
         self.routed += counts
