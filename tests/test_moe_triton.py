@@ -5,24 +5,11 @@ and an expert-parallel rank's share (pairs of the other rank's experts add nothi
 
 from __future__ import annotations
 
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
-
 import moe_interpret_cases as cases
 import pytest
 import torch
-import triton_interpret_cases
 
 from pagefleet.engine.model.fused_moe import align_pairs
-
-
-@pytest.fixture(scope="module")
-def interpreter():
-    context = multiprocessing.get_context("spawn")
-    init = triton_interpret_cases.enable_interpreter
-    with ProcessPoolExecutor(1, mp_context=context, initializer=init) as pool:
-        yield lambda fn, *args: pool.submit(fn, *args).result(timeout=300)
-
 
 CASES = {
     "prompt-random": ("random", 37, 0, 5),
