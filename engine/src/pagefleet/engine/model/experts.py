@@ -58,26 +58,15 @@ class FusedExperts(nn.Module):
         held = range(shard.first, shard.end)
         rows = Slice(0, shard.column_start, cols) if cols < full else None
         columns = Slice(1, shard.column_start, cols) if cols < full else None
-        set_weight_loader(
-            self,
-            "w13",
-            expert_loader(
-                held,
-                {"gate": cols, "up": cols},
-                {"gate": rows, "up": rows},
-                {
-                    "gate": full,
-                    "up": full,
-                },
-            ),
-            [(e, p) for e in held for p in GATE_UP],
+        gate_up = expert_loader(
+            held,
+            dict.fromkeys(GATE_UP, cols),
+            dict.fromkeys(GATE_UP, rows),
+            dict.fromkeys(GATE_UP, full),
         )
-        set_weight_loader(
-            self,
-            "w2",
-            expert_loader(held, {"down": hidden}, {"down": columns}, {"down": hidden}),
-            [(e, "down") for e in held],
-        )
+        set_weight_loader(self, "w13", gate_up, [(e, p) for e in held for p in GATE_UP])
+        down = expert_loader(held, {"down": hidden}, {"down": columns}, {"down": hidden})
+        set_weight_loader(self, "w2", down, [(e, "down") for e in held])
         # After prepack(): each expert's oneDNN-packed matrices (the stacked ones released).
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
