@@ -11,6 +11,7 @@ parameters per token, 8x fewer in all). float32, prompts of 64 tokens, then `--s
 steps timed after 3 warm-up steps.
 
     .venv/bin/python benchmarks/moe.py [--steps 32] [--batches 1,64] [--rounds 3] [--threads 2]
+        [--parts single,parallel,collectives]
 
 Each figure is the best of --rounds runs, the systems interleaved round by round.
 """
@@ -107,8 +108,9 @@ def hf_decode_step_s(model, batch: int, steps: int) -> tuple[float]:
 
 def collective_ms(tokens: int, hidden: int, top_k: int, repeats: int) -> dict[str, float]:
     """Two gloo ranks (threads) combining a [tokens, hidden] MoE output: one all-reduce; a
-    reduce-scatter + all-gather; an all-to-all of each rank's routed rows (half its tokens x
-    top_k, half of them remote) there and back plus the all-gather. Milliseconds each."""
+    reduce-scatter + all-gather; the all-to-all dispatch as the engine runs it (counts, each
+    rank's routed rows (half its tokens x top_k to each rank) and their expert ids, the results
+    back), plus the all-gather. Milliseconds each."""
     store = dist.HashStore()
     out: dict[str, float] = {}
 
@@ -131,6 +133,7 @@ def collective_ms(tokens: int, hidden: int, top_k: int, repeats: int) -> dict[st
         def all_to_all():
             counts = group.all_to_all(torch.tensor(half), [1, 1], [1, 1]).tolist()
             sent = group.all_to_all(torch.randn(rows, hidden), half, counts)
+            group.all_to_all(torch.zeros(rows, dtype=torch.int64), half, counts)  # expert ids
             group.all_to_all(sent, counts, half)
             group.all_gather(torch.randn(-(-tokens // 2), hidden))
 
@@ -176,16 +179,22 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repeats, best kept")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--skip-parallel", action="store_true", help="no TP/EP engines")
+    parser.add_argument(
+        "--parts", default="single,parallel,collectives", help="which measurements to run"
+    )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         moe = str(write_tiny_checkpoint(f"{tmp}/moe", "Qwen3MoeForCausalLM", **MOE))
         dense = str(write_tiny_checkpoint(f"{tmp}/dense", "Qwen3ForCausalLM", **DENSE))
-        single(moe, dense, batches, args)
-        if not args.skip_parallel:
+        parts = args.parts.split(",")
+        if "single" in parts:
+            single(moe, dense, batches, args)
+        if "parallel" in parts:
             parallel(moe, batches, args)
+        if "collectives" in parts:
+            collectives(batches, args)
 
 
 def single(moe: str, dense: str, batches: list[int], args) -> None:
@@ -250,6 +259,9 @@ def parallel(moe: str, batches: list[int], args) -> None:
                 f"{timer.total() / args.steps * 1e3:.2f} | {ms.get('all_reduce', 0):.2f} | "
                 f"{ms.get('all_to_all', 0):.2f} | {ms.get('all_gather', 0):.2f} |"
             )
+
+
+def collectives(batches: list[int], args) -> None:
     print("\none MoE layer's combine on gloo, 2 ranks (ms; best of", args.rounds, "x 200 calls)")
     print(
         "| tokens | all-reduce | reduce-scatter + all-gather | "
