@@ -45,7 +45,8 @@ ALL2ALL_NOT_BUILT = (
 class EngineArgs:
     """Engine arguments, named as vLLM's (`LLM(model=..., **engine_args)`)."""
 
-    model: str
+    model: str  # a checkpoint folder or a .gguf file
+    tokenizer: str | None = None  # a folder with an HF tokenizer (default: the model's own)
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
