@@ -265,3 +265,18 @@ def test_load_summary_per_layer_and_per_rank():
     assert (busy.max_rank, busy.mean_rank) == (10, 6.0)
     assert busy.imbalance == pytest.approx(10 / 3)
     assert stats.layers[0].imbalance == 1.0
+
+
+def test_quantized_expert_tensors_are_refused_by_name():
+    """A GPTQ/AWQ/FP8 MoE checkpoint's expert tensors (qweight, weight_scale...) name the
+    reason instead of `unexpected weight`; float expert weights map to the stacked ones."""
+    from pagefleet.engine.model.registry import family_of
+
+    family, _ = family_of(MIXTRAL_CONFIG)
+    with torch.device("meta"):
+        model = family.build(model_config(MIXTRAL_CONFIG), 64, None)
+    name = "model.layers.1.block_sparse_moe.experts.2.w1"
+    assert model.checkpoint_target(f"{name}.weight") == ("layers.1.mlp.experts.w13", (2, "gate"))
+    for suffix in ("qweight", "weight_scale", "weight_packed"):
+        with pytest.raises(ValueError, match="quantized experts are not supported yet"):
+            model.checkpoint_target(f"{name}.{suffix}")

@@ -159,6 +159,8 @@ EXPERT_PROJECTIONS = {
     "w2": ("w2", "down"),
 }
 _ONE_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+# An expert's tensor other than a float weight: a quantized format's (qweight, scales...).
+_QUANTIZED_EXPERT = re.compile(r"\.experts\.(\d+\.)?\w+\.(?!weight$)\w+$")
 # Every expert in one tensor: (our parameter, the projections it stacks along dim 1).
 _ALL_EXPERTS = {"gate_up_proj": ("w13", GATE_UP), "down_proj": ("w2", ("down",))}
 
@@ -178,6 +180,11 @@ class MoECausalLM(CausalLM):
     def checkpoint_target(self, name: str) -> tuple[str, Hashable] | None:
         for theirs, ours in self.renames.items():
             name = name.replace(theirs, ours)
+        if _QUANTIZED_EXPERT.search(name):
+            raise ValueError(
+                f"{name}: quantized experts are not supported yet (the experts load float "
+                "weights only); serve the checkpoint's float (or bf16) release"
+            )
         one = _ONE_EXPERT.match(name)
         if one and one.group(3) in EXPERT_PROJECTIONS:
             param, proj = EXPERT_PROJECTIONS[one.group(3)]
