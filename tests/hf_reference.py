@@ -76,8 +76,29 @@ HYBRID_CASES = {
     ),
 }
 
+# Mixture-of-experts checkpoints, apart from ARCH_CASES (their tests are their own): expert
+# counts the tensor-parallel size 2 does not divide (5 and 3, so expert parallelism places
+# them unevenly), a dense layer among the sparse ones (mlp_only_layers), top-k probabilities
+# renormalised (Mixtral always) or not (Qwen3-MoE's default).
+MOE_CASES = {
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        {
+            "num_layers": 3,
+            "num_experts": 5,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24,
+            "norm_topk_prob": False,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "mixtral": (
+        "MixtralForCausalLM",
+        {"num_local_experts": 3, "num_experts_per_tok": 2, "intermediate_size": 48},
+    ),
+}
 
-@functools.lru_cache(maxsize=8)
+
 def hf_model(path: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 

@@ -9,9 +9,7 @@ The pure parts (tile and split choices, graph sizes, flags) are tested here dire
 
 from __future__ import annotations
 
-import multiprocessing
 import random
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -27,14 +25,6 @@ from pagefleet.engine.cuda_graph import DecodeBuffers, graph_batch_sizes, padded
 from pagefleet.engine.server.serve import engine_args_from
 
 F32 = {"rtol": 1e-5, "atol": 1e-5}
-
-
-@pytest.fixture(scope="module")
-def interpreter():
-    """A worker process whose Triton kernels run in the interpreter on CPU tensors."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=context, initializer=cases.enable_interpreter) as pool:
-        yield lambda fn, *args, **kwargs: pool.submit(fn, *args, **kwargs).result(timeout=300)
 
 
 # ---------------------------------------------------------------- kernels vs torch reference

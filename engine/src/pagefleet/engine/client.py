@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from pagefleet.engine.model.expert_load import ExpertLoadStats
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.spec_decode.stats import SpecDecodeStats
@@ -84,6 +85,7 @@ class EngineStats:
     kv_transfer: KVTransferStats | None  # None without --kv-transfer-config
     kv_offload: KVOffloadStats | None = None  # None without --kv-offloading-size
     spec_decode: SpecDecodeStats | None = None  # None without --speculative-config
+    expert_load: ExpertLoadStats | None = None  # None for a dense model
 
 
 @dataclass(frozen=True)

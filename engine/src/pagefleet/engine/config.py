@@ -30,6 +30,16 @@ def _require(ok: bool, name: str, value: object, rule: str) -> None:
 # vLLM's other name for it; e5m2 is not stored). See kv_cache/fp8.py.
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 KV_CACHE_DTYPES = ("auto", *FP8_KV_CACHE_DTYPES, "float32", "bfloat16", "float16")
+# --all2all-backend: how MoE tokens meet experts placed on ranks (model/expert_parallel.py);
+# vLLM's GPU-library backends are named so their refusal says why.
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "alltoall")
+ALL2ALL_NOT_BUILT = (
+    "naive",
+    "pplx",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+    "flashinfer_all2allv",
+)
 
 
 @dataclass
@@ -68,6 +78,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     # None: mp while the ranks fit on this node's devices, ray when they do not.
     distributed_executor_backend: str | None = None
+    # Mixture-of-experts models: whole experts per rank (else every expert split over ranks).
+    enable_expert_parallel: bool = False
+    all2all_backend: str = "allgather_reducescatter"
     # CPU offload tier: GiB of host memory for blocks evicted from the device pool (0: none).
     kv_offloading_size: float = 0.0
     kv_offloading_backend: str = "native"
@@ -121,6 +134,19 @@ class EngineArgs:
                 self.num_state_snapshots,
                 "must be >= 0",
             )
+        _require(
+            self.all2all_backend not in ALL2ALL_NOT_BUILT,
+            "all2all_backend",
+            self.all2all_backend,
+            "that backend needs a GPU communication library pagefleet does not build; choose "
+            + " or ".join(ALL2ALL_BACKENDS),
+        )
+        _require(
+            self.all2all_backend in ALL2ALL_BACKENDS,
+            "all2all_backend",
+            self.all2all_backend,
+            "must be one of " + ", ".join(ALL2ALL_BACKENDS),
+        )
         if self.num_gpu_blocks_override is not None:
             _require(
                 self.num_gpu_blocks_override >= 1,

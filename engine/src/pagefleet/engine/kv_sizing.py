@@ -20,7 +20,7 @@ from pagefleet.engine.attention.backend import select_backend
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.model.causal_lm import CausalLM
 from pagefleet.engine.request import Request
-from pagefleet.engine.runner import ModelRunner, kv_bytes_per_token
+from pagefleet.engine.runner import ModelRunner, forget_start_up_routing, kv_bytes_per_token
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import SchedulerOutput
 
@@ -179,6 +179,7 @@ def cuda_kv_budget(
     dry.block_ids.extend(range(-(-n // probe.block_size)))
     dry.state_slot = 0  # a hybrid probe's one slot (its state pool is not kept)
     probe.execute(SchedulerOutput(scheduled=[(dry, n)], num_tokens=n))
+    forget_start_up_routing(model)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     del probe

@@ -208,6 +208,7 @@ class LLMEngine:
             kv_transfer=transfer,
             kv_offload=self._offload_stats(),
             spec_decode=self.spec_counters.snapshot() if self.spec_counters else None,
+            expert_load=self.runner.expert_load(),
         )
 
     def _offload_stats(self) -> KVOffloadStats | None:

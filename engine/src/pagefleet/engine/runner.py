@@ -29,6 +29,7 @@ from pagefleet.engine.kv_cache.state_cache import StateConfig
 from pagefleet.engine.linear_attn.kernels import select_kernels
 from pagefleet.engine.linear_attn.state import StatePool, blocks_for_state, step_states
 from pagefleet.engine.model.causal_lm import CausalLM
+from pagefleet.engine.model.expert_load import ExpertLoadStats
 from pagefleet.engine.outputs import TokenLogprobs
 from pagefleet.engine.request import Request
 from pagefleet.engine.sampler import top_logprobs
@@ -64,6 +65,14 @@ def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
         torch.empty((), dtype=dtype).element_size(),
         model.tp.layout.size if model.tp else 1,
     )
+
+
+def forget_start_up_routing(model: CausalLM) -> None:
+    """Zero a mixture-of-experts model's routing counts after start-up's dry runs (memory
+    profiling, graph capture), so the load metrics count only requests' tokens."""
+    reset = getattr(model, "reset_expert_load", None)
+    if reset is not None:
+        reset()
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -140,6 +149,11 @@ class ModelRunner:
         transfer = blocks_for_state(pool.bytes_per_slot, block)
         return StateConfig(pool.num_slots, transfer, pool.bytes_per_slot / block)
 
+    def expert_load(self) -> ExpertLoadStats | None:
+        """A mixture-of-experts model's routing counts per layer (None for a dense model)."""
+        load = getattr(self.model, "expert_load", None)
+        return load() if load is not None else None
+
     def capture_decode_graphs(
         self, max_num_seqs: int, max_model_len: int, use_graphs: bool = True
     ) -> bool:
@@ -159,6 +173,7 @@ class ModelRunner:
         )
         if use_graphs:
             graphs.capture()
+            forget_start_up_routing(self.model)
         self.decode_graphs = graphs
         return True
 

@@ -104,6 +104,12 @@ def _number_arg(spec: Spec, pool: Pool, name: str, kind: type, default: Any) -> 
         ) from None
 
 
+def _switch_arg(spec: Spec, pool: Pool, name: str) -> bool:
+    """An on/off engine arg: true (or "true") is the flag given."""
+    value = _engine_arg(spec, pool, name)
+    return value is True or str(value).lower() == "true"
+
+
 def max_model_len(spec: Spec, pool: Pool) -> int | None:
     length = _number_arg(spec, pool, "max-model-len", int, None)
     if length is not None and length < 1:
@@ -167,6 +173,7 @@ def check_pool(spec: Spec, pool: Pool, shape: ModelShape, budget: GpuBudget) -> 
             block_size=_number_arg(spec, pool, "block-size", int, ENGINE_BLOCK_SIZE),
             num_parameters=spec.capacity.num_parameters,
             state_slots=state_slots(spec, pool, shape),
+            expert_parallel=_switch_arg(spec, pool, "enable-expert-parallel"),
         )
     except ValueError as e:
         raise CapacityUnknown(f"the capacity cannot be computed: {e}") from e

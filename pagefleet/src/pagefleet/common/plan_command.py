@@ -59,6 +59,11 @@ def add_plan_parser(sub) -> None:
     p.add_argument(
         "--tensor-parallel-size", "--tp", type=_csv(int), default=[1], help="TP sizes (1)"
     )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="mixture of experts: whole experts per GPU (the fullest holds ceil(experts / TP))",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.92, help="(0.92)")
     p.add_argument("--overhead-gb", type=float, default=0.0, help="activations, graphs... (0)")
     p.add_argument("--params", type=float, default=None, help="parameter count (from the model)")
@@ -146,7 +151,12 @@ def build_plans(args: argparse.Namespace, shape: ModelShape) -> list[CapacityPla
         else:
             params = int(_finite("--params", args.params, 1)) if args.params is not None else None
             plan = plan_on_gpu(
-                shape, _budget(args), weights_format=w, num_parameters=params, **common
+                shape,
+                _budget(args),
+                weights_format=w,
+                num_parameters=params,
+                expert_parallel=args.enable_expert_parallel,
+                **common,
             )
         plans.append(plan)
     return plans
@@ -198,6 +208,14 @@ def _shape_line(shape: dict[str, Any]) -> str:
         f"{shape['num_attention_layers']} attention layers of {shape['num_layers']} x "
         f"{shape['num_kv_heads']} KV heads x head dim {shape['head_dim']}"
     )
+    if shape["num_experts"]:
+        line += (
+            f"; mixture of experts: {shape['num_experts']} experts, "
+            f"{shape['experts_per_token']} per token"
+        )
+        total, active = shape["num_parameters"], shape["num_active_parameters"]
+        if total is not None and active is not None:
+            line += f", {total / 1e9:.2f}B parameters ({active / 1e9:.2f}B active per token)"
     if shape["linear_state_bytes_per_sequence"]:
         line += (
             f"; linear-attention state {shape['linear_state_bytes_per_sequence'] / 2**20:.1f} MiB"

@@ -97,7 +97,7 @@ def check_tensor_parallel(args: EngineArgs, hf_config: dict) -> None:
                 f'--tensor-parallel-size > 1 moves KV over NIXL only: "kv_connector": '
                 f'"nixl" in --kv-transfer-config, not {connector!r}'
             )
-    TPLayout.of(model_config(hf_config), 0, args.tensor_parallel_size)
+    TPLayout.of(model_config(hf_config), 0, args.tensor_parallel_size, args.enable_expert_parallel)
 
 
 def start_rank_zero(
@@ -126,9 +126,29 @@ def start_rank_zero(
 def load_shard(job: ShardJob, group: RankGroup) -> CausalLM:
     """This rank's shard of the model, on its device."""
     cfg = model_config(read_config(job.args.model))
-    tp = TPParts(TPLayout.of(cfg, group.rank, group.size), group)
+    layout = TPLayout.of(cfg, group.rank, group.size, job.args.enable_expert_parallel)
+    tp = TPParts(layout, group, job.args.all2all_backend)
+    if layout.experts is not None:
+        _log_experts(cfg, layout, job.args.all2all_backend)
     dtype = resolve_dtype(job.args.dtype, group.device)
     return load_model(job.args.model, dtype, group.device, job.max_model_len, tp)
+
+
+def _log_experts(cfg, layout: TPLayout, backend: str) -> None:
+    shard, spec = layout.experts, cfg.moe
+    if layout.expert_parallel:
+        logger.info(
+            "rank %d: whole experts per rank (expert parallel, --all2all-backend %s): experts "
+            "%d-%d of %d",
+            *(layout.rank, backend, shard.first, shard.end - 1, spec.num_experts),
+        )
+    else:
+        logger.info(
+            "rank %d: every expert split over the ranks: columns %d-%d of %d of each of %d "
+            "experts (--enable-expert-parallel places whole experts instead)",
+            *(layout.rank, shard.column_start, shard.column_start + shard.columns - 1),
+            *(spec.intermediate_size, spec.num_experts),
+        )
 
 
 class ParallelModelRunner(ModelRunner):

@@ -37,6 +37,8 @@ class TPParts:
 
     layout: TPLayout
     group: Collectives
+    # How MoE tokens meet experts placed on ranks (--all2all-backend; model/expert_parallel.py).
+    all2all_backend: str = "allgather_reducescatter"
 
 
 class RMSNorm(nn.Module):

@@ -88,8 +88,8 @@ def load_model(
         name, part = target
         if name not in loaders:
             raise ValueError(f"unexpected weight {source.name!r} in checkpoint {path}")
-        loaders[name].load(params[name], source, part)
-        arrived.setdefault(name, set()).add(part)
+        filled = loaders[name].load(params[name], source, part)
+        arrived.setdefault(name, set()).update({part} if filled is None else filled)
     _check_complete(model, loaders, arrived, path)
     if prepack and prepack_supported(device, dtype):
         model.prepack()

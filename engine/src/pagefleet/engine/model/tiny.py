@@ -34,6 +34,8 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 # Multimodal architectures: the language model's config is their text_config, beside a vision
 # tower made as small as the config allows (its weights are written, never served).

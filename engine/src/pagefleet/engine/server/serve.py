@@ -251,6 +251,17 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "while the ranks fit this node's GPUs, else ray",
         choices=["mp", "ray"],
     )
+    switch(
+        "enable_expert_parallel",
+        "mixture-of-experts models: place whole experts on the tensor-parallel ranks instead "
+        "of a slice of every expert on each",
+    )
+    flag(
+        "all2all_backend",
+        "with --enable-expert-parallel, how tokens meet their experts: allgather_reducescatter "
+        "(one all-reduce, tokens are on every rank already) or alltoall (routed rows sent to "
+        "the ranks holding their experts and back)",
+    )
     flag(
         "kv_offloading_size",
         "GiB of host memory (pinned on CUDA) for a CPU tier of blocks evicted from the KV pool; "
