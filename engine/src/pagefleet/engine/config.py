@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pagefleet.engine.pooling.config import CONVERTS, RUNNERS
 from pagefleet.engine.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -72,9 +73,16 @@ class EngineArgs:
     # Speculative decoding: vLLM's --speculative-config JSON (or its dict, or the parsed
     # config, which it becomes here); see spec_decode/.
     speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None
+    # Pooling models (pooling/): vLLM's --runner (auto: pooling for a checkpoint that declares
+    # it), --convert (embed: pool a *ForCausalLM's hidden states) and --pooler-config JSON.
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "must be > 0")
+        _require(self.runner in RUNNERS, "runner", self.runner, f"one of {', '.join(RUNNERS)}")
+        _require(self.convert in CONVERTS, "convert", self.convert, f"one of {', '.join(CONVERTS)}")
         self._check_offloading()
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None:
