@@ -95,6 +95,17 @@ class Tokenization:
         self.limits.check_text(text, param)
         return await self._run(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
+    async def encode_many(
+        self, texts: list[str], add_special_tokens: bool, param: str, check: bool = True
+    ) -> list[list[int]]:
+        """Several texts in one trip to the thread (one batched tokenizer call); each checked
+        first unless `check` is False (the caller bounds their size another way)."""
+        if check:
+            for i, text in enumerate(texts):
+                self.limits.check_text(text, f"{param}[{i}]" if len(texts) > 1 else param)
+        encoded = await self._run(self.tokenizer, texts, add_special_tokens=add_special_tokens)
+        return encoded["input_ids"]
+
     async def chat(
         self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
     ) -> list[int]:
