@@ -106,10 +106,12 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 }
 
 
-def refuse_unsupported(data: Any, extra: dict[str, tuple] | None = None) -> Any:
+def refuse_unsupported(
+    data: Any, extra: dict[str, tuple] | None = None, base: dict[str, tuple] = UNSUPPORTED_FIELDS
+) -> Any:
     """A 400 (via ValueError) naming the first unsupported field set to a non-default value."""
     if isinstance(data, dict):
-        for name, off in (UNSUPPORTED_FIELDS | (extra or {})).items():
+        for name, off in (base | (extra or {})).items():
             if name in data and not any(_same(data[name], v) for v in off):
                 raise ValueError(f"{name} is not supported by this server")
     return data
@@ -518,6 +520,17 @@ class DetokenizeRequest(BaseModel):
 # before any work; the server's --max-sequences-per-request can lower it).
 MAX_EMBEDDING_INPUTS = 2048
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+# vLLM's embedding fields we do not implement, with their "not used" values: chat-shaped input,
+# unnormalised output of a normalising model, other output dtypes and byte orders.
+EMBEDDING_UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "messages": _OFF,
+    "normalize": (None, True),
+    "use_activation": (None, True),
+    "embed_dtype": (None, "float32"),
+    "endianness": (None, "native", "little"),
+    "priority": (None, 0),
+    "mm_processor_kwargs": _OFF,
+}
 
 
 class EmbeddingRequest(BaseModel):
@@ -538,10 +551,7 @@ class EmbeddingRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
-        off = (None, False, [], {}, "")
-        return refuse_unsupported(
-            data, {"messages": off, "normalize": (None, True), "use_activation": (None, True)}
-        )
+        return refuse_unsupported(data, base=EMBEDDING_UNSUPPORTED_FIELDS)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -556,7 +566,7 @@ class EmbeddingRequest(BaseModel):
         return self
 
     def ignored_fields(self) -> list[str]:
-        return sorted(set(self.model_extra or ()) - set(UNSUPPORTED_FIELDS))
+        return sorted(set(self.model_extra or ()) - set(EMBEDDING_UNSUPPORTED_FIELDS))
 
     def inputs(self) -> list[str | list[int]]:
         """Each input: a text, or token ids."""
