@@ -6,6 +6,7 @@ inputs; hostile bodies are 400s that queue no work; completions and chat are ref
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 import openai
@@ -195,3 +196,61 @@ def test_openapi_fuzz_of_the_pooling_endpoints_never_answers_5xx(http):
             assert response.status_code < 500, (case.path, case.body, response.text)
 
         check()
+
+
+def test_the_router_sends_embeddings_to_the_least_loaded_engine_fields_intact(http, oracle):
+    """The router in process over this engine's app as two pods, "busy" (5 waiting) and
+    "idle": /v1/embeddings and /pooling go to "idle" (load-aware; embeddings carry no block
+    hashes, so no prefix affinity), the body arrives byte for byte (dimensions,
+    encoding_format, user pass through) and the vectors come back."""
+    import asyncio
+
+    import httpx
+
+    from pagefleet.router.app import Router, RouterConfig, build_router_app
+    from pagefleet.router.pods import PodRegistry
+    from pagefleet.router.prefix_index import PrefixIndex
+    from pagefleet.router.scoring import Pipeline, Pod
+
+    registry = PodRegistry()
+    registry.set_pods([Pod("busy", "http://busy"), Pod("idle", "http://idle")])
+    for status in registry.status.values():
+        status.scraped_at = 0.0
+    registry.status["busy"].pod.waiting = 5.0
+    pipeline = Pipeline.from_config({"scorers": {"prefix": 2.0, "queue": 1.0}})
+    router = Router(
+        registry, PrefixIndex("approximate"), pipeline, RouterConfig(), clock=lambda: 0.0
+    )
+    seen: list[tuple[str, str, bytes]] = []
+    engine = httpx.ASGITransport(app=http.app)
+
+    class Engines(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            seen.append((request.url.host, request.url.path, await request.aread()))
+            return await engine.handle_async_request(request)
+
+    body = json.dumps(
+        {"model": "tiny", "input": TEXTS, "dimensions": 32, "user": "u", "encoding_format": "float"}
+    ).encode()
+
+    async def post(path: str) -> dict:
+        app = build_router_app(router, client=httpx.AsyncClient(transport=Engines()))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            headers = {"content-type": "application/json"}
+            r = await client.post(path, content=body, headers=headers)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    got = asyncio.run(post("/v1/embeddings"))
+    pooled = asyncio.run(post("/pooling"))
+    assert [(host, path) for host, path, _ in seen] == [
+        ("idle", "/v1/embeddings"),
+        ("idle", "/pooling"),
+    ]
+    assert all(sent == body for _, _, sent in seen)
+    want = torch.nn.functional.normalize(
+        oracle.encode(TEXTS, convert_to_tensor=True)[:, :32], dim=-1
+    )
+    assert_close(torch.tensor([d["embedding"] for d in got["data"]]), want)
+    assert [d["data"] for d in pooled["data"]] == [d["embedding"] for d in got["data"]]
