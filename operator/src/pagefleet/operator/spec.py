@@ -29,6 +29,7 @@ from pagefleet.operator.crd import (
     OBJECT_NAME_MAX,
     OBJECT_NAME_PATTERN,
     POOL_NAMES,
+    POOLING_MODE_MESSAGE,
     PREFIX_INDEXES,
     RDMA_UCX_TLS,
     RESERVED_ENGINE_ARGS,
@@ -36,6 +37,7 @@ from pagefleet.operator.crd import (
     ROUTER_DEFAULTS,
     ROUTER_QUEUE_DEFAULTS,
     ROUTER_RESOURCES,
+    RUNNERS,
     SCORER_DEFAULTS,
     SECRET_KEY_PATTERN,
     TP_NODES_MESSAGE,
@@ -232,6 +234,7 @@ class Spec:
     rdma: Rdma = field(default_factory=Rdma)
     placement: Placement | None = None
     capacity: CapacitySpec = field(default_factory=CapacitySpec)
+    runner: str = "auto"  # the engines' --runner (pooling: embeddings)
 
     def pool(self, name: str) -> Pool:
         return next(p for p in self.pools if p.name == name)
@@ -674,6 +677,7 @@ def parse_spec(raw: Any) -> Spec:
         "kvTransfer",
         "apiKeySecret",
         "capacity",
+        "runner",
     }
     _reject_unknown(s, known, "spec")
     if "model" not in s:
@@ -708,7 +712,10 @@ def parse_spec(raw: Any) -> Spec:
         rdma=parse_rdma(kv.get("rdma")),
         placement=parse_placement(kv.get("placement")),
         capacity=parse_capacity(s.get("capacity")),
+        runner=_choice(s.get("runner", "auto"), "spec.runner", RUNNERS),
     )
+    if spec.runner == "pooling" and mode != "colocated":
+        raise SpecError(POOLING_MODE_MESSAGE)
     if spec.rdma.enabled and (mode != "disaggregated" or spec.kv_connector != "nixl"):
         raise SpecError("spec.kvTransfer.rdma needs mode disaggregated and the nixl connector")
     if spec.placement is not None and mode != "disaggregated":
