@@ -254,3 +254,40 @@ def test_the_router_sends_embeddings_to_the_least_loaded_engine_fields_intact(ht
     )
     assert_close(torch.tensor([d["embedding"] for d in got["data"]]), want)
     assert [d["data"] for d in pooled["data"]] == [d["embedding"] for d in got["data"]]
+
+
+def test_bench_serve_drives_embeddings(http, tmp_path):
+    """`pagefleet bench serve --endpoint embeddings` against this engine on a loopback port:
+    every batch answered, embeddings and prompt tokens counted."""
+    import asyncio
+    import threading
+    import time
+
+    import uvicorn
+
+    from pagefleet.common.cli import build_parser
+    from pagefleet.fleet.bench_serve import run_bench
+    from server_utils import free_port
+
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(http.app, host="127.0.0.1", port=port, log_level="error")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        argv = ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", "tiny"]
+        argv += ["--endpoint", "embeddings", "--num-prompts", "10", "--batch-size", "4"]
+        argv += ["--input-len", "8", "--no-progress", "--max-concurrency", "2"]
+        argv += ["--result-json", str(tmp_path / "result.json")]
+        assert asyncio.run(run_bench(build_parser().parse_args(argv))) == 0
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    summary = json.loads((tmp_path / "result.json").read_text())["summary"]
+    assert (summary["completed"], summary["failed"], summary["total_embeddings"]) == (3, 0, 10)
+    assert summary["total_prompt_tokens"] >= 10 and summary["embedding_throughput"] > 0
