@@ -83,7 +83,7 @@ async def _prompts(state: ServerState, req: EmbeddingRequest, params: PoolingPar
     """Each input's token ids as the engine will run them (truncated if asked), every one
     checked against the engine's rules; a 400 names the first bad input's index."""
     inputs = req.inputs()
-    state.limits.check_sequences(len(inputs), 1)
+    state.limits.check_sequences(len(inputs), 1, "input")
     texts = [x for x in inputs if isinstance(x, str)]
     if texts:
         # With truncation a text may be longer than the context (the body limit bounds it).

@@ -53,8 +53,9 @@ class RequestLimits:
                 param=param,
             )
 
-    def check_sequences(self, num_prompts: int, n: int) -> int:
-        """The request's sequences (prompts x n); 400 if one request could never be queued."""
+    def check_sequences(self, num_prompts: int, n: int, param: str | None = None) -> int:
+        """The request's sequences (prompts x n); 400 if one request could never be queued
+        (`param`: the field to name, by default the prompt or n)."""
         sequences = num_prompts * n
         cap = min(self.max_sequences, self.max_waiting or self.max_sequences)
         if sequences > cap:
@@ -62,7 +63,7 @@ class RequestLimits:
                 400,
                 f"{num_prompts} prompt(s) x n={n} is {sequences} sequences; this server takes at "
                 f"most {cap} per request (--max-sequences-per-request, --max-waiting-requests)",
-                param="prompt" if num_prompts > 1 else "n",
+                param=param or ("prompt" if num_prompts > 1 else "n"),
             )
         return sequences
 

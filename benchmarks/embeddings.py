@@ -1,0 +1,195 @@
+"""Embeddings throughput: pagefleet's pooling runner vs sentence-transformers' `encode`, and what
+prefix affinity would buy a fleet of pooling engines.
+
+One run, float32 on CPU (2 threads by default), one random Llama-style checkpoint of the 57M
+shape of offline_throughput.py (hidden 512, intermediate 1536, 8 layers, 8 heads, 2 KV heads,
+vocab 32000) with a sentence-transformers configuration (last-token pooling, Normalize: the
+Qwen3-Embedding recipe). The same seeded texts (mixed lengths, 8-512 tokens) go to both sides
+in calls of 1, 32 and 256 inputs: `SentenceTransformer.encode(texts, batch_size=n)` (which
+sorts by length to pad little) against `LLM.embed(texts)` (one prefill-only request per text,
+batched by the token budget). Both give the same vectors (checked, cosine >= 0.9999); the
+ratio is embeddings (and tokens) per second, pagefleet / sentence-transformers.
+
+Routing: two pooling engines in one process, 256 queries that open with one of 4
+instructions (Qwen3-Embedding's "Instruct: ...\\nQuery: " pattern), sent 32 at a time either
+to the engine that already holds the query's instruction (prefix affinity) or alternately
+(load-only, what the router does for /v1/embeddings); the ratio is their throughputs. A
+second case gives every group a long shared document prefix (16 groups of 16 inputs), where
+affinity can matter most.
+
+    .venv/bin/python benchmarks/embeddings.py [--threads 2] [--max-len 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from pagefleet.engine import LLM
+from pagefleet.engine.model.tiny import write_tiny_checkpoint
+
+SHAPE = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=2,
+    vocab_size=32000,
+)
+WORDS = (
+    "time person year way day thing world life hand part child eye place work week case point "
+    "company number group problem fact cache block token page pool model request router engine "
+    "queue memory answer river mountain light water"
+).split()
+INSTRUCTIONS = [
+    "Given a web search query, retrieve relevant passages that answer the query",
+    "Given a question, retrieve questions that are semantically equivalent",
+    "Given a claim, find documents that refute the claim",
+    "Retrieve the code snippet that solves the programming problem described",
+]
+
+
+def checkpoint(root: Path, max_len: int) -> str:
+    path = write_tiny_checkpoint(root / "embed", "LlamaForCausalLM", **SHAPE)
+    kinds = [("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Normalize", "Normalize")]
+    modules = [
+        {"idx": i, "name": str(i), "path": where, "type": f"sentence_transformers.models.{kind}"}
+        for i, (where, kind) in enumerate(kinds)
+    ]
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    pooling = {"word_embedding_dimension": SHAPE["hidden_size"], "pooling_mode_lasttoken": True}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    (path / "2_Normalize").mkdir()
+    bert = {"max_seq_length": max_len, "do_lower_case": False}
+    (path / "sentence_bert_config.json").write_text(json.dumps(bert))
+    return str(path)
+
+
+def texts_of_lengths(tokenizer, lengths: list[int], seed: int, prefix: str = "") -> list[str]:
+    """Texts of about these token counts (whole words, so a little over)."""
+    rng = random.Random(seed)
+    out = []
+    for target in lengths:
+        words = prefix.split()
+        while len(tokenizer.encode(" ".join(words))) < target:
+            words += [rng.choice(WORDS) for _ in range(max(1, (target - len(words)) // 3))]
+        out.append(" ".join(words))
+    return out
+
+
+def best_of(fn, passes: int = 2) -> tuple[float, list]:
+    """The fastest of `passes` runs of `fn()` in seconds, and its output."""
+    best, out = float("inf"), None
+    for _ in range(passes):
+        start = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
+def compare(llm: LLM, st, texts: list[str], batch: int, num_tokens: int) -> dict:
+    """Both sides over `texts` in calls of `batch` inputs."""
+    calls = [texts[i : i + batch] for i in range(0, len(texts), batch)]
+
+    def ours(calls=calls):
+        return [o.outputs.data for call in calls for o in llm.embed(call, use_tqdm=False)]
+
+    def theirs(calls=calls):
+        encode = st.encode
+        return [v for call in calls for v in encode(call, batch_size=batch, convert_to_tensor=True)]
+
+    ours(calls[:1])  # warm-up both
+    theirs(calls[:1])
+    t_ours, got = best_of(ours)
+    t_theirs, want = best_of(theirs)
+    cosine = torch.nn.functional.cosine_similarity(torch.stack(got), torch.stack(want).float())
+    return {
+        "batch": batch,
+        "texts": len(texts),
+        "tokens": num_tokens,
+        "pagefleet_emb_s": len(texts) / t_ours,
+        "st_emb_s": len(texts) / t_theirs,
+        "pagefleet_tok_s": num_tokens / t_ours,
+        "st_tok_s": num_tokens / t_theirs,
+        "ratio": t_theirs / t_ours,
+        "min_cosine": float(cosine.min()),
+    }
+
+
+def routing(path: str, groups: list[list[str]], batch: int = 32) -> dict:
+    """Two engines; each batch of inputs goes to one of them: by group (affinity: a group's
+    shared prefix stays on one engine) or alternately (load-only). Returns throughputs."""
+    results = {}
+    for policy in ("affinity", "load-only"):
+        engines = [LLM(path, max_model_len=1024, kv_cache_memory=1) for _ in range(2)]
+        for llm in engines:
+            llm.embed(["warm up"], use_tqdm=False)
+        interleaved = [
+            (g, group[i : i + batch])
+            for g, group in enumerate(groups)
+            for i in range(0, len(group), batch)
+        ]
+        random.Random(1).shuffle(interleaved)
+        start = time.perf_counter()
+        for k, (g, inputs) in enumerate(interleaved):
+            engine = engines[g % 2 if policy == "affinity" else k % 2]
+            engine.embed(inputs, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        hits = sum(e.engine.stats().prefix_cache_hits for e in engines)
+        queried = sum(e.engine.stats().prefix_cache_queries for e in engines)
+        results[policy] = {"emb_s": sum(map(len, groups)) / elapsed, "hit_rate": hits / queried}
+    results["ratio"] = results["affinity"]["emb_s"] / results["load-only"]["emb_s"]
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--texts", type=int, default=256, help="texts per batch size (256)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from sentence_transformers import SentenceTransformer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = checkpoint(Path(tmp), args.max_len)
+        llm = LLM(path, max_model_len=args.max_len, kv_cache_memory=1)
+        st = SentenceTransformer(path, device="cpu")
+        tokenizer = llm.get_tokenizer()
+        rng = random.Random(0)
+        lengths = [rng.randint(8, args.max_len - 16) for _ in range(args.texts)]
+        texts = texts_of_lengths(tokenizer, lengths, seed=1)
+        num_tokens = sum(len(tokenizer.encode(t)) for t in texts)
+        print(f"{len(texts)} texts, {num_tokens} tokens (mean {num_tokens / len(texts):.0f})")
+        for batch in (1, 32, 256):
+            row = compare(llm, st, texts, batch, num_tokens)
+            print(
+                json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
+            )
+        queries = [
+            texts_of_lengths(tokenizer, [rng.randint(12, 40) for _ in range(64)], seed=2 + g,
+                             prefix=f"Instruct: {instruction} Query:")
+            for g, instruction in enumerate(INSTRUCTIONS)
+        ]  # fmt: skip
+        print("routing, 4 instructions x 64 queries:", json.dumps(routing(path, queries)))
+        documents = [
+            texts_of_lengths(tokenizer, [rng.randint(260, 300) for _ in range(16)], seed=10 + g,
+                             prefix=texts_of_lengths(tokenizer, [256], seed=100 + g)[0])
+            for g in range(16)
+        ]  # fmt: skip
+        print("routing, 16 documents x 16 passages:", json.dumps(routing(path, documents)))
+    print(f"load average: {Path('/proc/loadavg').read_text().strip()}")
+
+
+if __name__ == "__main__":
+    main()
