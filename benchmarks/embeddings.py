@@ -4,20 +4,21 @@ prefix affinity would buy a fleet of pooling engines.
 One run, float32 on CPU (2 threads by default), one random Llama-style checkpoint of the 57M
 shape of offline_throughput.py (hidden 512, intermediate 1536, 8 layers, 8 heads, 2 KV heads,
 vocab 32000) with a sentence-transformers configuration (last-token pooling, Normalize: the
-Qwen3-Embedding recipe). The same seeded texts (mixed lengths, 8-512 tokens) go to both sides
-in calls of 1, 32 and 256 inputs: `SentenceTransformer.encode(texts, batch_size=n)` (which
-sorts by length to pad little) against `LLM.embed(texts)` (one prefill-only request per text,
-batched by the token budget). Both give the same vectors (checked, cosine >= 0.9999); the
-ratio is embeddings (and tokens) per second, pagefleet / sentence-transformers.
+Qwen3-Embedding recipe). The same seeded texts (mixed lengths, 8-248 tokens) go to both sides
+in calls of 1 (32 calls), 32 (2 calls) and 256 inputs (1 call):
+`SentenceTransformer.encode(texts, batch_size=n)` (which sorts by length to pad little) against
+`LLM.embed(texts)` (one prefill-only request per text, batched by the token budget). Both
+give the same vectors (checked, cosine >= 0.9999); the ratio is embeddings (and tokens) per
+second, pagefleet / sentence-transformers.
 
 Routing: two pooling engines in one process, 256 queries that open with one of 4
 instructions (Qwen3-Embedding's "Instruct: ...\\nQuery: " pattern), sent 32 at a time either
 to the engine that already holds the query's instruction (prefix affinity) or alternately
 (load-only, what the router does for /v1/embeddings); the ratio is their throughputs. A
-second case gives every group a long shared document prefix (16 groups of 16 inputs), where
-affinity can matter most.
+second case gives every group a long shared prefix (8 documents of 200 tokens, 8 passages
+each, 4 a request), where affinity can matter most.
 
-    .venv/bin/python benchmarks/embeddings.py [--threads 2] [--max-len 512]
+    .venv/bin/python benchmarks/embeddings.py [--threads 2] [--max-len 256] [--passes 1]
 """
 
 from __future__ import annotations
@@ -81,8 +82,10 @@ def texts_of_lengths(tokenizer, lengths: list[int], seed: int, prefix: str = "")
     out = []
     for target in lengths:
         words = prefix.split()
-        while len(tokenizer.encode(" ".join(words))) < target:
-            words += [rng.choice(WORDS) for _ in range(max(1, (target - len(words)) // 3))]
+        count = len(tokenizer.encode(" ".join(words)))
+        while count < target:  # a word is 1-4 tokens here: add a quarter of what is missing
+            words += [rng.choice(WORDS) for _ in range(max(1, (target - count) // 4))]
+            count = len(tokenizer.encode(" ".join(words)))
         out.append(" ".join(words))
     return out
 
@@ -97,9 +100,11 @@ def best_of(fn, passes: int = 2) -> tuple[float, list]:
     return best, out
 
 
-def compare(llm: LLM, st, texts: list[str], batch: int, num_tokens: int) -> dict:
-    """Both sides over `texts` in calls of `batch` inputs."""
+def compare(llm: LLM, st, texts: list[str], batch: int, passes: int) -> dict:
+    """Both sides over `texts` in calls of `batch` inputs (warmed up on one call first)."""
     calls = [texts[i : i + batch] for i in range(0, len(texts), batch)]
+    tokenizer = llm.get_tokenizer()
+    num_tokens = sum(len(tokenizer.encode(t)) for t in texts)
 
     def ours(calls=calls):
         return [o.outputs.data for call in calls for o in llm.embed(call, use_tqdm=False)]
@@ -110,8 +115,8 @@ def compare(llm: LLM, st, texts: list[str], batch: int, num_tokens: int) -> dict
 
     ours(calls[:1])  # warm-up both
     theirs(calls[:1])
-    t_ours, got = best_of(ours)
-    t_theirs, want = best_of(theirs)
+    t_ours, got = best_of(ours, passes)
+    t_theirs, want = best_of(theirs, passes)
     cosine = torch.nn.functional.cosine_similarity(torch.stack(got), torch.stack(want).float())
     return {
         "batch": batch,
@@ -155,8 +160,8 @@ def routing(path: str, groups: list[list[str]], batch: int = 32) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-len", type=int, default=512)
-    parser.add_argument("--texts", type=int, default=256, help="texts per batch size (256)")
+    parser.add_argument("--max-len", type=int, default=256, help="longest text (256)")
+    parser.add_argument("--passes", type=int, default=1, help="timed passes, best kept (1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from sentence_transformers import SentenceTransformer
@@ -167,12 +172,11 @@ def main() -> None:
         st = SentenceTransformer(path, device="cpu")
         tokenizer = llm.get_tokenizer()
         rng = random.Random(0)
-        lengths = [rng.randint(8, args.max_len - 16) for _ in range(args.texts)]
+        lengths = [rng.randint(8, args.max_len - 8) for _ in range(256)]
         texts = texts_of_lengths(tokenizer, lengths, seed=1)
-        num_tokens = sum(len(tokenizer.encode(t)) for t in texts)
-        print(f"{len(texts)} texts, {num_tokens} tokens (mean {num_tokens / len(texts):.0f})")
-        for batch in (1, 32, 256):
-            row = compare(llm, st, texts, batch, num_tokens)
+        # 32 calls of 1, 2 of 32, 1 of 256 texts (the same texts each time, by prefix).
+        for batch, count in ((1, 32), (32, 64), (256, 256)):
+            row = compare(llm, st, texts[:count], batch, args.passes)
             print(
                 json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
             )
@@ -183,11 +187,11 @@ def main() -> None:
         ]  # fmt: skip
         print("routing, 4 instructions x 64 queries:", json.dumps(routing(path, queries)))
         documents = [
-            texts_of_lengths(tokenizer, [rng.randint(260, 300) for _ in range(16)], seed=10 + g,
-                             prefix=texts_of_lengths(tokenizer, [256], seed=100 + g)[0])
-            for g in range(16)
+            texts_of_lengths(tokenizer, [rng.randint(220, 250) for _ in range(8)], seed=10 + g,
+                             prefix=texts_of_lengths(tokenizer, [200], seed=100 + g)[0])
+            for g in range(8)
         ]  # fmt: skip
-        print("routing, 16 documents x 16 passages:", json.dumps(routing(path, documents)))
+        print("routing, 8 documents x 8 passages:", json.dumps(routing(path, documents, 4)))
     print(f"load average: {Path('/proc/loadavg').read_text().strip()}")
 
 
