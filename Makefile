@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up demo test lint bench clean helm venv mutate
+.PHONY: up demo test lint bench clean helm prometheus venv mutate
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,16 +27,22 @@ demo: $(STAMP)
 helm: $(STAMP)
 	$(BIN)/python scripts/install_helm.py
 
+## The real prometheus and promtool, unpacked from Debian's package into .venv/bin (nothing
+## installed system-wide, no service started; idempotent; no network once installed).
+prometheus: $(STAMP)
+	$(BIN)/python scripts/install_prometheus.py
+
 ## The whole test suite (lint included).
-test: $(STAMP) helm
+test: $(STAMP) helm prometheus
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/pytest
 
-lint: $(STAMP)
+lint: $(STAMP) helm prometheus
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/python scripts/check_promql.py
 
 ## Mutation testing of the cores with mutmut, one module at a time on its fast tests
 ## (scripts/mutate.py; scores in docs/testing.md). Not part of `make test`: it takes a while.

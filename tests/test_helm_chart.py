@@ -21,6 +21,7 @@ import yaml
 from keda_schema import validate_scaled_object
 from lws_schema import validate_builtin as validate_kubernetes
 from lws_schema import validate_leader_worker_set
+from prometheus_tools import validate_prometheus_rule
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "pagefleet"
@@ -284,6 +285,8 @@ VALIDATORS: dict[tuple[str, str], Callable[[dict], None]] = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): lambda o: jsonschema.Draft7Validator(
         SERVICE_MONITOR_SCHEMA
     ).validate(o),
+    # Its fields, closed; its rules through promtool (tests/prometheus_tools.py).
+    ("monitoring.coreos.com/v1", "PrometheusRule"): validate_prometheus_rule,
     # KEDA's published CRD's fields, closed (tests/keda_schema.py).
     ("keda.sh/v1alpha1", "ScaledObject"): lambda o: validate_scaled_object(o, KUBERNETES_VERSIONS),
     # The LeaderWorkerSet API reference's fields, closed; its pod templates by
