@@ -11,14 +11,16 @@ in calls of 1 (32 calls), 32 (2 calls) and 256 inputs (1 call):
 give the same vectors (checked, cosine >= 0.9999); the ratio is embeddings (and tokens) per
 second, pagefleet / sentence-transformers.
 
-Routing: two pooling engines in one process, 256 queries that open with one of 4
-instructions (Qwen3-Embedding's "Instruct: ...\\nQuery: " pattern), sent 32 at a time either
-to the engine that already holds the query's instruction (prefix affinity) or alternately
-(load-only, what the router does for /v1/embeddings); the ratio is their throughputs. A
-second case gives every group a long shared prefix (8 documents of 200 tokens, 8 passages
-each, 4 a request), where affinity can matter most.
+Routing: two pooling engines in one process and a shuffled stream of requests: 256 queries
+that open with one of 4 instructions (Qwen3-Embedding's "Instruct: ... Query:" pattern), 8 a
+request; then 8 documents' 200-token openings each followed by 8 different passages, 2 a
+request (chunks carrying their document's header: where affinity can matter most). Each
+request goes to the engine that holds its group's prefix (affinity) or alternately (load-only:
+an even spread); the ratio is their throughputs, and the work ratio the prompt tokens the
+engines computed (load-only / affinity: the same on any machine, whatever its load).
 
     .venv/bin/python benchmarks/embeddings.py [--threads 2] [--max-len 256] [--passes 1]
+        [--part compare,routing]
 """
 
 from __future__ import annotations
@@ -131,30 +133,44 @@ def compare(llm: LLM, st, texts: list[str], batch: int, passes: int) -> dict:
     }
 
 
-def routing(path: str, groups: list[list[str]], batch: int = 32) -> dict:
-    """Two engines; each batch of inputs goes to one of them: by group (affinity: a group's
-    shared prefix stays on one engine) or alternately (load-only). Returns throughputs."""
+def routing(path: str, groups: list[list[str]], per_request: int) -> dict:
+    """Two engines; the groups' inputs, `per_request` at a time in a shuffled order (a stream of
+    API requests), each request to one engine: by group (affinity: a group's shared prefix
+    stays on one engine) or alternately (load-only: the router's even spread). Returns each
+    policy's embeddings per second and prefix-cache hit rate, and the ratio."""
+    requests = [
+        (g, group[i : i + per_request])
+        for g, group in enumerate(groups)
+        for i in range(0, len(group), per_request)
+    ]
+    random.Random(1).shuffle(requests)
     results = {}
     for policy in ("affinity", "load-only"):
         engines = [LLM(path, max_model_len=1024, kv_cache_memory=1) for _ in range(2)]
         for llm in engines:
             llm.embed(["warm up"], use_tqdm=False)
-        interleaved = [
-            (g, group[i : i + batch])
-            for g, group in enumerate(groups)
-            for i in range(0, len(group), batch)
-        ]
-        random.Random(1).shuffle(interleaved)
         start = time.perf_counter()
-        for k, (g, inputs) in enumerate(interleaved):
-            engine = engines[g % 2 if policy == "affinity" else k % 2]
-            engine.embed(inputs, use_tqdm=False)
+        for k, (g, inputs) in enumerate(requests):
+            engines[g % 2 if policy == "affinity" else k % 2].embed(inputs, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        hits = sum(e.engine.stats().prefix_cache_hits for e in engines)
-        queried = sum(e.engine.stats().prefix_cache_queries for e in engines)
-        results[policy] = {"emb_s": sum(map(len, groups)) / elapsed, "hit_rate": hits / queried}
-    results["ratio"] = results["affinity"]["emb_s"] / results["load-only"]["emb_s"]
+        stats = [e.engine.stats() for e in engines]
+        queried = sum(s.prefix_cache_queries for s in stats)
+        hits = sum(s.prefix_cache_hits for s in stats)
+        results[policy] = {
+            "emb_s": round(sum(map(len, groups)) / elapsed, 3),
+            "hit_rate": round(hits / queried, 4),
+            "tokens_computed": queried - hits,  # the work, whatever the machine's load
+        }
+    affinity, spread = results["affinity"], results["load-only"]
+    results["ratio"] = round(affinity["emb_s"] / spread["emb_s"], 3)
+    results["work_ratio"] = round(spread["tokens_computed"] / affinity["tokens_computed"], 3)
     return results
+
+
+def with_prefix(tokenizer, prefix: str, lengths: list[int], seed: int) -> list[str]:
+    """Texts that open with `prefix` and go on for about `lengths` more tokens."""
+    base = len(tokenizer.encode(prefix))
+    return texts_of_lengths(tokenizer, [base + n for n in lengths], seed, prefix=prefix)
 
 
 def main() -> None:
@@ -162,6 +178,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-len", type=int, default=256, help="longest text (256)")
     parser.add_argument("--passes", type=int, default=1, help="timed passes, best kept (1)")
+    parser.add_argument(
+        "--part", choices=["compare", "routing", "compare,routing"], default="compare,routing"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from sentence_transformers import SentenceTransformer
@@ -175,23 +194,26 @@ def main() -> None:
         lengths = [rng.randint(8, args.max_len - 8) for _ in range(256)]
         texts = texts_of_lengths(tokenizer, lengths, seed=1)
         # 32 calls of 1, 2 of 32, 1 of 256 texts (the same texts each time, by prefix).
-        for batch, count in ((1, 32), (32, 64), (256, 256)):
+        for batch, count in ((1, 32), (32, 64), (256, 256)) if "compare" in args.part else ():
             row = compare(llm, st, texts[:count], batch, args.passes)
             print(
                 json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
             )
-        queries = [
-            texts_of_lengths(tokenizer, [rng.randint(12, 40) for _ in range(64)], seed=2 + g,
-                             prefix=f"Instruct: {instruction} Query:")
-            for g, instruction in enumerate(INSTRUCTIONS)
-        ]  # fmt: skip
-        print("routing, 4 instructions x 64 queries:", json.dumps(routing(path, queries)))
-        documents = [
-            texts_of_lengths(tokenizer, [rng.randint(220, 250) for _ in range(8)], seed=10 + g,
-                             prefix=texts_of_lengths(tokenizer, [200], seed=100 + g)[0])
-            for g in range(8)
-        ]  # fmt: skip
-        print("routing, 8 documents x 8 passages:", json.dumps(routing(path, documents, 4)))
+        if "routing" in args.part:
+            queries = [
+                with_prefix(tokenizer, f"Instruct: {instruction} Query:",
+                            [rng.randint(12, 40) for _ in range(64)], seed=2 + g)
+                for g, instruction in enumerate(INSTRUCTIONS)
+            ]  # fmt: skip
+            result = routing(path, queries, 8)
+            print("routing, 4 instructions x 64 queries, 8 a request:", json.dumps(result))
+            documents = [
+                with_prefix(tokenizer, texts_of_lengths(tokenizer, [200], seed=100 + g)[0],
+                            [rng.randint(20, 50) for _ in range(8)], seed=10 + g)
+                for g in range(8)
+            ]  # fmt: skip
+            result = routing(path, documents, 2)
+            print("routing, 8 documents x 8 passages, 2 a request:", json.dumps(result))
     print(f"load average: {Path('/proc/loadavg').read_text().strip()}")
 
 

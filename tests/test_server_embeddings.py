@@ -200,8 +200,8 @@ def test_openapi_fuzz_of_the_pooling_endpoints_never_answers_5xx(http):
 
 def test_the_router_sends_embeddings_to_the_least_loaded_engine_fields_intact(http, oracle):
     """The router in process over this engine's app as two pods, "busy" (5 waiting) and
-    "idle": /v1/embeddings and /pooling go to "idle" (load-aware; embeddings carry no block
-    hashes, so no prefix affinity), the body arrives byte for byte (dimensions,
+    "idle": /v1/embeddings and /pooling go to "idle" (load-aware: the first input is under a
+    block, so no prefix affinity applies), the body arrives byte for byte (dimensions,
     encoding_format, user pass through) and the vectors come back."""
     import asyncio
 

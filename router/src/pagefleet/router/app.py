@@ -65,6 +65,7 @@ from pagefleet.router.pd import (
     signed_headers,
 )
 from pagefleet.router.pods import PodRegistry
+from pagefleet.router.pooling import routed_prompt
 from pagefleet.router.prefix_index import PrefixIndex
 from pagefleet.router.prompt_cache import PromptCache
 from pagefleet.router.routed import (
@@ -239,7 +240,7 @@ class Router:
                 return self.prompt_cache.encode(_routed_part(text), False, block_size)[1]
             text = "".join(f"{m.get('role')}:{_text(m.get('content'))}\n" for m in messages)
         else:
-            prompt = body.get("prompt", "")
+            prompt = routed_prompt(path, body)
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
                 return hash_blocks(prompt[:ROUTING_PREFIX_TOKENS], block_size)
             text = prompt if isinstance(prompt, str) else "".join(map(str, prompt))
@@ -528,9 +529,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def embeddings(request: Request) -> Response:
-    # No `prompt`: no block hashes, so pods are picked on load alone (prefix affinity measured
-    # not worth it for embeddings: docs/benchmarks.md, issue 36).
-    return await proxy(_state(request), "/v1/embeddings", request)
+    return await proxy(_state(request), "/v1/embeddings", request)  # see pooling.py
 
 
 async def pooling(request: Request) -> Response:
