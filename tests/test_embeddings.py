@@ -99,8 +99,8 @@ def test_embeddings_equal_sentence_transformers(case, llms, oracle):
     assert_close(llm.embed(TEXTS, use_tqdm=False), want)
     assert llm.engine.stats().num_preemptions > 0
     tokenizer = llm.get_tokenizer()
-    ids = [{"prompt_token_ids": tokenizer.encode(t)} for t in TEXTS]
-    assert_close(llm.embed(ids, use_tqdm=False), want)
+    ids = [{"prompt_token_ids": tokenizer.encode(t)} for t in TEXTS[1:4]]
+    assert_close(llm.embed(ids, use_tqdm=False), want[1:4])
     assert_close(llm.embed(TEXTS[2], use_tqdm=False), want[2:3])
     hits = llm.engine.stats().prefix_cache_hits
     assert_close(llm.embed(TEXTS[2], use_tqdm=False), want[2:3])

@@ -186,7 +186,7 @@ def test_openapi_fuzz_of_the_pooling_endpoints_never_answers_5xx(http):
 
         @given(case=operation.as_strategy())
         @settings(
-            max_examples=15,
+            max_examples=10,
             deadline=None,
             derandomize=True,
             suppress_health_check=list(HealthCheck),
