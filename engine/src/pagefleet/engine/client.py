@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pagefleet.engine.model.expert_load import ExpertLoadStats
-from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.outputs import PoolingRequestOutput, RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.spec_decode.stats import SpecDecodeStats
 from pagefleet.engine.validation import RequestRules
+
+if TYPE_CHECKING:
+    from pagefleet.engine.pooling.config import PoolingModel
+    from pagefleet.engine.pooling.params import PoolingParams
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,11 @@ class EngineLimits:
     max_num_seqs: int
     enable_prefix_caching: bool
     kv_cache_dtype: str
+    pooling: PoolingModel | None = None  # set on a pooling engine (--runner pooling)
+
+    @property
+    def runner(self) -> str:
+        return "generate" if self.pooling is None else "pooling"
 
     @property
     def max_model_len(self) -> int:
@@ -140,6 +149,11 @@ class EngineClient(Protocol):
     def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]: ...
+
+    def encode(
+        self, prompt: str | list[int], params: PoolingParams, request_id: str
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling engine's request: one output, once its vector is pooled."""
 
     def abort(self, request_id: str) -> None: ...
 

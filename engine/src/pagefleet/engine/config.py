@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagefleet.engine.kv_cache.state_cache import StateConfig
+from pagefleet.engine.pooling.config import CONVERTS, RUNNERS
 from pagefleet.engine.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -90,9 +91,16 @@ class EngineArgs:
     # Hybrid models: prefix-cache state snapshots kept beside the running sequences' state
     # (None: max_num_seqs with prefix caching, else 1); see capacity.num_state_slots.
     num_state_snapshots: int | None = None
+    # Pooling models (pooling/): vLLM's --runner (auto: pooling for a checkpoint that declares
+    # it), --convert (embed: pool a *ForCausalLM's hidden states) and --pooler-config JSON.
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "must be > 0")
+        _require(self.runner in RUNNERS, "runner", self.runner, f"one of {', '.join(RUNNERS)}")
+        _require(self.convert in CONVERTS, "convert", self.convert, f"one of {', '.join(CONVERTS)}")
         self._check_offloading()
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None:

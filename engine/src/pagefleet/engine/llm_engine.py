@@ -115,6 +115,8 @@ class _Group:
 
 
 class LLMEngine:
+    lm_head = True  # the pooling engine (pooling/engine.py) loads its model without one
+
     def __init__(
         self,
         args: EngineArgs,
@@ -450,7 +452,9 @@ class LLMEngine:
         if args.tensor_parallel_size > 1:
             return self._load_parallel_runner()
         start = time.perf_counter()
-        model = load_model(args.model, self.dtype, self.device, self.max_model_len)
+        model = load_model(
+            args.model, self.dtype, self.device, self.max_model_len, lm_head=self.lm_head
+        )
         self._log_weights(model, start)
         self.model_config = model.config
         kv_dtype, kv_scales = self._kv_format()

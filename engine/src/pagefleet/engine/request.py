@@ -51,6 +51,7 @@ class Request:
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "prefill_only",
         "remote_source",
         "request_id",
         "resumed_step",
@@ -75,6 +76,7 @@ class Request:
         block_size: int = 16,
         extra_keys: bytes = b"",
         arrival_time: float = 0.0,
+        prefill_only: bool = False,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -118,6 +120,8 @@ class Request:
         self.state_saves: list[tuple[int, int]] = []
         # Speculative decoding: slots holding the state after each draft verified this step.
         self.state_drafts: list[int] = []
+        # A pooling request (pooling/): it computes its prompt and finishes, sampling nothing.
+        self.prefill_only = prefill_only
         stop = set(sampling_params.stop_token_ids)
         if eos_token_id is not None and not sampling_params.ignore_eos:
             stop.update([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)

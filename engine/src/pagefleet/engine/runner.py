@@ -51,6 +51,9 @@ class StepInputs:
     sample_requests: list[Request]
     # Requests asking for prompt logprobs: (request, first row, first position, rows).
     prompt_logprob_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
+    # Each scheduled request's first row, in batch order: its n rows follow it (all but a
+    # verification's, whose 1 + k single rows may be apart); the pooling runner reads these.
+    first_rows: list[int] = field(default_factory=list)
 
 
 def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
@@ -185,15 +188,21 @@ class ModelRunner:
         `out.samples()`, and prompt logprobs by request id). A request verifying drafts has
         all its 1 + k rows there, one after another, and appears once per row."""
         inputs = self.prepare(out)
+        hidden = self.hidden_states(inputs)
+        rows = torch.tensor(inputs.sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows]) if inputs.sample_rows else hidden[:0]
+        prompt_logprobs = self._prompt_logprobs(hidden, inputs)
+        return logits, inputs.sample_requests, prompt_logprobs
+
+    @torch.inference_mode()
+    def hidden_states(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward pass: final hidden states, one row per input row."""
         hidden = None
         if self.decode_graphs is not None:
             hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         if hidden is None:
             hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
-        rows = torch.tensor(inputs.sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden[rows]) if inputs.sample_rows else hidden[:0]
-        prompt_logprobs = self._prompt_logprobs(hidden, inputs)
-        return logits, inputs.sample_requests, prompt_logprobs
+        return hidden
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         """The model's forward pass, with a hybrid's state moves before and after it."""
@@ -229,6 +238,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         context_lens: list[int] = []
         sample_row_of: list[list[int] | None] = [None] * len(out.scheduled)  # by batch place
+        first_rows = [-1] * len(out.scheduled)
         prompt_rows: list[tuple[Request, int, int, int]] = []
 
         for row, (k, req, pos, token) in enumerate(singles):
@@ -242,6 +252,8 @@ class ModelRunner:
             num_blocks = pos // bs + 1
             tables.append(ids[:num_blocks])
             context_lens.append(pos + 1)
+            if first_rows[k] < 0:
+                first_rows[k] = row
             self._note_rows(req, k, row, pos, 1, sample_row_of, prompt_rows)
 
         prefills: list[PrefillChunk] = []
@@ -258,6 +270,7 @@ class ModelRunner:
             block_ids = torch.tensor(req.block_ids[: (start + n + bs - 1) // bs])
             chunk_slots.append(block_ids[pos // bs] * bs + pos % bs)
             prefills.append(PrefillChunk(row, n, start, block_ids.to(self.device)))
+            first_rows[k] = row
             self._note_rows(req, k, row, start, n, sample_row_of, prompt_rows)
             row += n
         sample_rows = [r for rows in sample_row_of if rows is not None for r in rows]
@@ -298,6 +311,7 @@ class ModelRunner:
             sample_rows=sample_rows,
             sample_requests=sample_requests,
             prompt_logprob_rows=prompt_rows,
+            first_rows=first_rows,
         )
 
     # A group of single rows holds at most this many padded context tokens (about 2.5 MB of

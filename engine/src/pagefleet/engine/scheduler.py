@@ -124,7 +124,10 @@ class Scheduler:
                 f"request hashed with block_size={request.block_size}, "
                 f"engine uses {self.block_size} (--block-size)"
             )
-        self.rules.check(request.all_token_ids, request.sampling_params)
+        if request.prefill_only:
+            self.rules.check_prefill_only(request.all_token_ids)
+        else:
+            self.rules.check(request.all_token_ids, request.sampling_params)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request now and free its blocks; unknown or finished ids are ignored."""
@@ -393,7 +396,7 @@ class Scheduler:
         for req, n in out.scheduled:
             computed = req.num_computed_tokens + n
             tokens = req.all_token_ids
-            samples = computed >= len(tokens)
+            samples = computed >= len(tokens) and not req.prefill_only
             if samples:
                 token = sampled_token_ids[next_token]
                 next_token += 1
@@ -407,6 +410,9 @@ class Scheduler:
             if caching and computed // bs > req.num_cached_blocks:
                 kv.cache_computed_blocks(req)
             if not samples:
+                if req.prefill_only and computed >= len(tokens):  # pooled: done with its prompt
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    finished.append(req)
                 continue  # a prompt chunk: no token yet
             tokens.append(token)
             if self._append_ends(req, token):

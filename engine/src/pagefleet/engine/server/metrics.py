@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagefleet.engine.client import EngineClient, EngineObserver, KVOffloadStats, StepStats
 from pagefleet.engine.model.expert_load import ExpertLoadStats
-from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.outputs import PoolingRequestOutput, RequestOutput
 from pagefleet.engine.server.protocol import KNOWN_IGNORED_FIELDS
 from pagefleet.engine.spec_decode.stats import SpecDecodeStats
 
@@ -389,6 +389,17 @@ class EngineMetrics(EngineObserver):
                     self.decode.observe(end - m.first_token_time)
             for c in output.outputs:
                 self.success.labels(self.model_name, c.finish_reason or "abort").inc()
+
+    def observe_pooled(self, output: PoolingRequestOutput) -> None:
+        """A pooling request's end: its latency end to end, queued and computing its prompt
+        (vLLM's prefill time), and its finish reason."""
+        m = output.metrics
+        end = m.finished_time or time.time()
+        self.e2e.observe(end - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            self.prefill.observe(end - m.first_scheduled_time)
+        self.success.labels(self.model_name, output.finish_reason).inc()
 
     def count_abort(self, n: int) -> None:
         """A request that ended without finishing (the client left)."""

@@ -282,6 +282,25 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         type=int,
     )
     flag(
+        "runner",
+        "generate, or pooling (embeddings: /v1/embeddings and /pooling); auto picks pooling for "
+        "a checkpoint that declares it (sentence-transformers modules.json, or a *Model "
+        "architecture without an LM head)",
+        choices=["auto", "generate", "pooling"],
+    )
+    flag(
+        "convert",
+        "embed: pool a *ForCausalLM checkpoint's hidden states (auto: embed under --runner "
+        "pooling)",
+        choices=["auto", "none", "embed"],
+    )
+    flag(
+        "pooler_config",
+        "how a pooling model pools, over its sentence-transformers files; vLLM's JSON, e.g. "
+        '{"pooling_type": "MEAN", "normalize": false} (pooling_type LAST, MEAN or CLS; '
+        "normalize (or use_activation); dimensions: a default Matryoshka width)",
+    )
+    flag(
         "kv_offloading_backend",
         "the offload tier's implementation (lmcache is not built into pagefleet)",
         choices=["native", "lmcache"],
