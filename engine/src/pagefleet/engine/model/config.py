@@ -33,6 +33,9 @@ class SequenceStateShape:
     def values(self) -> int:
         """Values of one sequence's state over all recurrent layers."""
         return self.num_layers * self.values_per_layer
+
+
+@dataclass(frozen=True)
 class MoESpec:
     """The experts of a mixture-of-experts model (the same in every sparse layer)."""
 
