@@ -577,7 +577,7 @@ def cache_plan(
     state_bytes_per_slot: int = 0,
     weights_format: str = "",
     weights_bytes: int = 0,
-        expert_parallel: bool = False,
+    expert_parallel: bool = False,
 ) -> CapacityPlan:
     """`cache_bytes` (per GPU) for the whole cache: the state slots first, the rest the KV
     pool. The engine sizes its pool with this, and `plan` plans with it."""
