@@ -79,7 +79,9 @@ HYBRID_CASES = {
 # Mixture-of-experts checkpoints, apart from ARCH_CASES (their tests are their own): expert
 # counts the tensor-parallel size 2 does not divide (5 and 3, so expert parallelism places
 # them unevenly), a dense layer among the sparse ones (mlp_only_layers), top-k probabilities
-# renormalised (Mixtral always) or not (Qwen3-MoE's default).
+# renormalised (Mixtral and Qwen3.5-MoE always) or not (Qwen3-MoE's default); Qwen3.5-MoE as
+# published (the multimodal wrapper): hybrid layers, a shared expert of another width than the
+# routed ones, head dims that are not powers of two.
 MOE_CASES = {
     "qwen3_moe": (
         "Qwen3MoeForCausalLM",
@@ -95,6 +97,25 @@ MOE_CASES = {
     "mixtral": (
         "MixtralForCausalLM",
         {"num_local_experts": 3, "num_experts_per_tok": 2, "intermediate_size": 48},
+    ),
+    "qwen3_5_moe": (
+        "Qwen3_5MoeForConditionalGeneration",
+        {
+            "num_layers": 3,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "hidden_size": 48,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 24,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 12,
+            "linear_value_head_dim": 20,
+            "num_experts": 5,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24,
+            "shared_expert_intermediate_size": 20,
+        },
     ),
 }
 

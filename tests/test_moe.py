@@ -1,9 +1,11 @@
 """The mixture-of-experts layer on its own: our block equals HF transformers' block (the oracle)
-for Qwen3-MoE and Mixtral, on a random batch and on batches where every token picks the same
-experts (the others get none); its shards over two ranks (gloo, one thread per rank) sum to
-the one-rank block, with experts split by columns (tensor parallel) or placed whole, unevenly
-(expert parallel, both dispatches); a checkpoint of all-expert tensors loads as per-expert ones
-do; parallel sizes the experts cannot take are refused; the load counters summarise."""
+for Qwen3-MoE, Mixtral and Qwen3.5-MoE (its shared expert and gate), on a random batch and on
+batches where every token picks the same experts (the others get none); its shards over two
+ranks (gloo, one thread per rank) sum to the one-rank block, with experts split by columns
+(tensor parallel) or placed whole, unevenly (expert parallel, both dispatches); a checkpoint of
+all-expert tensors loads as per-expert ones do; Qwen3.5-MoE's checkpoint names (multimodal or
+text-only) reach the hybrid and the MoE parameters; parallel sizes the experts cannot take are
+refused; the load counters summarise."""
 
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ from pagefleet.engine.model.registry import model_config
 
 CPU = torch.device("cpu")
 TOKENS = 7
+CASES = ["qwen3_moe", "mixtral", "qwen3_5_moe"]
+# The decoder layers holding experts in each MOE_CASES checkpoint.
+SPARSE_LAYERS = {"qwen3_moe": [0, 2], "mixtral": [0, 1], "qwen3_5_moe": [0, 1, 2]}
 
 
 def batches(block: SparseMoeBlock, hidden: int) -> dict[str, torch.Tensor]:
@@ -62,16 +67,17 @@ def block_outputs(model) -> dict[tuple[int, str], torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("case", CASES)
 def test_block_equals_hf_including_batches_that_leave_experts_idle(moe_checkpoints, case):
     """Fails for: a router that renormalises when it should not (or not when it should), a
     wrong expert loaded into a slot (w1/w3 swapped, experts out of order), a grouping that
-    drops or double-counts pairs when experts get no token or all of them."""
+    drops or double-counts pairs when experts get no token or all of them, a shared expert
+    missing, ungated or loaded from the wrong tensors."""
     path = moe_checkpoints[case]
     ours = load_model(path, torch.float32, CPU, max_positions=64, prepack=False)
     hf = hf_model(path)
     outputs = block_outputs(ours)
-    assert sparse_layers(ours) == ([0, 2] if case == "qwen3_moe" else [0, 1])
+    assert sparse_layers(ours) == SPARSE_LAYERS[case]
     skew_idle = 0
     with torch.no_grad():
         for (i, name), got in outputs.items():
@@ -121,7 +127,7 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("case", CASES)
 def test_two_ranks_equal_one(moe_checkpoints, case, mode, monkeypatch):
     """Each rank's block output (after the combine) equals the one-rank block's, on every
     batch: catches a wrong column slice of an expert, experts placed on two ranks or none
@@ -280,3 +286,61 @@ def test_quantized_expert_tensors_are_refused_by_name():
     for suffix in ("qweight", "weight_scale", "weight_packed"):
         with pytest.raises(ValueError, match="quantized experts are not supported yet"):
             model.checkpoint_target(f"{name}.{suffix}")
+
+
+@pytest.mark.parametrize(
+    ("prefix", "architecture"),
+    [
+        ("model.language_model.", "Qwen3_5MoeForConditionalGeneration"),
+        ("model.", "Qwen3_5MoeForCausalLM"),
+    ],
+)
+def test_qwen3_5_moe_names_reach_hybrid_and_expert_parameters(prefix, architecture):
+    """Both checkpoint forms of Qwen3.5-MoE: the hybrid's names (fused in_proj, the vision
+    tower skipped) and the experts' (per-expert, all-expert tensors, the shared expert and its
+    gate) map to our parameters; every layer is sparse, the top-k always renormalised, and no
+    dense MLP size is needed."""
+    text = {
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_key_heads": 1,
+        "linear_num_value_heads": 2,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "num_experts": 3,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 8,
+        "shared_expert_intermediate_size": 12,
+    }
+    hf = {"architectures": [architecture]}
+    hf |= {"text_config": text} if "Conditional" in architecture else text
+    cfg = model_config(hf)
+    assert cfg.moe == MoESpec(3, 2, 8, True, (0, 1), 12)
+    assert cfg.kv_layer_indices == (1,) and cfg.state_shape() is not None
+    from pagefleet.engine.model.registry import family_of
+
+    family, _ = family_of(hf)
+    with torch.device("meta"):
+        model = family.build(cfg, 64, None)
+    layer = f"{prefix}layers.0."
+    targets = {
+        "linear_attn.in_proj_z.weight": ("layers.0.linear_attn.in_proj.weight", "z"),
+        "mlp.gate.weight": ("layers.0.mlp.gate.weight", None),
+        "mlp.experts.2.up_proj.weight": ("layers.0.mlp.experts.w13", (2, "up")),
+        "mlp.experts.gate_up_proj": ("layers.0.mlp.experts.w13", (None, ("gate", "up"))),
+        "mlp.shared_expert.up_proj.weight": (
+            "layers.0.mlp.shared_expert.gate_up_proj.weight",
+            "up",
+        ),
+        "mlp.shared_expert_gate.weight": ("layers.0.mlp.shared_expert.gate.weight", None),
+    }
+    for name, want in targets.items():
+        assert model.checkpoint_target(layer + name) == want, name
+    assert model.checkpoint_target("model.visual.blocks.0.attn.qkv.weight") is None
+    params = dict(model.named_parameters())
+    assert all(target in params for target, _ in targets.values())

@@ -431,10 +431,14 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 # A safetensors header larger than this is not a header (the format caps it at 100 MB).
 MAX_SAFETENSORS_HEADER = 100 * 10**6
+# Tensors of a checkpoint the engine does not load (a multimodal checkpoint's vision tower, a
+# multi-token-prediction head): their weights take no GPU memory, so they are not counted.
+UNSERVED_PREFIXES = ("model.visual.", "mtp.")
 
 
 def safetensors_parameters(path: str | Path) -> int | None:
-    """Exact parameter count from a checkpoint dir's safetensors headers (None without any)."""
+    """Exact parameter count of the tensors the engine loads, from a checkpoint dir's
+    safetensors headers (None without any)."""
     files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
     if not files:
         return None
@@ -453,7 +457,7 @@ def _safetensors_file_parameters(file: Path) -> int:
             return sum(
                 math.prod(int(d) for d in entry["shape"])
                 for name, entry in header.items()
-                if name != "__metadata__"
+                if name != "__metadata__" and not name.startswith(UNSERVED_PREFIXES)
             )
         except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
             raise ValueError(f"{file}: not a safetensors header") from None

@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from pagefleet.common.capacity import UNSERVED_PREFIXES
 from pagefleet.engine.model.causal_lm import FUSED_PROJECTIONS, CausalLM
 from pagefleet.engine.model.config import ModelConfig, SequenceStateShape
 from pagefleet.engine.model.gated_deltanet import IN_PROJECTIONS, GatedDeltaNet
@@ -173,9 +174,8 @@ class HybridDecoderLayer(nn.Module):
 
 
 # Multimodal checkpoints keep the language model under this prefix (their vision tower and
-# multi-token-prediction head are not served).
+# multi-token-prediction head, UNSERVED_PREFIXES, are not served).
 TEXT_PREFIX = "model.language_model."
-UNSERVED_PREFIXES = ("model.visual.", "mtp.")
 
 
 class HybridCausalLM(CausalLM):

@@ -28,10 +28,11 @@ MULTIMODAL = "Qwen3_5ForConditionalGeneration"
 ARCHITECTURES = ("Qwen3_5ForCausalLM", MULTIMODAL)
 
 
-def text_config(cfg: dict, arch: str) -> dict:
-    """The language model's config: a multimodal checkpoint's `text_config` (its dtype and
-    token ids filled in from the outer config when only that says them)."""
-    if arch != MULTIMODAL:
+def text_config(cfg: dict, arch: str, multimodal: str = MULTIMODAL) -> dict:
+    """The language model's config: a multimodal checkpoint's (`arch` == `multimodal`)
+    `text_config`, its dtype and token ids filled in from the outer config when only that says
+    them."""
+    if arch != multimodal:
         return cfg
     logger.info("%s: serving its text model (images and video are not supported)", arch)
     text = dict(cfg.get("text_config") or {})
@@ -91,10 +92,14 @@ def config_from_hf(cfg: dict, arch: str) -> HybridConfig:
 
 
 def build_hybrid(
-    cfg: HybridConfig, max_positions: int, tp: TPParts | None, mlp_factory: MLPFactory
+    cfg: HybridConfig,
+    max_positions: int,
+    tp: TPParts | None,
+    mlp_factory: MLPFactory,
+    model_cls: type[HybridCausalLM] = HybridCausalLM,
 ) -> CausalLM:
     layer = functools.partial(HybridDecoderLayer, mlp_factory=mlp_factory)
-    return HybridCausalLM(cfg, max_positions, tp, layer)
+    return model_cls(cfg, max_positions, tp, layer)
 
 
 def build(cfg: HybridConfig, max_positions: int, tp: TPParts | None = None) -> CausalLM:

@@ -20,6 +20,7 @@ FAMILIES = (
     "pagefleet.engine.model.qwen3_5",
     "pagefleet.engine.model.qwen3_moe",
     "pagefleet.engine.model.mixtral",
+    "pagefleet.engine.model.qwen3_5_moe",
 )
 
 

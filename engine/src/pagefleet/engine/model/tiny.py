@@ -36,10 +36,15 @@ ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
 # Multimodal architectures: the language model's config is their text_config, beside a vision
 # tower made as small as the config allows (its weights are written, never served).
-MULTIMODAL = {"Qwen3_5ForConditionalGeneration": "qwen3_5_text"}
+MULTIMODAL = {
+    "Qwen3_5ForConditionalGeneration": "qwen3_5_text",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_text",
+}
 TINY_VISION = {
     "depth": 1,
     "hidden_size": 16,
@@ -127,10 +132,13 @@ def write_tiny_checkpoint(
     config_cls = transformers.AutoConfig.for_model(MULTIMODAL.get(architecture, model_type))
     config_cls = config_cls.__class__
     rope = {"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})}
+    # A config without a dense MLP (Qwen3.5-MoE's: experts in every layer) is not given one.
+    fields = getattr(config_cls, "__dataclass_fields__", None)
+    if fields is None or "intermediate_size" in fields:
+        extra_config["intermediate_size"] = intermediate_size
     config = config_cls(
         vocab_size=vocab,
         hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
