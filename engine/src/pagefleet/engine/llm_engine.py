@@ -36,9 +36,11 @@ from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.detokenizer import Detokenizer
 from pagefleet.engine.kv_sizing import (
     DraftPool,
+    check_holds_one,
     host_memory_bytes,
     kv_pool_blocks,
     kv_pool_plan_of,
+    state_slots_of,
 )
 from pagefleet.engine.model.causal_lm import CausalLM
 from pagefleet.engine.model.loader import (
@@ -60,7 +62,7 @@ from pagefleet.engine.sampler import Sampler
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import Scheduler
 from pagefleet.engine.simulated import SimulatedRunner
-from pagefleet.engine.spec_decode.config import SpeculativeConfig
+from pagefleet.engine.spec_decode.config import SpeculativeConfig, refuse_recurrent_state
 from pagefleet.engine.spec_decode.draft import DraftModelProposer
 from pagefleet.engine.spec_decode.ngram import NgramProposer
 from pagefleet.engine.spec_decode.stats import SpecDecodeCounters
@@ -111,6 +113,8 @@ class _Group:
 
 
 class LLMEngine:
+    lm_head = True  # the pooling engine (pooling/engine.py) loads its model without one
+
     def __init__(
         self,
         args: EngineArgs,
@@ -159,7 +163,7 @@ class LLMEngine:
         num_host_blocks = self.tier_copier.host_blocks.shape[0] if self.tier_copier else 0
         self.scheduler = Scheduler.create(
             args.scheduler_config(self.max_model_len),
-            args.cache_config(num_blocks, num_host_blocks),
+            args.cache_config(num_blocks, num_host_blocks, self.runner.state_config()),
             kv_event_listener,
             self.model_config.vocab_size,
         )
@@ -207,6 +211,7 @@ class LLMEngine:
             kv_transfer=transfer,
             kv_offload=self._offload_stats(),
             spec_decode=self.spec_counters.snapshot() if self.spec_counters else None,
+            expert_load=self.runner.expert_load(),
         )
 
     def _offload_stats(self) -> KVOffloadStats | None:
@@ -306,6 +311,7 @@ class LLMEngine:
                 f"{draft_config.get('max_position_embeddings')} < max_model_len "
                 f"{self.max_model_len}"
             )
+        refuse_recurrent_state(model_config(draft_config), path)
         return load_model(path, self.dtype, self.device, self.max_model_len)
 
     def _draft_pool(self) -> DraftPool | None:
@@ -446,14 +452,17 @@ class LLMEngine:
         if args.tensor_parallel_size > 1:
             return self._load_parallel_runner()
         start = time.perf_counter()
-        model = load_model(args.model, self.dtype, self.device, self.max_model_len)
+        model = load_model(
+            args.model, self.dtype, self.device, self.max_model_len, lm_head=self.lm_head
+        )
         self._log_weights(model, start)
         self.model_config = model.config
         kv_dtype, kv_scales = self._kv_format()
         num_blocks = self._size_kv_pool(model, kv_dtype)
         backend = select_backend(args.attention_backend, self.device)
+        slots = state_slots_of(args, model)
         runner = ModelRunner(
-            model, args.block_size, num_blocks, backend, self.device, kv_dtype, kv_scales
+            model, args.block_size, num_blocks, backend, self.device, kv_dtype, kv_scales, slots
         )
         if self.device.type == "cuda" and not args.enforce_eager:
             runner.capture_decode_graphs(self._max_decode_rows(), self.max_model_len)
@@ -508,7 +517,8 @@ class LLMEngine:
             num_blocks = self._size_kv_pool(model, kv_dtype, group)
             backend = select_backend(args.attention_backend, self.device)
             runner = tp_runner.ParallelModelRunner(
-                model, args.block_size, num_blocks, backend, kv_dtype, group, executor, kv_scales
+                *(model, args.block_size, num_blocks, backend, kv_dtype, group, executor),
+                *(kv_scales, state_slots_of(args, model)),
             )
         except BaseException:
             self._stop_supervision()
@@ -589,16 +599,7 @@ class LLMEngine:
         per_block = kv_bytes_per_block(model, args.block_size, kv_dtype)
         plan = kv_pool_plan_of(args, model, kv_dtype, num_blocks * per_block)
         self._log_kv_size(plan.kv_blocks, plan, model.num_kv_heads)
-        if not plan.holds_one(self.max_model_len):
-            memory_flag = (
-                "--gpu-memory-utilization" if self.device.type == "cuda" else ("--kv-cache-memory")
-            )
-            raise ValueError(
-                f"the KV cache holds {plan.block_tokens} tokens, less than one request of "
-                f"max_model_len={self.max_model_len}: lower --max-model-len, raise {memory_flag} "
-                f"or --num-gpu-blocks-override, or use a smaller --kv-cache-dtype "
-                f"(`pagefleet plan` shows the options)"
-            )
+        check_holds_one(plan, self.max_model_len, self.device)
         return num_blocks
 
     def _log_kv_size(
@@ -816,7 +817,7 @@ class LLMEngine:
             self._tier_copies(out)
         for req in out.kv_loads:
             first = req.num_cached_blocks  # blocks found in our own prefix cache stay
-            blocks = req.block_ids[: req.num_prompt_blocks]
+            blocks = req.transfer_block_ids  # the prompt's (and a hybrid's state's)
             self.connector.start_load(req.request_id, req.remote_source, blocks, first)
         if not out.scheduled:
             if self.scheduler.loading:  # only transfers in flight: wait for one, don't spin
@@ -855,7 +856,7 @@ class LLMEngine:
                 self._advance_grammar(next(s for s in group.sequences if s.request is req), start)
             if req.hold_blocks and req.request_id in self.scheduler.held:
                 group.kv_transfer_params = self.connector.hold(
-                    req.request_id, req.block_ids[: req.num_prompt_blocks], time.monotonic()
+                    req.request_id, req.transfer_block_ids, time.monotonic()
                 )
             touched[group.request_id] = group
         now = time.time()

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pagefleet.engine.config import CacheConfig, SchedulerConfig
 from pagefleet.engine.kv_cache.host_tier import TierLoad
 from pagefleet.engine.kv_cache.manager import KVCacheManager
+from pagefleet.engine.kv_cache.state_cache import StateStep
 from pagefleet.engine.request import Request, RequestStatus
 from pagefleet.engine.validation import RequestRules
 
@@ -53,6 +54,8 @@ class SchedulerOutput:
     # Speculative decoding: request id -> the drafts it verifies this step (its scheduled
     # count is 1 + len(drafts): the last token, then the drafts; see spec_decode/).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Hybrid models: state-slot moves and snapshots the runner makes in this step.
+    state: StateStep | None = None
     num_tokens: int = 0
 
     @property
@@ -105,6 +108,7 @@ class Scheduler:
             cache_config.enable_prefix_caching,
             listener,
             cache_config.num_host_blocks,
+            cache_config.state,
         )
         return cls(scheduler_config, kv, vocab_size)
 
@@ -127,7 +131,10 @@ class Scheduler:
                 f"request hashed with block_size={request.block_size}, "
                 f"engine uses {self.block_size} (--block-size)"
             )
-        self.rules.check(request.all_token_ids, request.sampling_params)
+        if request.prefill_only:
+            self.rules.check_prefill_only(request.all_token_ids)
+        else:
+            self.rules.check(request.all_token_ids, request.sampling_params)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request now and free its blocks; unknown or finished ids are ignored."""
@@ -171,6 +178,7 @@ class Scheduler:
         if req.status.finished:  # aborted while loading
             self.kv_cache.free(req)
             return req
+        self.kv_cache.state_arrived(req, ok)
         if ok:
             req.num_computed_tokens = max(req.num_computed_tokens, req.num_tokens - 1)
             if self.kv_cache.enable_prefix_caching:
@@ -203,6 +211,7 @@ class Scheduler:
             return None
         self.requests.pop(request_id, None)
         req.status = RequestStatus.FINISHED_ABORTED
+        self.kv_cache.drop_state(req)  # NIXL writes blocks, never state slots
         self.quarantined.append(req)
         return req
 
@@ -216,7 +225,7 @@ class Scheduler:
 
     @property
     def num_held_blocks(self) -> int:
-        return sum(len(r.block_ids) for r in self.held.values())
+        return sum(len(r.block_ids) + len(r.state_block_ids) for r in self.held.values())
 
     @property
     def num_running(self) -> int:
@@ -254,7 +263,7 @@ class Scheduler:
                 # another request a preemption; without room the request decodes plainly.
                 k = self._num_drafts(req, budget)
                 if k and self.kv_cache.allocate_slots(req, 1 + k):
-                    n += k
+                    n += self.kv_cache.reserve_draft_states(req, k)
             # The inline test is the fast path: the last block has room (most decode steps).
             if computed + n > len(req.block_ids) * bs and not self._allocate_or_preempt(
                 req, i, n, out
@@ -272,6 +281,8 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit(out, budget, chunk_cap, num_partial)
         out.num_tokens = cfg.max_num_batched_tokens - budget
+        if scheduled:  # a step nothing runs in moves no state: its moves wait for one that does
+            out.state = self.kv_cache.take_state_step(scheduled)
         tier = self.kv_cache.host_tier
         if tier is not None:
             out.tier_stores = tier.take_stores()
@@ -396,7 +407,7 @@ class Scheduler:
         for req, n in out.scheduled:
             computed = req.num_computed_tokens + n
             tokens = req.all_token_ids
-            samples = computed >= len(tokens)
+            samples = computed >= len(tokens) and not req.prefill_only
             if samples:
                 token = sampled_token_ids[next_token]
                 next_token += 1
@@ -410,14 +421,20 @@ class Scheduler:
             if caching and computed // bs > req.num_cached_blocks:
                 kv.cache_computed_blocks(req)
             if not samples:
+                if req.prefill_only and computed >= len(tokens):  # pooled: done with its prompt
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    finished.append(req)
                 continue  # a prompt chunk: no token yet
             tokens.append(token)
             if self._append_ends(req, token):
                 finished.append(req)
+        if out.state is not None:
+            kv.state_step_done()
         if finished:
             for req in finished:
                 if req.hold_blocks:
                     self.held[req.request_id] = req
+                    kv.drop_state(req)  # its state went into its transport blocks
                 else:
                     kv.free(req)
                 del self.requests[req.request_id]
@@ -445,6 +462,7 @@ class Scheduler:
         ended the request. KV is valid for every input row whose token was kept, so all
         tokens but the new last one count as computed; blocks past them are given back."""
         ended = False
+        start = req.num_computed_tokens
         for token in emitted:
             req.all_token_ids.append(token)
             if self._append_ends(req, token):
@@ -452,6 +470,7 @@ class Scheduler:
                 break
         req.num_computed_tokens = len(req.all_token_ids) - 1
         kv = self.kv_cache
+        kv.state_verified(req, req.num_computed_tokens - start - 1)
         if kv.enable_prefix_caching and req.num_computed_tokens // self.block_size > (
             req.num_cached_blocks
         ):

@@ -102,6 +102,8 @@ def build_router_app(router: Router, client: httpx.AsyncClient | None = None) ->
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
+    app.add_api_route("/pooling", pooling, methods=["POST"])
     declare_bodies(app)
     return app
 
@@ -207,6 +209,14 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     return await proxy(_state(request), "/v1/chat/completions", request)
+
+
+async def embeddings(request: Request) -> Response:
+    return await proxy(_state(request), "/v1/embeddings", request)  # see pooling.py
+
+
+async def pooling(request: Request) -> Response:
+    return await proxy(_state(request), "/pooling", request)
 
 
 async def _on_tokenizing_thread(state: AppState, fn, *args):

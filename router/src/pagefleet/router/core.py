@@ -38,6 +38,7 @@ from pagefleet.router.pd import (
     signed_headers,
 )
 from pagefleet.router.pods import PodRegistry
+from pagefleet.router.pooling import routed_prompt
 from pagefleet.router.prefix_index import PrefixIndex
 from pagefleet.router.prompt_cache import PromptCache
 from pagefleet.router.routed import (
@@ -210,7 +211,7 @@ class Router:
                 return self.prompt_cache.encode(_routed_part(text), False, block_size)[1]
             text = "".join(f"{m.get('role')}:{_text(m.get('content'))}\n" for m in messages)
         else:
-            prompt = body.get("prompt", "")
+            prompt = routed_prompt(path, body)
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
                 return hash_blocks(prompt[:ROUTING_PREFIX_TOKENS], block_size)
             text = prompt if isinstance(prompt, str) else "".join(map(str, prompt))

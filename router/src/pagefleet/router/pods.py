@@ -152,6 +152,7 @@ class PodRegistry:
         if cache:
             blocks = int(float(cache.get("num_gpu_blocks", 0) or 0))
             st.block_size = int(float(cache.get("block_size", 16) or 16))
+            pod.caches_prefixes = cache.get("enable_prefix_caching", "True") != "False"
             if blocks and blocks != pod.num_gpu_blocks:
                 pod.num_gpu_blocks = blocks
                 if self.on_capacity:

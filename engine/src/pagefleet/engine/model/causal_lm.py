@@ -64,8 +64,13 @@ class CausalLM(nn.Module):
         return RotaryEmbedding(cfg.head_dim, self.max_positions, cfg.rope)
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def drop_lm_head(self) -> None:
+        """A pooling model (pooling/) reads the final hidden states: it has no LM head to hold,
+        and skips one its checkpoint carries."""
+        self.lm_head = None
 
     def materialize(self, device: torch.device) -> None:
         """After the parameters left the meta device: re-tie the embeddings and compute the
@@ -103,7 +108,7 @@ class CausalLM(nn.Module):
         if name.endswith("rotary_emb.inv_freq"):
             return None
         name = name.removeprefix("model.")
-        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+        if name == "lm_head.weight" and (self.config.tie_word_embeddings or self.lm_head is None):
             return None
         for theirs, (ours, part) in self.fused_projections.items():
             if f".{theirs}." in name:

@@ -52,13 +52,21 @@ def kv_cache_format(
 
 
 def build_model(
-    hf_config: dict, dtype: torch.dtype, device: torch.device, max_positions: int, tp=None
+    hf_config: dict,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    tp=None,
+    lm_head: bool = True,
 ) -> CausalLM:
-    """The family's model for this config, materialised (uninitialised) on `device`."""
+    """The family's model for this config, materialised (uninitialised) on `device`; without
+    its LM head for a pooling engine (`lm_head` False)."""
     family, arch = family_of(hf_config)
     cfg = family.config_from_hf(hf_config, arch)
     with torch.device("meta"):
         model = family.build(cfg, max_positions, tp)
+    if not lm_head:
+        model.drop_lm_head()
     model = model.to_empty(device=device).to(dtype)
     model.materialize(device)
     return model
@@ -71,11 +79,13 @@ def load_model(
     max_positions: int,
     tp: TPParts | None = None,
     prepack: bool = True,
+    lm_head: bool = True,
 ) -> CausalLM:
     """The model (or with `tp`, this rank's shard of it) on `device`, in `dtype`; on a float32
     CPU model the linear layers then run on oneDNN-prepacked weights (model/packed.py) unless
-    `prepack` is False (the benchmarks' and tests' unpacked reference)."""
-    model = build_model(read_config(path), dtype, device, max_positions, tp)
+    `prepack` is False (the benchmarks' and tests' unpacked reference). A pooling engine loads
+    it without the LM head (`lm_head` False)."""
+    model = build_model(read_config(path), dtype, device, max_positions, tp, lm_head)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaders = param_loaders(model)
     arrived: dict[str, set] = {}
@@ -88,8 +98,8 @@ def load_model(
         name, part = target
         if name not in loaders:
             raise ValueError(f"unexpected weight {source.name!r} in checkpoint {path}")
-        loaders[name].load(params[name], source, part)
-        arrived.setdefault(name, set()).add(part)
+        filled = loaders[name].load(params[name], source, part)
+        arrived.setdefault(name, set()).update({part} if filled is None else filled)
     _check_complete(model, loaders, arrived, path)
     if prepack and prepack_supported(device, dtype):
         model.prepack()

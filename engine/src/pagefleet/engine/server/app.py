@@ -43,6 +43,7 @@ from pagefleet.engine.server.fleet_fields import check_fleet_fields
 from pagefleet.engine.server.limits import RequestLimits, Tokenization, max_token_bytes
 from pagefleet.engine.server.metrics import EngineMetrics
 from pagefleet.engine.server.protocol import (
+    MAX_EMBEDDING_INPUTS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -102,7 +103,9 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     for exc_class, handler in _EXCEPTION_HANDLERS:
         app.add_exception_handler(exc_class, handler)
     app.middleware("http")(_auth_and_ids)
-    for method, path, endpoint in _ROUTES:
+    from pagefleet.engine.server.embeddings import serving_routes  # it imports this module
+
+    for method, path, endpoint in serving_routes(_ROUTES, engine.limits.runner):
         app.add_api_route(path, endpoint, methods=[method])
     return app
 
@@ -112,7 +115,7 @@ def server_state(engine: EngineClient, config: ServerConfig) -> ServerState:
     request_limits = RequestLimits(
         limits.max_model_len,
         max_token_bytes(engine.tokenizer),
-        config.max_sequences_per_request or limits.max_num_seqs,
+        config.max_sequences_per_request or _default_max_sequences(limits),
         config.max_waiting_requests,
     )
     return ServerState(
@@ -123,6 +126,12 @@ def server_state(engine: EngineClient, config: ServerConfig) -> ServerState:
         limits=request_limits,
         metrics=EngineMetrics(engine, config.served_model_name),
     )
+
+
+def _default_max_sequences(limits) -> int:
+    """Per request: as many sequences as run at once; a pooling engine queues its inputs, up
+    to OpenAI's limit on one embeddings request."""
+    return MAX_EMBEDDING_INPUTS if limits.pooling is not None else limits.max_num_seqs
 
 
 def _state(request: Request) -> ServerState:
