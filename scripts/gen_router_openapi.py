@@ -17,13 +17,22 @@ ROUTER_ONLY = ("kv_transfer_params",)  # the router refuses it from clients (403
 
 
 def bodies() -> dict:
-    """Component schemas: CompletionRequest, ChatCompletionRequest and what they refer to."""
+    """Component schemas: CompletionRequest, ChatCompletionRequest, EmbeddingRequest (the
+    body of /v1/embeddings and /pooling) and what they refer to."""
     from pydantic.json_schema import models_json_schema
 
-    from pagefleet.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+    from pagefleet.engine.server.protocol import (
+        ChatCompletionRequest,
+        CompletionRequest,
+        EmbeddingRequest,
+    )
 
     _, schemas = models_json_schema(
-        [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+        [
+            (CompletionRequest, "validation"),
+            (ChatCompletionRequest, "validation"),
+            (EmbeddingRequest, "validation"),
+        ],
         ref_template="#/components/schemas/{model}",
     )
     components = schemas["$defs"]

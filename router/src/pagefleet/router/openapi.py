@@ -1,9 +1,9 @@
 """The router's OpenAPI document, with the request bodies it accepts declared: the engine's own
-schemas for /v1/completions and /v1/chat/completions, less the fields only the router may set.
-They come from openapi_bodies.json, which scripts/gen_router_openapi.py generates from
-engine/server/protocol.py (the router never imports the engine; a test fails when the copy
-drifts). The router forwards a body as sent and engines validate it in full: the declaration is
-for clients and fuzzers, not a second validation.
+schemas for /v1/completions, /v1/chat/completions, /v1/embeddings and /pooling, less the fields
+only the router may set. They come from openapi_bodies.json, which scripts/gen_router_openapi.py
+generates from engine/server/protocol.py (the router never imports the engine; a test fails
+when the copy drifts). The router forwards a body as sent and engines validate it in full: the
+declaration is for clients and fuzzers, not a second validation.
 """
 
 from __future__ import annotations
@@ -14,7 +14,12 @@ from importlib.resources import files
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-BODIES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest"}
+BODIES = {
+    "/v1/completions": "CompletionRequest",
+    "/v1/chat/completions": "ChatCompletionRequest",
+    "/v1/embeddings": "EmbeddingRequest",
+    "/pooling": "EmbeddingRequest",
+}
 
 
 def body_schemas() -> dict:
