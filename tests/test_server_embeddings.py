@@ -215,7 +215,7 @@ def test_the_router_sends_embeddings_to_the_least_loaded_engine_fields_intact(ht
     registry = PodRegistry()
     registry.set_pods([Pod("busy", "http://busy"), Pod("idle", "http://idle")])
     for status in registry.status.values():
-        status.scraped_at = 0.0
+        status.scraped_at, status.ready = 0.0, True  # as after a good scrape
     registry.status["busy"].pod.waiting = 5.0
     pipeline = Pipeline.from_config({"scorers": {"prefix": 2.0, "queue": 1.0}})
     router = Router(
