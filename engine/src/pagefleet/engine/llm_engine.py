@@ -447,7 +447,9 @@ class LLMEngine:
         if args.tensor_parallel_size > 1:
             return self._load_parallel_runner()
         start = time.perf_counter()
-        model = load_model(args.model, self.dtype, self.device, self.max_model_len)
+        model = load_model(
+            args.model, self.dtype, self.device, self.max_model_len, quantization=args.quantization
+        )
         self._log_weights(model, start)
         self.model_config = model.config
         kv_dtype, kv_scales = self._kv_format()

@@ -128,7 +128,10 @@ def load_shard(job: ShardJob, group: RankGroup) -> CausalLM:
     cfg = model_config(read_config(job.args.model))
     tp = TPParts(TPLayout.of(cfg, group.rank, group.size), group)
     dtype = resolve_dtype(job.args.dtype, group.device)
-    return load_model(job.args.model, dtype, group.device, job.max_model_len, tp)
+    args = job.args
+    return load_model(
+        args.model, dtype, group.device, job.max_model_len, tp, quantization=args.quantization
+    )
 
 
 class ParallelModelRunner(ModelRunner):

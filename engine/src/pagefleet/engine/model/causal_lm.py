@@ -121,6 +121,19 @@ class CausalLM(nn.Module):
                 return name.replace(theirs, ours), part
         return name, None
 
+    def checkpoint_modules(self, name: str, parts: list[Hashable]) -> list[str]:
+        """The checkpoint's module names (HF's: `model.layers.0.self_attn.q_proj`) whose
+        weights load into our module `name`, one per fused part (the inverse of
+        `checkpoint_target`; quantization configs name layers so)."""
+        found = []
+        for part in parts:
+            theirs = name
+            for checkpoint, (ours, ours_part) in self.fused_projections.items():
+                if ours_part == part and name.endswith("." + ours):
+                    theirs = name[: -len(ours)] + checkpoint
+            found.append(theirs if theirs == "lm_head" else "model." + theirs)
+        return found
+
     @property
     def num_kv_heads(self) -> int:
         """KV heads this model (or rank) keeps in its pool."""

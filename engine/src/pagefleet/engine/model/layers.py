@@ -73,7 +73,8 @@ def output_linear(
     if tp is None:
         return Linear(LinearSpec(in_features, {None: out_features}, bias=bias), method)
     cols = Slice(1, tp.layout.rank * in_features, in_features)
-    spec = LinearSpec(in_features, {None: out_features}, cols=cols, bias=bias)
+    full = in_features * tp.layout.size
+    spec = LinearSpec(in_features, {None: out_features}, cols=cols, bias=bias, in_full=full)
     return RowParallelLinear(spec, tp.group, method)
 
 

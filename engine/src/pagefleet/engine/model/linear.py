@@ -60,13 +60,19 @@ class LinearSpec:
     (a plain linear has one part, None). `rows[part]`: the slice of that projection's
     checkpoint rows this rank reads (None: all of them); a slice shorter than the part's rows
     leaves the rest zero (the padding of the last vocabulary shard). `cols`: the slice of the
-    checkpoint's input columns this rank reads (a row-parallel shard), or None."""
+    checkpoint's input columns this rank reads (a row-parallel shard), or None; `in_full`: the
+    checkpoint's input columns (None: `in_features`, the layer is not split by columns)."""
 
     in_features: int
     parts: dict[Hashable, int]
     rows: dict[Hashable, Slice | None] = field(default_factory=dict)
     cols: Slice | None = None
     bias: bool = False
+    in_full: int | None = None
+
+    @property
+    def full_in_features(self) -> int:
+        return self.in_features if self.in_full is None else self.in_full
 
     @property
     def out_features(self) -> int:
@@ -212,7 +218,7 @@ class Linear(nn.Module):
         for name in list(self._buffers):
             delattr(self, name)
         loaders = self.__dict__.setdefault("weight_loaders", {})
-        for name in [n for n in loaders if n != "bias"]:
+        for name in [n for n in loaders if n != "bias" or self.bias is None]:
             del loaders[name]
         self.method = method
         method.create_weights(self, dtype)
@@ -287,8 +293,12 @@ def set_methods(model: nn.Module, choose: MethodChooser, dtype: torch.dtype) -> 
     for name, module in model.named_modules():
         if isinstance(module, Linear):
             method = choose(name, module)
-            if method is not None and method is not module.method:
+            if method is None or method is module.method:
+                continue
+            try:
                 module.use_method(method, dtype)
+            except ValueError as e:
+                raise ValueError(f"{name} ({method.name}): {e}") from e
 
 
 def process_weights(model: nn.Module, prepack: bool) -> None:
