@@ -104,14 +104,13 @@ def rows_loader(spec: LinearSpec, read: PartReader) -> WeightLoader:
         if part not in offsets:
             raise ValueError(f"{source.name}: no part {part!r} in this layer")
         dest = param.data.narrow(0, offsets[part], spec.parts[part])
-        tensor = read(source, part)
-        rows = tensor.shape[0]
-        if rows < dest.shape[0]:
+        piece = spec.part_rows(part)
+        if piece is not None and piece.length < dest.shape[0]:  # the vocabulary's padding
             with torch.no_grad():
-                dest[rows:].zero_()
-            dest = dest[:rows]
+                dest[piece.length :].zero_()
+            dest = dest[: piece.length]
         what = source.name if part is None else f"{source.name} (part {part})"
-        copy_checked(dest, tensor, what)
+        copy_checked(dest, read(source, part), what)
 
     return load
 
