@@ -342,3 +342,28 @@ def test_weight_bytes_count_what_the_kernels_hold(written, tiny_checkpoints):
     assert weight_bytes(packed) == params + head  # the tied head's oneDNN copy
     int4 = load_model(written["awq-int4-g32"].quantized, torch.float32, CPU, 64)
     assert weight_bytes(int4) < weight_bytes(packed) - 0.7 * _linear_bytes(packed)
+
+
+@pytest.mark.parametrize("name", ["float", "gptq-int4-g32-actorder", "ct-fp8-channel-dynamic"])
+def test_plan_weighs_the_checkpoint_as_the_engine_loads_it(written, tiny_checkpoints, name):
+    """`pagefleet plan CHECKPOINT` (no --weights) names the format the engine loads and
+    weighs it as stored, within the kernels' own scale layouts of the engine's count (no
+    oneDNN copy of a tied head: what a GPU engine holds)."""
+    from pagefleet.common.capacity import model_shape
+    from pagefleet.common.cli import build_parser
+    from pagefleet.common.plan_command import plan_report
+
+    path = tiny_checkpoints["qwen2"] if name == "float" else written[name].quantized
+    args = build_parser().parse_args(["plan", path, "--gpu", "L4"])
+    (row,) = plan_report(args, model_shape(path))["plans"]
+    engine = load_model(path, torch.float32, CPU, 64, prepack=False)
+    assert (
+        row["weights_format"]
+        == engine.weights_format
+        == {
+            "float": "float32",
+            "gptq-int4-g32-actorder": "int4",
+            "ct-fp8-channel-dynamic": "fp8",
+        }[name]
+    )
+    assert row["weights_bytes"] == pytest.approx(weight_bytes(engine), rel=0.1)

@@ -18,6 +18,7 @@ from pagefleet.common.capacity import CapacityPlan, kv_pool_plan
 from pagefleet.engine.attention.backend import select_backend
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.model.causal_lm import CausalLM
+from pagefleet.engine.model.linear import weight_bytes
 from pagefleet.engine.request import Request
 from pagefleet.engine.runner import ModelRunner, kv_bytes_per_token
 from pagefleet.engine.sampling_params import SamplingParams
@@ -94,13 +95,15 @@ def kv_pool_plan_of(
     args: EngineArgs, model: CausalLM, kv_dtype: torch.dtype, kv_bytes: int
 ) -> CapacityPlan:
     """This rank's pool of `kv_bytes` as the capacity module sees it (tokens, blocks, bytes per
-    token and per block, sequences at a context)."""
+    token and per block, sequences at a context), with this rank's weights as loaded."""
     return kv_pool_plan(
         kv_bytes_per_token(model, kv_dtype),
         kv_bytes,
         kv_format=str(kv_dtype).removeprefix("torch."),
         block_size=args.block_size,
         tensor_parallel_size=args.tensor_parallel_size,
+        weights_format=model.weights_format,
+        weights_bytes=weight_bytes(model),
     )
 
 

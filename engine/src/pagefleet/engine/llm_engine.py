@@ -563,9 +563,10 @@ class LLMEngine:
         weight_bytes = model_weight_bytes(model)
         tp = self.args.tensor_parallel_size
         logger.info(
-            "Loading weights took %.2f s; model weights take %.2f GiB%s",
+            "Loading weights took %.2f s; model weights take %.2f GiB (%s)%s",
             time.perf_counter() - start,
             weight_bytes / GiB,
+            model.weights_format,
             f" per rank (tensor-parallel size {tp})" if tp > 1 else "",
         )
 

@@ -52,6 +52,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
+        # The weights' format as capacity names it (float32, int4, fp8...; set by the loader).
+        self.weights_format = ""
         self.max_positions = max_positions
         self.embed_tokens = embedding(cfg, tp)
         self.layers = nn.ModuleList(make_layer(cfg, i, tp) for i in range(cfg.num_layers))

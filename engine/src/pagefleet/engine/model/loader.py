@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from pagefleet.common.weight_formats import online_weights_format, quantized_weights_format
 from pagefleet.engine.kv_cache.fp8 import (
     FP8_KV_DTYPE,
     LayerScales,
@@ -99,6 +100,11 @@ def load_model(
     hf_config = read_config(path)
     quant = resolve_quantization(quantization, hf_config, path)
     model = build_model(hf_config, dtype, device, max_positions, tp, quant)
+    model.weights_format = (
+        quantized_weights_format(hf_config)
+        or online_weights_format(quantization)
+        or str(dtype).removeprefix("torch.")
+    )
     params = dict(model.named_parameters(remove_duplicate=False))
     loaders = param_loaders(model)
     arrived: dict[str, set] = {}
