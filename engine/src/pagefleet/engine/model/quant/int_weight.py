@@ -63,7 +63,8 @@ class IntWeight:
                     size,
                     None,
                 )
-        groups = self.group_index()
+        device = self.codes.device
+        groups = self.group_index().cpu()  # the rearrangement is worked out on the host
         order = torch.argsort(groups, stable=True)
         counts = torch.bincount(groups, minlength=self.scales.shape[1])
         # The largest size every group's run divides needs no padding (one rank's act-order
@@ -78,6 +79,7 @@ class IntWeight:
             n, at = int(counts[g]), int(starts[g])
             index[at : at + n] = order[int(first[g]) : int(first[g]) + n]
         chunk_group = torch.repeat_interleave(torch.arange(len(counts)), padded // size)
+        index, chunk_group = index.to(device), chunk_group.to(device)
         codes = unpack_codes(self.codes, self.bits)
         codes = F.pad(codes, (0, 1))[:, index]  # padding columns meet zero inputs
         return GroupedInt(

@@ -35,8 +35,6 @@ class TritonIntKernel:
     def __init__(self, weight: IntWeight) -> None:
         sizes = (weight.group_size, 16) if weight.g_idx is not None else (weight.group_size,)
         self.grouped = weight.contiguous_groups(sizes)
-        if self.grouped.index is not None:
-            self.grouped.index = self.grouped.index.to(weight.codes.device)
         self.out_features = weight.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

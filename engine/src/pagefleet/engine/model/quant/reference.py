@@ -75,18 +75,16 @@ def quantize_int(w: torch.Tensor, spec: Spec) -> IntCodes:
         groups = torch.arange(cols) // gs
     n_groups = cols // gs
     top = (1 << spec.bits) - 1
-    scales = torch.empty(out, n_groups)
-    zeros = torch.empty(out, n_groups, dtype=torch.int32)
-    for g in range(n_groups):
-        block = w[:, groups == g].float()
-        if spec.symmetric:
-            s = block.abs().amax(1) / ((top - 1) / 2)
-            z = torch.full((out,), (top + 1) // 2, dtype=torch.int32)
-        else:
-            lo, hi = block.amin(1).clamp(max=0), block.amax(1).clamp(min=0)
-            s = (hi - lo) / top
-            z = torch.round(-lo / s.clamp(min=1e-12)).clamp(0, top).to(torch.int32)
-        scales[:, g], zeros[:, g] = s.clamp(min=1e-12), z
+    order = torch.argsort(groups, stable=True)  # each group's columns side by side
+    blocks = w[:, order].float().reshape(out, n_groups, gs)
+    if spec.symmetric:
+        scales = blocks.abs().amax(2) / ((top - 1) / 2)
+        zeros = torch.full((out, n_groups), (top + 1) // 2, dtype=torch.int32)
+    else:
+        lo, hi = blocks.amin(2).clamp(max=0), blocks.amax(2).clamp(min=0)
+        scales = (hi - lo) / top
+        zeros = torch.round(-lo / scales.clamp(min=1e-12)).clamp(0, top).to(torch.int32)
+    scales = scales.clamp(min=1e-12)
     codes = torch.round(w.float() / scales[:, groups]) + zeros[:, groups]
     return IntCodes(codes.clamp(0, top).to(torch.uint8), scales, zeros, g_idx, gs)
 
