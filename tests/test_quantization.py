@@ -80,19 +80,45 @@ def _linear_bytes(model) -> int:
     )
 
 
+class ExactKernel:
+    """A stand-in for the kernels: x times the loaded weight, dequantized, in float32 (the
+    kernels' own precision is tests/test_quant_kernels.py's subject)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = x @ self.weight.t()
+        return y if bias is None else y + bias
+
+
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_each_format_generates_as_its_dequantized_oracle(written, tiny_checkpoints, name):
-    """One engine per format: its greedy tokens are the oracle's up to near-ties, and its
-    decoder linears hold the format's bytes, not float32's."""
-    llm = LLM(written[name].quantized, num_gpu_blocks_override=64, max_model_len=128)
-    prompts = _prompts()
-    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    # W8A8 quantizes activations as part of the scheme (the oracle does not): wider ties.
-    w8a8 = FORMATS[name].kind in ("ct-fp8", "ct-int8", "fp8")
-    assert_top1_agrees(
-        written[name].oracle, torch.float32, prompts, outputs, 0.9, W8A8_GAP if w8a8 else 0.05
+def test_each_format_loads_its_oracles_weights(written, tiny_checkpoints, name, monkeypatch):
+    """Every linear of a decoder layer, loaded as stored (codes, scales, zero points,
+    act-order, per-tensor scales of fused parts), is the dequantized oracle's projection,
+    exactly; with the real kernels it holds the format's bytes, not float32's."""
+    from hf_reference import hf_model
+    from pagefleet.engine.model.quant import kernels
+
+    monkeypatch.setattr(kernels, "int_kernel", lambda w: ExactKernel(w.dequantize()))
+    monkeypatch.setattr(
+        kernels, "scaled8_kernel", lambda w, s, i: ExactKernel(w.float() * s[:, None])
     )
-    model = llm.engine.runner.model
+    model = load_model(written[name].quantized, torch.float32, CPU, 64)
+    hf = hf_model(written[name].oracle).model.layers[1]
+    attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, model.config.hidden_size, generator=gen)
+    mid = torch.randn(5, model.config.intermediate_size, generator=gen)
+    heads = torch.randn(5, attn.q_size, generator=gen)
+    with torch.no_grad():
+        qkv = [hf.self_attn.q_proj(x), hf.self_attn.k_proj(x), hf.self_attn.v_proj(x)]
+        assert_close(attn.qkv_proj(x), torch.cat(qkv, -1))
+        assert_close(attn.o_proj(heads), hf.self_attn.o_proj(heads))
+        assert_close(mlp.gate_up_proj(x), torch.cat([hf.mlp.gate_proj(x), hf.mlp.up_proj(x)], -1))
+        assert_close(mlp.down_proj(mid), hf.mlp.down_proj(mid))
+    monkeypatch.undo()
+    model = load_model(written[name].quantized, torch.float32, CPU, 64)
     assert all(
         not isinstance(layer.method, FloatLinearMethod)
         for n, layer in model.named_modules()
@@ -103,6 +129,29 @@ def test_each_format_generates_as_its_dequantized_oracle(written, tiny_checkpoin
     spec = FORMATS[name]
     bound = 0.2 if spec.bits == 4 and spec.kind in ("ct-int", "gptq", "awq") else 0.32
     assert _linear_bytes(model) <= bound * float_bytes
+
+
+# One engine per family of kernels (the other formats share their paths past the loader).
+ENGINE_FORMATS = [
+    "ct-w4a16-g32-asym-actorder",
+    "ct-fp8-tensor-static",
+    "ct-int8-channel-dynamic",
+    "gptq-int8-g32-sym",
+    "awq-int4-g32",
+]
+
+
+@pytest.mark.parametrize("name", ENGINE_FORMATS)
+def test_greedy_output_is_the_oracles_up_to_near_ties(written, name):
+    """The engine on the quantized checkpoint: greedy tokens HF on the oracle, fed them,
+    picks as its top-1 or within a near-tie of it."""
+    llm = LLM(written[name].quantized, num_gpu_blocks_override=64, max_model_len=128)
+    prompts = _prompts()
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    # W8A8 quantizes activations as part of the scheme (the oracle does not): wider ties.
+    w8a8 = FORMATS[name].kind in ("ct-fp8", "ct-int8", "fp8")
+    gap = W8A8_GAP if w8a8 else 0.05
+    assert_top1_agrees(written[name].oracle, torch.float32, prompts, outputs, 0.9, gap)
 
 
 def test_online_fp8_quantizes_a_float_checkpoint_at_load(written, tiny_checkpoints):

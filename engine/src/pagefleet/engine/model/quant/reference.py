@@ -256,6 +256,8 @@ def write_quantized(
         prefix = name.removesuffix(".weight")
         if spec.kind in ("ct-int", "gptq", "awq"):
             q = quantize_int(w, spec)
+            if spec.kind in ("gptq", "awq"):  # they store float16 scales: the oracle too
+                q.scales = q.scales.half().float()
             stored.update(_int_tensors(prefix, q, spec))
             dequantized[name] = q.dequantize().to(w.dtype)
             continue
