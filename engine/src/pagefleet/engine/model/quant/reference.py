@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from pagefleet.engine.model.quant.compressed_tensors import matches
 from pagefleet.engine.model.quant.packing import AWQ_ORDER, pack_int32
 
 LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
@@ -39,6 +40,8 @@ class Spec:
     per_channel: bool = True  # 8-bit W8A8: scale per row (else per tensor)
     static: bool = False  # W8A8: static per-tensor input scales
     seed: int = 0
+    # compressed-tensors: module patterns (its `ignore` entries) left float
+    ignore: tuple[str, ...] = ()
 
 
 @dataclass
@@ -206,7 +209,7 @@ def _ct_config(spec: Spec) -> dict:
                 "format": fmt,
             }
         },
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", *spec.ignore],
         "kv_cache_scheme": None,
     }
 
@@ -254,6 +257,9 @@ def write_quantized(
             stored[name] = dequantized[name] = w
             continue
         prefix = name.removesuffix(".weight")
+        if any(matches(pattern, prefix) for pattern in spec.ignore):
+            stored[name] = dequantized[name] = w
+            continue
         if spec.kind in ("ct-int", "gptq", "awq"):
             q = quantize_int(w, spec)
             if spec.kind in ("gptq", "awq"):  # they store float16 scales: the oracle too
