@@ -69,6 +69,12 @@ def written(tiny_checkpoints, tmp_path_factory) -> dict[str, Written]:
     return out
 
 
+@pytest.fixture(scope="module")
+def float_linear_bytes(tiny_checkpoints) -> int:
+    """What the float checkpoint's decoder linears take in the engine."""
+    return _linear_bytes(load_model(tiny_checkpoints["qwen2"], torch.float32, CPU, 64))
+
+
 def _prompts() -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(5, 500) for _ in range(n)] for n in (3, 17, 33, 9)]
@@ -95,7 +101,7 @@ class ExactKernel:
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_each_format_loads_its_oracles_weights(written, tiny_checkpoints, name, monkeypatch):
+def test_each_format_loads_its_oracles_weights(written, float_linear_bytes, name, monkeypatch):
     """Every linear of a decoder layer, loaded as stored (codes, scales, zero points,
     act-order, per-tensor scales of fused parts), is the dequantized oracle's projection,
     exactly; with the real kernels it holds the format's bytes, not float32's."""
@@ -128,7 +134,7 @@ def test_each_format_loads_its_oracles_weights(written, tiny_checkpoints, name, 
         if isinstance(layer.method, FloatLinearMethod)
     }
     assert float_layers == ({"mlp.down_proj"} if FORMATS[name].ignore else set())
-    float_bytes = _linear_bytes(load_model(tiny_checkpoints["qwen2"], torch.float32, CPU, 64))
+    float_bytes = float_linear_bytes
     # 4-bit: codes are 1/8 of float32, plus tinygemm's scale/zero pairs per group of 32.
     spec = FORMATS[name]
     bound = 0.2 if spec.bits == 4 and spec.kind in ("ct-int", "gptq", "awq") else 0.32
