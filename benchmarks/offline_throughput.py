@@ -136,10 +136,19 @@ def run_hf(
     path: str, requests, batch_size: int, device=None, dtype: torch.dtype = torch.float32
 ) -> dict:
     """HF `generate` on static left-padded batches (greedy, no EOS)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     device = torch.device(device or "cpu")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    return hf_generate(model, requests, batch_size)
+
+
+def hf_generate(model, requests, batch_size: int) -> dict:
+    """Throughput of a loaded HF model's `generate` over `requests` in static left-padded
+    batches of `batch_size` (greedy, no EOS, pad id 0)."""
+    from transformers import GenerationConfig
+
+    device = model.device
     config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
     useful = 0
     start = time.perf_counter()

@@ -35,7 +35,7 @@ def test_demo_serves_the_demo_model_and_the_printed_curl_streams(tmp_path):
     port = free_port()
     env = {**os.environ, "PAGEFLEET_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
-        [PAGEFLEET, "demo", "--port", str(port)],
+        [PAGEFLEET, "demo", "--tiny", "--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -66,7 +66,7 @@ def test_demo_serves_the_demo_model_and_the_printed_curl_streams(tmp_path):
 
 def test_offline_demo_generates_with_a_fresh_demo_checkpoint(tmp_path):
     env = {**os.environ, "PAGEFLEET_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    out = _run("demo", "--offline", env=env)
+    out = _run("demo", "--offline", "--tiny", env=env)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "demo-llama" / "config.json").is_file()
     assert out.stdout.count("model (24 tokens, length)") == 4

@@ -18,9 +18,11 @@ import celpy
 import jsonschema
 import pytest
 import yaml
+from gateway_schemas import validate_inference_pool
 from keda_schema import validate_scaled_object
 from lws_schema import validate_builtin as validate_kubernetes
 from lws_schema import validate_leader_worker_set
+from prometheus_tools import validate_prometheus_rule
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "pagefleet"
@@ -284,6 +286,8 @@ VALIDATORS: dict[tuple[str, str], Callable[[dict], None]] = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): lambda o: jsonschema.Draft7Validator(
         SERVICE_MONITOR_SCHEMA
     ).validate(o),
+    # Its fields, closed; its rules through promtool (tests/prometheus_tools.py).
+    ("monitoring.coreos.com/v1", "PrometheusRule"): validate_prometheus_rule,
     # KEDA's published CRD's fields, closed (tests/keda_schema.py).
     ("keda.sh/v1alpha1", "ScaledObject"): lambda o: validate_scaled_object(o, KUBERNETES_VERSIONS),
     # The LeaderWorkerSet API reference's fields, closed; its pod templates by
@@ -291,6 +295,8 @@ VALIDATORS: dict[tuple[str, str], Callable[[dict], None]] = {
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): lambda o: validate_leader_worker_set(
         o, KUBERNETES_VERSIONS
     ),
+    # The Inference Extension's published CRD's fields, closed (tests/gateway_schemas.py).
+    ("inference.networking.k8s.io/v1", "InferencePool"): validate_inference_pool,
 }
 
 
@@ -864,6 +870,7 @@ def test_operator_rbac_is_least_privilege_and_covers_what_it_creates(rendered):
         *(("", "pods", v) for v in ("get", "list", "watch")),
         ("", "events", "create"),
         *(("keda.sh", "scaledobjects", v) for v in owned_verbs),
+        *(("inference.networking.k8s.io", "inferencepools", v) for v in owned_verbs),
     }
     assert granted == expected
     # No nodes, no cluster scope in namespace mode.
@@ -890,6 +897,7 @@ def test_operator_rbac_is_least_privilege_and_covers_what_it_creates(rendered):
         "Secret",
         "NetworkPolicy",
         "LeaderWorkerSet",
+        "InferencePool",
     } <= kinds
 
 
@@ -1915,3 +1923,40 @@ def test_multinode_values_render_a_leader_worker_set_of_ray_groups(rendered):
     assert not [
         d for d in objects_of(objects, "Deployment") if "colocated" in d["metadata"]["name"]
     ]
+
+
+def test_inference_pool_values_reach_the_model_deployment_and_the_operator(helm):
+    """modelDeployment.inferencePool becomes the ModelDeployment's spec.inferencePool (which
+    the operator renders into an InferencePool and its picker), networkPolicy.gatewayFrom the
+    operator's gatewayFrom peers, and the operator may create and patch InferencePools."""
+    from pagefleet.operator.reconcile import RenderOptions, desired_objects
+
+    gateway = {"podSelector": {"matchLabels": {"gateway.networking.k8s.io/gateway-name": "gw"}}}
+    docs = template(
+        helm,
+        "--set",
+        "modelDeployment.inferencePool.enabled=true",
+        "--set",
+        "modelDeployment.inferencePool.failureMode=FailOpen",
+        "--set",
+        "modelDeployment.inferencePool.podLabels.team=infer",
+        "--set-json",
+        f"networkPolicy.gatewayFrom=[{json.dumps(gateway)}]",
+    )
+    md = one(docs, "ModelDeployment")
+    pool = md["spec"]["inferencePool"]
+    assert (pool["enabled"], pool["failureMode"], pool["podLabels"]) == (
+        True,
+        "FailOpen",
+        {"team": "infer"},
+    )
+    assert chart_peers(docs).gateway_from == (gateway,)
+    assert ("inference.networking.k8s.io", "inferencepools", "create") in _rules(
+        one(docs, "Role", "operator")
+    )
+    stored = {**md, "metadata": {**md["metadata"], "uid": "uid-chart"}}
+    owned = desired_objects(stored, RenderOptions(network_policy=chart_peers(docs)))
+    (inference_pool,) = objects_of(owned, "InferencePool")
+    assert inference_pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+    # Off by default: no picker, and the operator keeps its default Gateway peer.
+    assert "inferencePool" not in one(template(helm), "ModelDeployment")["spec"]

@@ -99,3 +99,18 @@ def test_local_engines_are_told_what_the_operators_pods_are_told():
         cluster_transfer = json.loads(flag(cluster, "--kv-transfer-config"))
         assert transfer["kv_role"] == cluster_transfer["kv_role"]
         assert transfer["kv_connector"] == cluster_transfer["kv_connector"] == "nixl"
+
+
+def test_engines_share_the_cores_unless_the_user_set_omp_num_threads(monkeypatch):
+    from pagefleet.fleet.up import threads_per_engine
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert (threads_per_engine(3, 2), threads_per_engine(3, 16), threads_per_engine(1, 8)) == (
+        1,
+        5,
+        8,
+    )
+    specs = plan(threads_per_engine=1)
+    assert [s.env for s in specs] == [{"OMP_NUM_THREADS": "1"}] * 3 + [{}]  # not the router
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert threads_per_engine(3, 2) is None

@@ -134,7 +134,7 @@ class AsyncLLM:
         # tokenizers are not safe to share across threads, so each side has its own.
         from pagefleet.common.tokenizer import load_tokenizer
 
-        self.tokenizer = load_tokenizer(engine.args.model)
+        self.tokenizer = load_tokenizer(engine.args.tokenizer or engine.args.model)
         if engine.connector is not None:  # a finished pull or a release wakes an idle loop
             engine.connector.wake = lambda: self._commands.put(_TICK)
         self._thread.start()

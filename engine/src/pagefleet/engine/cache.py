@@ -1,16 +1,27 @@
-"""Where pagefleet keeps generated files (the demo checkpoint): $PAGEFLEET_CACHE or ~/.cache."""
+"""The tiny random demo checkpoint in pagefleet's cache ($PAGEFLEET_CACHE or ~/.cache/pagefleet),
+for tests, benchmarks and `--tiny` demos; the trained demo model is common/demo_model.py's."""
 
 from __future__ import annotations
 
-import os
+import sys
 from pathlib import Path
 
+from pagefleet.common.demo_model import SMOLLM2, cache_dir, ensure_demo_model
 
-def cache_dir() -> Path:
-    root = os.environ.get("PAGEFLEET_CACHE") or Path.home() / ".cache" / "pagefleet"
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+__all__ = ["cache_dir", "demo_checkpoint", "model_to_serve"]
+TINY_SERVED_NAME = "demo"
+
+
+def model_to_serve(model: str | None, tiny: bool, served_name: str | None) -> tuple[str, str]:
+    """What `pagefleet up` and `pagefleet demo` serve and its name in the API: `--model`, the
+    tiny random checkpoint (`--tiny`), or by default the trained demo model, fetched the first
+    time (common/demo_model.py) with its progress on stderr."""
+    if model and tiny:
+        raise ValueError("--model and --tiny name two models: give one")
+    if model or tiny:
+        return str(model or demo_checkpoint()), served_name or TINY_SERVED_NAME
+    path = ensure_demo_model(cache_dir(), out=sys.stderr)
+    return str(path), served_name or SMOLLM2.served_name
 
 
 def demo_checkpoint() -> Path:

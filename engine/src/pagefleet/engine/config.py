@@ -36,7 +36,8 @@ KV_CACHE_DTYPES = ("auto", *FP8_KV_CACHE_DTYPES, "float32", "bfloat16", "float16
 class EngineArgs:
     """Engine arguments, named as vLLM's (`LLM(model=..., **engine_args)`)."""
 
-    model: str
+    model: str  # a checkpoint folder or a .gguf file
+    tokenizer: str | None = None  # a folder with an HF tokenizer (default: the model's own)
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048

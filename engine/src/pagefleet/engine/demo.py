@@ -116,7 +116,7 @@ def run_llm_demo(model_path: str, max_tokens: int = 24) -> str:
     outputs += llm.chat(chats[1:], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     kv = llm.engine.scheduler.kv_cache
-    lines = [f"pagefleet demo: LLM.generate on {model_path} (random weights: the text is noise)"]
+    lines = [f"pagefleet demo: LLM.generate on {model_path}"]
     for question, out in zip(DEMO_QUESTIONS, outputs, strict=True):
         completion = out.outputs[0]
         lines.append(f"  user: {question}")

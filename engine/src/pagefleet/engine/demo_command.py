@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 
-DEMO_CURL = """pagefleet is serving the demo model (random weights: the text is noise).
+DEMO_CURL = """pagefleet is serving {model}{noise}.
 Stream a chat completion:
 
   curl -N http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "demo", "stream": true, "max_tokens": 32,
-         "messages": [{{"role": "user", "content": "What is a KV cache?"}}]}}'
+    -d '{{"model": "{model}", "stream": true, "max_tokens": 32,
+         "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
 
 Metrics: http://{host}:{port}/metrics    Stop: Ctrl-C
 """
@@ -23,7 +23,14 @@ def add_demo_parser(sub) -> None:
         help="serve the tiny local demo model on 127.0.0.1 and print a curl to try; "
         "--offline runs LLM.generate instead, --stand-in the scheduler and KV cache alone",
     )
-    demo.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
+    demo.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint dir or GGUF file (default: SmolLM2-135M-Instruct, fetched once)",
+    )
+    demo.add_argument(
+        "--tiny", action="store_true", help="the tiny random checkpoint instead (no download)"
+    )
     demo.add_argument("--host", default="127.0.0.1", help="address to serve on (127.0.0.1)")
     demo.add_argument("--port", type=int, default=8000, help="port to serve on (8000)")
     demo.add_argument("--offline", action="store_true", help="LLM.chat on the demo model")
@@ -44,9 +51,9 @@ def run_demo_command(args: argparse.Namespace) -> int:
     if args.stand_in:
         return _stand_in_demo(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from pagefleet.engine.cache import demo_checkpoint
+    from pagefleet.engine.cache import TINY_SERVED_NAME, model_to_serve
 
-    model = str(args.model or demo_checkpoint())
+    model, name = model_to_serve(args.model, args.tiny, None)
     if args.offline:
         from pagefleet.engine.demo import run_llm_demo
 
@@ -65,14 +72,16 @@ def run_demo_command(args: argparse.Namespace) -> int:
             "--port",
             str(args.port),
             "--served-model-name",
-            "demo",
+            name,
             "--kv-cache-memory",
             "0.25",
             "--max-model-len",
             "1024",
         ]
     )
-    return run_serve(serve_args, banner=DEMO_CURL.format(host=args.host, port=args.port))
+    noise = " (random weights: the text is noise)" if name == TINY_SERVED_NAME else ""
+    banner = DEMO_CURL.format(host=args.host, port=args.port, model=name, noise=noise)
+    return run_serve(serve_args, banner=banner)
 
 
 def _stand_in_demo(args: argparse.Namespace) -> int:

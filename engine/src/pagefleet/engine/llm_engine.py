@@ -129,7 +129,7 @@ class LLMEngine:
         self.device = _resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         hf_config = read_config(args.model)
-        self.tokenizer = load_tokenizer(args.model)
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         max_positions = hf_config.get("max_position_embeddings", 4096)
         self.max_model_len = args.max_model_len or max_positions
         if self.max_model_len > max_positions:

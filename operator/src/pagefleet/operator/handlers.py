@@ -46,11 +46,13 @@ from pagefleet.operator.metrics_source import (
 from pagefleet.operator.network_policy import PolicyPeers
 from pagefleet.operator.reconcile import (
     ENGINE_API_KEY,
+    EPP_METRICS_PORT,
     FLEET_SECRET_KEY,
     ROUTER_PORT,
     EngineImages,
     RenderOptions,
     desired_objects,
+    epp_selector,
     retired_objects,
     router_selector,
     serving_selector,
@@ -477,18 +479,26 @@ def remembered(state: OperatorState, md: dict, pool: Pool, now: float) -> PoolMe
 
 
 def router_queue(state: OperatorState, md: dict, spec: Spec) -> RouterQueue:
-    """What the ModelDeployment's router holds for its model: from Prometheus when the
-    operator has one, else from the router pods' /metrics."""
+    """What the ModelDeployment's router (and Endpoint Picker) holds for its model: from
+    Prometheus when the operator has one, else from the router and picker pods' /metrics."""
     meta = md["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     if state.config.prometheus_url:
-        source: PrometheusSource | RouterScraper = PrometheusSource(state.config.prometheus_url)
-        ips: tuple[str, ...] = ()
-    else:
-        source = RouterScraper(state.config.router_metrics_port)
-        pods = state.client.list("v1", "Pod", namespace, router_selector(name))
-        ips = running_pod_ips(pods)
-    return source.read_queue(RouterPods(namespace, name, spec.model.name, ips))
+        source = PrometheusSource(state.config.prometheus_url)
+        return source.read_queue(RouterPods(namespace, name, spec.model.name, ()))
+    pods = state.client.list("v1", "Pod", namespace, router_selector(name))
+    ips = running_pod_ips(pods)
+    queue = RouterScraper(state.config.router_metrics_port).read_queue(
+        RouterPods(namespace, name, spec.model.name, ips)
+    )
+    if spec.inference_pool is None:
+        return queue
+    # The Endpoint Picker holds requests as the router does (one core, the same gauge).
+    pods = state.client.list("v1", "Pod", namespace, epp_selector(name))
+    held = RouterScraper(EPP_METRICS_PORT).read_queue(
+        RouterPods(namespace, name, spec.model.name, running_pod_ips(pods))
+    )
+    return RouterQueue(queue.queued + held.queued, queue.read and held.read)
 
 
 def autoscale_pool(
@@ -571,7 +581,7 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
     images = pinned_images(previous, config.images)
     error: tuple[str, str] | None = None
     pools: list[PoolObserved] = []
-    router = (0, 0)
+    router = picker = (0, 0)
     capacity: CapacityVerdict | None = None
     try:
         spec = parse_spec(md.get("spec"))
@@ -607,6 +617,8 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
                 )
             )
         router = _deployment(client, namespace, f"{name}-router", uid)
+        if spec.inference_pool is not None:
+            picker = _deployment(client, namespace, f"{name}-epp", uid)
         missing = None
         if spec.api_key_secret is not None:
             missing = missing_secret_key(client, namespace, spec.api_key_secret)
@@ -636,7 +648,15 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
         # condition (every pool on an unlabelled GPU node would warn otherwise).
         announce(client, md, capacity.reason, capacity.message)
     verdict = (capacity.status, capacity.reason, capacity.message) if capacity else None
-    observed = Observed(tuple(pools), router[0], router[1], error, images_status(images), verdict)
+    observed = Observed(
+        tuple(pools),
+        router[0],
+        router[1],
+        error,
+        images_status(images),
+        verdict,
+        *picker,
+    )
     status = build_status(name, meta.get("generation"), observed, previous, _now_iso())
     patch = merge_diff(previous, status)
     if patch:

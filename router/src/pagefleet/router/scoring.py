@@ -34,6 +34,11 @@ class Pod:
     active_blocks: int = 0  # prompt blocks of the requests in flight (router's own count)
     num_gpu_blocks: int = 0
 
+    @property
+    def endpoint(self) -> str:
+        """`host:port`, as a gateway names the pod (the Endpoint Picker Protocol's form)."""
+        return self.url.partition("://")[2].rstrip("/")
+
     def begin(self, blocks: int) -> None:
         """The router sent this pod a request of `blocks` prompt blocks."""
         self.inflight += 1

@@ -1,7 +1,8 @@
 """A checkpoint on disk as the loader reads it: its config.json and its tensors, lazily.
 
-Today a Hugging Face directory of safetensors shards; another format (GGUF) plugs in here by
-answering the same two questions: the config (as config.json's keys) and the tensor sources.
+A Hugging Face directory of safetensors shards, or a GGUF file (model/gguf.py), each answering
+the same questions: the config (as config.json's keys), the tensor sources (under HF names) and
+the KV-cache scales. Nothing past this module knows which format it read.
 """
 
 from __future__ import annotations
@@ -13,8 +14,16 @@ from pathlib import Path
 
 import torch
 
+from pagefleet.common.gguf_file import is_gguf
+from pagefleet.engine.kv_cache.fp8 import LayerScales, read_kv_scales, scales_from_entries
+from pagefleet.engine.model.weights import TensorSource
+
 
 def read_config(path: str | Path) -> dict:
+    if is_gguf(path):
+        from pagefleet.engine.model import gguf
+
+        return gguf.read_config(path)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model path {str(path)!r} is not a directory")
@@ -62,8 +71,21 @@ class SafetensorsSource:
         return lazy[start : start + length] if dim == 0 else lazy[:, start : start + length]
 
 
-def tensor_sources(path: str | Path) -> Iterator[SafetensorsSource]:
+def kv_scales(path: str | Path, num_layers: int) -> list[LayerScales]:
+    """Per layer (k_scale, v_scale) for an fp8 KV cache: the checkpoint's calibrated ones (vLLM's
+    names), 1.0 where it has none (a GGUF carries none)."""
+    if is_gguf(path):
+        return scales_from_entries([], num_layers)
+    return read_kv_scales(weight_files(Path(path)), num_layers)
+
+
+def tensor_sources(path: str | Path) -> Iterator[TensorSource]:
     """Every tensor of the checkpoint, file after file (each file open only while walked)."""
+    if is_gguf(path):
+        from pagefleet.engine.model import gguf
+
+        yield from gguf.tensor_sources(path)
+        return
     from safetensors import safe_open
 
     for file in weight_files(Path(path)):

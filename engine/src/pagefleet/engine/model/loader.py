@@ -13,15 +13,9 @@ from pathlib import Path
 import torch
 
 from pagefleet.common.weight_formats import online_weights_format, quantized_weights_format
-from pagefleet.engine.kv_cache.fp8 import (
-    FP8_KV_DTYPE,
-    LayerScales,
-    is_fp8,
-    is_kv_scale,
-    read_kv_scales,
-)
+from pagefleet.engine.kv_cache.fp8 import FP8_KV_DTYPE, LayerScales, is_fp8, is_kv_scale
 from pagefleet.engine.model.causal_lm import CausalLM
-from pagefleet.engine.model.checkpoint import read_config, tensor_sources, weight_files
+from pagefleet.engine.model.checkpoint import kv_scales, read_config, tensor_sources, weight_files
 from pagefleet.engine.model.layers import TPParts
 from pagefleet.engine.model.quant.config import (
     QuantFormat,
@@ -58,7 +52,7 @@ def kv_cache_format(
     tensor-parallel rank reads the same scales (they are per layer, not per head)."""
     if is_fp8(kv_cache_dtype):
         num_layers = model_config(read_config(path)).num_layers
-        return FP8_KV_DTYPE, read_kv_scales(weight_files(Path(path)), num_layers)
+        return FP8_KV_DTYPE, kv_scales(path, num_layers)
     return (dtype if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype, device)), None
 
 

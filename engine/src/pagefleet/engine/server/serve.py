@@ -21,9 +21,10 @@ def add_serve_parser(sub) -> None:
     p = sub.add_parser(
         "serve",
         help="serve one model over an OpenAI-compatible HTTP API",
-        description="Serve a local Hugging Face checkpoint with vLLM's API, metrics and flags.",
+        description="Serve a local Hugging Face checkpoint or GGUF file with vLLM's API, "
+        "metrics and flags.",
     )
-    p.add_argument("model", help="path of a local Hugging Face checkpoint directory")
+    p.add_argument("model", help="a local Hugging Face checkpoint directory or GGUF file")
     p.add_argument("--host", default="0.0.0.0", help="address to bind (0.0.0.0)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (8000)")
     _add_engine_flags(p)
@@ -175,6 +176,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         flag(name, help, action=argparse.BooleanOptionalAction)
 
     flag("served_model_name", "model name in the API (default: the model path)")
+    flag("tokenizer", "a folder with the Hugging Face tokenizer to use (default: the model's)")
     flag(
         "max_model_len",
         "most tokens (prompt + output) per request (default: the model's)",
