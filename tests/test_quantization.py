@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
@@ -427,3 +428,82 @@ def test_plan_weighs_the_checkpoint_as_the_engine_loads_it(written, tiny_checkpo
         }[name]
     )
     assert row["weights_bytes"] == pytest.approx(weight_bytes(engine), rel=0.1)
+
+
+# ---------------------------------------------------------------- GGUF kept as codes
+
+GGUF_TYPES = {  # every coded type; q|k|v and gate|up fuse projections of different types
+    "q_proj": T.Q4_K,
+    "k_proj": T.Q4_K,
+    "v_proj": T.Q6_K,
+    "o_proj": T.Q8_0,
+    "gate_proj": T.Q4_0,
+    "up_proj": T.Q4_1,
+    "down_proj": T.Q5_K,
+}
+
+
+@pytest.fixture(scope="module")
+def gguf_mixed(tmp_path_factory) -> Path:
+    """A one-layer llama (q/k rows interleaved as llama.cpp stores them) wide enough for
+    k-quant blocks of 256, each projection in its own type."""
+    from gguf_files import write_gguf_of
+    from pagefleet.engine.model.tiny import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("gguf")
+    hf = write_tiny_checkpoint(
+        root / "hf", "LlamaForCausalLM", num_layers=1, hidden_size=256, intermediate_size=512
+    )
+    return write_gguf_of(hf, root / "mixed.gguf", types=GGUF_TYPES)
+
+
+def test_gguf_blocks_load_as_codes_equal_to_transformers_dequantizing(gguf_mixed, monkeypatch):
+    """Each layer keeps its codes (a fused layer the widest and the finest group of its
+    parts); as weights they are transformers' own dequantization of the file, exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from pagefleet.engine.model.quant import kernels
+
+    monkeypatch.setattr(kernels, "int_kernel", lambda w: ExactKernel(w.dequantize()))
+    model = load_model(gguf_mixed, torch.float32, CPU, 64)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert (attn.qkv_proj.method.bits, attn.qkv_proj.method.group) == (8, 16)  # Q6_K's v
+    assert (mlp.gate_up_proj.method.bits, mlp.gate_up_proj.method.group) == (4, 32)
+    hf = AutoModelForCausalLM.from_pretrained(
+        gguf_mixed.parent, gguf_file=gguf_mixed.name, dtype=torch.float32
+    ).model.layers[0]
+    gen = torch.Generator().manual_seed(4)
+    x, mid = torch.randn(3, 256, generator=gen), torch.randn(3, 512, generator=gen)
+    with torch.no_grad():
+        qkv = [hf.self_attn.q_proj(x), hf.self_attn.k_proj(x), hf.self_attn.v_proj(x)]
+        assert_close(attn.qkv_proj(x), torch.cat(qkv, -1))
+        assert_close(attn.o_proj(x), hf.self_attn.o_proj(x))
+        assert_close(mlp.gate_up_proj(x), torch.cat([hf.mlp.gate_proj(x), hf.mlp.up_proj(x)], -1))
+        assert_close(mlp.down_proj(mid), hf.mlp.down_proj(mid))
+
+
+def test_gguf_codes_shard_over_ranks_and_stay_small(gguf_mixed):
+    """Two ranks' rows (q/k rows put back in HF's rotary order per rank) and block-aligned
+    columns compute one rank's outputs; the linears hold codes, not float32."""
+    cfg = model_config(read_config(str(gguf_mixed)))
+    whole = load_model(gguf_mixed, torch.float32, CPU, 64)
+    gen = torch.Generator().manual_seed(5)
+    x, mid = torch.randn(3, 256, generator=gen), torch.randn(3, 512, generator=gen)
+    qkv, down = [], 0.0
+    with torch.no_grad():
+        for rank in range(2):
+            tp = TPParts(TPLayout.of(cfg, rank, 2), IdentityGroup(rank, 2))
+            shard = load_model(gguf_mixed, torch.float32, CPU, 64, tp=tp).layers[0]
+            qkv.append(shard.self_attn.qkv_proj(x).split([128, 64, 64], -1))
+            down = down + shard.mlp.down_proj(mid[:, rank * 256 : (rank + 1) * 256])
+        want = whole.layers[0].self_attn.qkv_proj(x).split([256, 128, 128], -1)
+        # bfloat16 kernels, whose sums run in another order at another width: ~2^-8 of scale
+        for i in range(3):
+            tol = 0.01 * want[i].abs().max().item()
+            assert_close(torch.cat([r[i] for r in qkv], -1), want[i], atol=tol, rtol=0)
+        want = whole.layers[0].mlp.down_proj(mid)
+        assert_close(down, want, atol=0.01 * want.abs().max().item(), rtol=0)
+    # 4-8 bit codes with their scales: well under float32's 4 bytes a weight
+    params = sum(m.in_features * m.out_features for n, m in whole.named_modules()
+                 if n.startswith("layers.") and isinstance(m, Linear))  # fmt: skip
+    assert _linear_bytes(whole) < 0.45 * 4 * params

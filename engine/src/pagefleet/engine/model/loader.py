@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from pagefleet.common.weight_formats import online_weights_format, quantized_weights_format
 from pagefleet.engine.kv_cache.fp8 import FP8_KV_DTYPE, LayerScales, is_fp8, is_kv_scale
 from pagefleet.engine.model.causal_lm import CausalLM
 from pagefleet.engine.model.checkpoint import kv_scales, read_config, tensor_sources, weight_files
@@ -21,6 +20,7 @@ from pagefleet.engine.model.quant.config import (
     QuantFormat,
     choose_methods,
     resolve_quantization,
+    weights_label,
 )
 from pagefleet.engine.model.registry import family_of, model_config
 from pagefleet.engine.model.weights import param_loaders
@@ -94,11 +94,7 @@ def load_model(
     hf_config = read_config(path)
     quant = resolve_quantization(quantization, hf_config, path)
     model = build_model(hf_config, dtype, device, max_positions, tp, quant)
-    model.weights_format = (
-        quantized_weights_format(hf_config)
-        or online_weights_format(quantization)
-        or str(dtype).removeprefix("torch.")
-    )
+    model.weights_format = weights_label(quant, hf_config, quantization, dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaders = param_loaders(model)
     arrived: dict[str, set] = {}

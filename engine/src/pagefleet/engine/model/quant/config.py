@@ -17,10 +17,13 @@ from typing import Protocol
 
 import torch
 
+from pagefleet.common.gguf_file import is_gguf
 from pagefleet.common.weight_formats import (
     QUANTIZATION_METHODS,
     canonical_quantization,
     declared_quantization,
+    online_weights_format,
+    quantized_weights_format,
 )
 from pagefleet.engine.model.linear import Linear, LinearMethod, set_methods
 
@@ -57,25 +60,34 @@ class UniformFormat:
 
 def resolve_quantization(flag: str | None, hf_config: dict, path) -> QuantFormat | None:
     """The format to serve the checkpoint at `path` with (None: float weights)."""
-    stored = declared_quantization(hf_config)
+    stored = "gguf" if is_gguf(path) else declared_quantization(hf_config)
     wanted = canonical_quantization(flag) if flag is not None else stored
     if wanted is None:
         return None
+    if stored == "gguf" and wanted == "gguf":
+        from pagefleet.engine.model.quant.gguf import format_of
+
+        return format_of(path)
     if stored is None:
         if wanted == "fp8":
             from pagefleet.engine.model.quant.scaled8 import Scaled8Method
 
             method = Scaled8Method(fp8=True, online=True)
             return UniformFormat("fp8", method, "FP8 e4m3 per-channel, quantized at load")
+        what = "a GGUF file" if wanted == "gguf" else f"a checkpoint quantized as {wanted}"
         raise ValueError(
-            f"--quantization {flag} needs a checkpoint quantized as {wanted}; {path} has no "
-            "quantization_config (a float checkpoint: only fp8 quantizes at load)"
+            f"--quantization {flag} needs {what}; {path} has no quantization_config (a float "
+            "checkpoint: only fp8 quantizes at load)"
         )
     if wanted != stored:
+        declared = (
+            "is a GGUF file"
+            if stored == "gguf"
+            else (f"whose quantization_config says quant_method {stored!r}")
+        )
         raise ValueError(
-            f"--quantization {flag} disagrees with the checkpoint {path}, whose "
-            f"quantization_config says quant_method {stored!r}: drop the flag or pass "
-            f"--quantization {stored}"
+            f"--quantization {flag} disagrees with the checkpoint {path}, which {declared}: "
+            f"drop the flag or pass --quantization {stored}"
         )
     if stored not in FORMATS:
         raise ValueError(
@@ -135,8 +147,12 @@ def choose_methods(model, fmt: QuantFormat, dtype: torch.dtype) -> None:
     """Give each linear layer of `model` (a CausalLM) its method under `fmt`: the method of
     the checkpoint modules fused into it, which must agree."""
 
+    fused = getattr(fmt, "method_for_layer", None)  # a format that merges fused parts
+
     def choose(name: str, layer: Linear) -> LinearMethod | None:
         modules = model.checkpoint_modules(name, list(layer.spec.parts))
+        if fused is not None:
+            return fused(modules)
         methods = {m: fmt.method_for(m) for m in modules}
         if len(set(methods.values())) > 1:
             listed = ", ".join(f"{m}: {_label(x)}" for m, x in methods.items())
@@ -151,3 +167,15 @@ def choose_methods(model, fmt: QuantFormat, dtype: torch.dtype) -> None:
 
 def _label(method: LinearMethod | None) -> str:
     return "float" if method is None else method.name
+
+
+def weights_label(quant: QuantFormat | None, hf_config: dict, flag: str | None, dtype) -> str:
+    """The weights' format as the capacity module names it (int4, fp8, gguf... or the
+    dtype), for the startup log and the engine's plan."""
+    if quant is not None and quant.name == "gguf":
+        return "gguf"
+    return (
+        quantized_weights_format(hf_config)
+        or online_weights_format(flag)
+        or str(dtype).removeprefix("torch.")
+    )

@@ -9,10 +9,10 @@ scales, and the result returns in the model's dtype: a weight-only kernel's usua
 (GPU W4A16 kernels compute in half precision too).
 
 - 4-bit codes: tinygemm directly (act-order columns gathered into contiguous groups first).
-- 8-bit codes, one group per row: int8pack, with a rank-one correction for a zero point
-  (`x @ (c * 1)^T` is the row sum of x times c).
-- 8-bit codes in groups: split into two 4-bit planes, `code = 16 * hi + lo`, each a tinygemm
-  matmul on its own scales (`16 * scale`, `scale`): exact, and the same bytes as int8.
+- symmetric 8-bit codes, one group per row: int8pack.
+- other 8-bit codes (groups, zero points): split into two 4-bit planes, `code = 16 * hi + lo`,
+  each a tinygemm matmul on its own scales (`16 * scale`, `scale`): exact, and the same bytes
+  as int8.
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ class CpuIntKernel:
     def __init__(self, weight: IntWeight) -> None:
         self.out_features = weight.out_features
         self.grouped: GroupedInt | None = None
-        self.int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
         self.planes: list[TinyGemmPlane] = []
-        if weight.bits == 8 and weight.g_idx is None and weight.scales.shape[1] == 1:
+        symmetric = bool(torch.equal(weight.offsets, -128 * weight.scales))
+        if weight.bits == 8 and weight.g_idx is None and weight.scales.shape[1] == 1 and symmetric:
             self._per_row_int8(weight)
             return
         g = weight.contiguous_groups(TINYGEMM_GROUPS)
@@ -82,31 +83,31 @@ class CpuIntKernel:
             self.planes = [TinyGemmPlane(codes, g.scales, g.offsets + 8 * g.scales, g.group_size)]
         else:
             # code = 16 hi + lo: (hi - 8) 16 s + (lo - 8) s + (136 s + offset). The constant
-            # goes whole into one plane's zero: for symmetric codes (offset -128 s) it is 8 s,
-            # which bfloat16 keeps almost exactly, where two large halves would not cancel.
+            # is split over the two planes' zeros as bfloat16(c) + bfloat16(c - bfloat16(c)):
+            # the second carries the first's rounding, so the sum keeps c to ~2^-16 of itself
+            # (one zero of c would lose 2^-9 of it: a quarter step when c is 128 s).
             hi, lo = codes >> 4, codes & 15
+            constant = g.offsets + 136 * g.scales
+            head = constant.to(KERNEL_DTYPE).float()
             self.planes = [
-                TinyGemmPlane(hi, 16 * g.scales, torch.zeros_like(g.scales), g.group_size),
-                TinyGemmPlane(lo, g.scales, g.offsets + 136 * g.scales, g.group_size),
+                TinyGemmPlane(hi, 16 * g.scales, head, g.group_size),
+                TinyGemmPlane(lo, g.scales, constant - head, g.group_size),
             ]
         g.codes = g.codes[:0]  # only the planes are kept
 
     def _per_row_int8(self, weight: IntWeight) -> None:
+        """Symmetric codes (offset -128 s): int8pack on code - 128 as it is. (With zero
+        points the rank-one correction would cancel a large part of int8pack's bfloat16
+        output: those take the planes.)"""
         signed = (unpack_codes(weight.codes, 8).to(torch.int16) - 128).to(torch.int8)
-        scales = weight.scales[:, 0]
-        # code * s + o = (code - 128) * s + (128 s + o): the second term is constant per row
-        correction = 128 * scales + weight.offsets[:, 0]
-        keep = correction if bool(correction.abs().max() > 0) else None
-        self.int8 = (signed.contiguous(), scales.to(KERNEL_DTYPE), keep)
+        self.int8 = (signed.contiguous(), weight.scales[:, 0].to(KERNEL_DTYPE))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         x = x.reshape(-1, shape[-1])
         if self.int8 is not None:
-            codes, scales, correction = self.int8
+            codes, scales = self.int8
             y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), codes, scales).to(dtype)
-            if correction is not None:
-                y = y + x.sum(-1, keepdim=True) * correction
         else:
             xk = self.grouped.gather(x).to(KERNEL_DTYPE).contiguous()
             y = self.planes[0](xk).to(dtype)
@@ -117,6 +118,6 @@ class CpuIntKernel:
     def tensors(self) -> list[torch.Tensor]:
         """What the kernel keeps (for the weight-bytes count)."""
         if self.int8 is not None:
-            return [t for t in self.int8 if t is not None]
+            return list(self.int8)
         index = [self.grouped.index] if self.grouped.index is not None else []
         return [t for plane in self.planes for t in plane.tensors()] + index
