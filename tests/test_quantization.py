@@ -42,7 +42,7 @@ FORMATS = {
     "ct-w4a16-g32-sym": Spec("ct-int", 4, 32, symmetric=True),
     "ct-w8a16-channel-asym": Spec("ct-int", 8, None, symmetric=False),
     # compressed-tensors' ignore list: down_proj (a regex) stays float
-    "ct-w8a16-g64-ignore-down": Spec("ct-int", 8, 64, ignore=("re:.*mlp.down_proj",)),
+    "ct-w8a16-g32-ignore-down": Spec("ct-int", 8, 32, ignore=("re:.*mlp.down_proj",)),
     "ct-fp8-channel-dynamic": Spec("ct-fp8"),
     "ct-fp8-tensor-static": Spec("ct-fp8", per_channel=False, static=True),
     "ct-int8-channel-dynamic": Spec("ct-int8"),
@@ -347,6 +347,14 @@ def test_unsupported_schemes_are_named(written, tmp_path):
     path = _edit_config(written["gptq-int8-g32-sym"].quantized, tmp_path / "gs", gs)
     with pytest.raises(ValueError, match=r"qkv_proj \(gptq\): group size 48 does not divide"):
         load_model(path, torch.float32, CPU, 64)
+
+    def gs64(config):  # divides the layers' 64 columns, not a rank's 32 of o_proj
+        config["quantization_config"]["group_size"] = 64
+
+    path = _edit_config(written["gptq-int8-g32-sym"].quantized, tmp_path / "gs64", gs64)
+    tp = TPParts(TPLayout.of(model_config(read_config(path)), 1, 2), IdentityGroup(1, 2))
+    with pytest.raises(ValueError, match=r"o_proj \(gptq\): group size 64 .* this rank's 32"):
+        load_model(path, torch.float32, CPU, 64, tp=tp)
 
     def unknown(config):
         config["quantization_config"]["quant_method"] = "hqq"
