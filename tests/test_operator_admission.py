@@ -95,6 +95,16 @@ def test_each_fix_the_message_names_is_admitted():
     assert "6 requests of max-model-len 32,768" in ok.message
 
 
+def test_a_hybrid_pools_state_slots_are_paid_before_its_kv_pool():
+    """A pool that sets max-num-seqs pays the hybrid's state slots first, as the engine and
+    `pagefleet plan --max-num-seqs` do: 8 sequences and 8 snapshots of 74.8 MiB leave 12,726
+    of the published 13,923 blocks; 128 sequences' 256 slots (20 GB) leave none."""
+    ok = _verdict(_spec({"max-model-len": 32768, "max-num-seqs": 8}))
+    assert ok.reason == "CapacityOK" and "203,616 tokens" in ok.message
+    full = _verdict(_spec({"max-model-len": 32768, "max-num-seqs": 128}))
+    assert full.reason == "PoolTooSmall" and "holds 0 tokens" in full.message
+
+
 def test_no_max_model_len_is_refused_unless_the_expert_overrides():
     verdict = _verdict(_spec({}))
     assert (verdict.reason, verdict.refused) == ("NoMaxModelLen", True)

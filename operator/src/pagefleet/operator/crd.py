@@ -15,6 +15,10 @@ MODEL_SOURCES = ("pvc", "image", "hostPath")
 # model.uri schemes: hf://org/name[@revision] (downloaded by an init container), pvc://claim[/path].
 MODEL_URI_PATTERN = "^(hf://[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+(@[-._/A-Za-z0-9]+)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?)$"
 DEPLOYMENT_MODES = ("colocated", "disaggregated")
+# The engines' model runner (vLLM's --runner): pooling serves embeddings, auto lets each engine
+# pick from the checkpoint. A pooling model has no decode phase to disaggregate.
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_MODE_MESSAGE = "runner pooling takes mode colocated (embeddings have no decode phase)"
 KV_CONNECTORS = ("nixl", "tcp")
 SCORERS = ("prefix", "queue", "kv-usage", "inflight")
 PREFIX_INDEXES = ("precise", "approximate")
@@ -42,6 +46,8 @@ RESERVED_ENGINE_ARGS = {
     "mp for the ranks of one pod, ray when a pool spans nodes",
     "pipeline-parallel-size": "engineArgs.pipeline-parallel-size: pipeline parallelism is not "
     "offered (the engine builds tensor parallelism only)",
+    "runner": "engineArgs.runner: set spec.runner instead (the operator checks the pools "
+    "against it)",
 }
 # The pool rules on parallelism (CEL here, the same words in operator/spec.py).
 TP_NODES_MESSAGE = (
@@ -602,6 +608,14 @@ def spec_schema() -> dict:
             "image": {"type": "string", "description": "engine/router image (operator default)"},
             "engineArgs": _engine_args(),
             "mode": {"type": "string", "enum": list(DEPLOYMENT_MODES), "default": "colocated"},
+            "runner": {
+                "type": "string",
+                "enum": list(RUNNERS),
+                "default": "auto",
+                "description": "the engines' model runner (--runner): pooling serves an "
+                "embedding model on /v1/embeddings and /pooling; auto lets each engine pick "
+                "from the checkpoint (pooling for a sentence-transformers or *Model one)",
+            },
             "pools": pools,
             "router": router_schema(),
             "inferencePool": inference_pool_schema(),
@@ -642,6 +656,11 @@ def spec_schema() -> dict:
                 {
                     "rule": f"self.mode != 'disaggregated' || ({disagg_ok})",
                     "message": "mode disaggregated takes exactly the pools prefill and decode",
+                },
+                {
+                    "rule": "!has(self.runner) || self.runner != 'pooling' || "
+                    "self.mode == 'colocated'",
+                    "message": POOLING_MODE_MESSAGE,
                 },
             ]
         },

@@ -32,6 +32,7 @@ from pagefleet.operator.crd import (
     OBJECT_NAME_MAX,
     OBJECT_NAME_PATTERN,
     POOL_NAMES,
+    POOLING_MODE_MESSAGE,
     PREFIX_INDEXES,
     RDMA_UCX_TLS,
     RESERVED_ENGINE_ARGS,
@@ -39,6 +40,7 @@ from pagefleet.operator.crd import (
     ROUTER_DEFAULTS,
     ROUTER_QUEUE_DEFAULTS,
     ROUTER_RESOURCES,
+    RUNNERS,
     SCORER_DEFAULTS,
     SECRET_KEY_PATTERN,
     TP_NODES_MESSAGE,
@@ -247,6 +249,7 @@ class Spec:
     placement: Placement | None = None
     capacity: CapacitySpec = field(default_factory=CapacitySpec)
     inference_pool: InferencePoolSpec | None = None  # None: no InferencePool, no picker
+    runner: str = "auto"  # the engines' --runner (pooling: embeddings)
 
     def pool(self, name: str) -> Pool:
         return next(p for p in self.pools if p.name == name)
@@ -708,6 +711,7 @@ def parse_spec(raw: Any) -> Spec:
         "apiKeySecret",
         "capacity",
         "inferencePool",
+        "runner",
     }
     _reject_unknown(s, known, "spec")
     if "model" not in s:
@@ -743,7 +747,10 @@ def parse_spec(raw: Any) -> Spec:
         placement=parse_placement(kv.get("placement")),
         capacity=parse_capacity(s.get("capacity")),
         inference_pool=parse_inference_pool(s.get("inferencePool")),
+        runner=_choice(s.get("runner", "auto"), "spec.runner", RUNNERS),
     )
+    if spec.runner == "pooling" and mode != "colocated":
+        raise SpecError(POOLING_MODE_MESSAGE)
     if spec.rdma.enabled and (mode != "disaggregated" or spec.kv_connector != "nixl"):
         raise SpecError("spec.kvTransfer.rdma needs mode disaggregated and the nixl connector")
     if spec.placement is not None and mode != "disaggregated":

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagefleet.common.names import LABEL_INSTANCE, LABEL_POOL, LABEL_WORKER_INDEX
-from pagefleet.operator.autoscale import Recommendation, window_to_status
+from pagefleet.operator.autoscale import Recommendation, ScaleReason, window_to_status
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class PoolObserved:
     spec_replicas: int | None = None  # spec.pools.<name>.replicas as applied in this pass
     workload: str = "Deployment"  # or LeaderWorkerSet (a multi-node pool)
     leaders_only: bool = False  # multi-node: only each group's leader serves
+    cause: ScaleReason = ScaleReason.SPEC  # `reason` in a word (the operator's metrics)
 
 
 @dataclass(frozen=True)

@@ -13,3 +13,7 @@ LABEL_POOL = "pagefleet.io/pool"
 # Set by the LeaderWorkerSet controller on a multi-node pool's pods: "0" on each group's leader
 # (the pod that serves), 1.. on the workers that only hold ranks.
 LABEL_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+
+# The request header naming a client's tenant: the router's flow control takes turns by it,
+# and forwards it, so an engine's grammar compiles take turns by it too.
+TENANT_HEADER = "x-tenant-id"

@@ -33,6 +33,7 @@ class Pod:
     inflight: int = 0
     active_blocks: int = 0  # prompt blocks of the requests in flight (router's own count)
     num_gpu_blocks: int = 0
+    caches_prefixes: bool = True  # False: its /metrics say enable_prefix_caching False
 
     @property
     def endpoint(self) -> str:

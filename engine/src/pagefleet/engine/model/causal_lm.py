@@ -18,6 +18,7 @@ from pagefleet.engine.attention.backend import AttentionBackend, AttentionMetada
 from pagefleet.engine.model.config import ModelConfig
 from pagefleet.engine.model.layers import RMSNorm, TPParts, embedding, lm_head
 from pagefleet.engine.model.linear import process_weights
+from pagefleet.engine.model.packed import prepack_supported
 from pagefleet.engine.model.rope import RotaryEmbedding
 
 # Checkpoint projections that load into one fused parameter: (ours, part).
@@ -72,6 +73,11 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings and hasattr(self.lm_head, "weight"):
             self.lm_head.weight = self.embed_tokens.weight
 
+    def drop_lm_head(self) -> None:
+        """A pooling model (pooling/) reads the final hidden states: it has no LM head to hold,
+        and skips one its checkpoint carries."""
+        self.lm_head = None
+
     def materialize(self, device: torch.device) -> None:
         """After the parameters left the meta device: re-tie the embeddings and compute the
         buffers no checkpoint holds (the rotary table)."""
@@ -98,9 +104,11 @@ class CausalLM(nn.Module):
     def process_weights(self, prepack: bool = True) -> None:
         """Once, after the weights are loaded: every linear layer's weights into the form its
         method's kernel reads (model/linear.py). `prepack` lets float32 CPU weights move onto
-        oneDNN-packed ones (model/packed.py) and layers pack what else they hold (`prepack()`);
-        False keeps the plain float reference (tests and benchmarks)."""
-        if prepack:
+        oneDNN-packed ones (model/packed.py) and layers pack what else they hold (`prepack()`,
+        float32 on CPU only: a MoE's or a linear-attention layer's plain linears); False keeps
+        the plain float reference (tests and benchmarks)."""
+        weight = self.embed_tokens.weight
+        if prepack and prepack_supported(weight.device, weight.dtype):
             for layer in self.layers:
                 hook = getattr(layer, "prepack", None)
                 if hook is not None:
@@ -116,7 +124,7 @@ class CausalLM(nn.Module):
         if name.endswith("rotary_emb.inv_freq"):
             return None
         name = name.removeprefix("model.")
-        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+        if name == "lm_head.weight" and (self.config.tie_word_embeddings or self.lm_head is None):
             return None
         for theirs, (ours, part) in self.fused_projections.items():
             if f".{theirs}." in name:

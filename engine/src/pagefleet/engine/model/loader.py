@@ -63,14 +63,18 @@ def build_model(
     max_positions: int,
     tp=None,
     quant: QuantFormat | None = None,
+    lm_head: bool = True,
 ) -> CausalLM:
     """The family's model for this config, its linear layers on the methods `quant` chooses
-    (model/quant/), materialised (uninitialised) on `device`."""
+    (model/quant/), materialised (uninitialised) on `device`; without its LM head for a
+    pooling engine (`lm_head` False)."""
     family, arch = family_of(hf_config)
     cfg = family.config_from_hf(hf_config, arch)
     with torch.device("meta"):
         model = family.build(cfg, max_positions, tp).to(dtype)
-        if quant is not None:
+        if not lm_head:
+            model.drop_lm_head()
+        if quant is not None:  # after the cast: a method's fp8 or int codes keep their dtype
             choose_methods(model, quant, dtype)
     model = model.to_empty(device=device)
     model.materialize(device)
@@ -85,15 +89,16 @@ def load_model(
     tp: TPParts | None = None,
     prepack: bool = True,
     quantization: str | None = None,
+    lm_head: bool = True,
 ) -> CausalLM:
     """The model (or with `tp`, this rank's shard of it) on `device`, in `dtype`; each linear
     layer's weights are then processed for its kernel (model/linear.py): on a float32 CPU
     model oneDNN-prepacked (model/packed.py) unless `prepack` is False (the benchmarks' and
     tests' unpacked reference). `quantization` is --quantization (None: the checkpoint's own,
-    model/quant/config.py)."""
+    model/quant/config.py). A pooling engine loads it without the LM head (`lm_head` False)."""
     hf_config = read_config(path)
     quant = resolve_quantization(quantization, hf_config, path)
-    model = build_model(hf_config, dtype, device, max_positions, tp, quant)
+    model = build_model(hf_config, dtype, device, max_positions, tp, quant, lm_head)
     model.weights_format = weights_label(quant, hf_config, quantization, dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaders = param_loaders(model)
@@ -107,8 +112,8 @@ def load_model(
         name, part = target
         if name not in loaders:
             raise ValueError(f"unexpected weight {source.name!r} in checkpoint {path}")
-        loaders[name].load(params.get(name), source, part)
-        arrived.setdefault(name, set()).add(part)
+        filled = loaders[name].load(params.get(name), source, part)
+        arrived.setdefault(name, set()).update({part} if filled is None else filled)
     _check_complete(model, loaders, arrived, path)
     model.process_weights(prepack)
     return model.eval()
