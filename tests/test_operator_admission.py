@@ -552,3 +552,19 @@ def test_operator_deploys_anyway_on_the_override_and_warns_once():
             next_pass(state)
             assert len([e for e in _events(client) if e["reason"] == "PoolTooSmall"]) == 1
             assert condition(md_status(client), "Degraded")["status"] == "False"
+
+
+def test_admission_weighs_the_checkpoints_own_quantization():
+    """A GPTQ config.json plans int4 weights, as the engine will load them (not bf16); an
+    engine told --quantization fp8 on a float checkpoint plans fp8; weightsFormat still wins."""
+    gptq = {**HYBRID_27B, "quantization_config": {"quant_method": "gptq", "bits": 4}}
+    cases = [
+        ({"modelConfig": gptq}, {}, "int4 weights 13.5 GB"),
+        ({}, {"quantization": "fp8"}, "fp8 weights 27.0 GB"),
+        ({}, {}, "bfloat16 weights 54.0 GB"),
+        ({"modelConfig": gptq, "weightsFormat": "fp8"}, {}, "fp8 weights 27.0 GB"),
+    ]
+    for capacity, args, figure in cases:
+        spec = _spec({"max-model-len": 8192, **args}, {**CAPACITY, **capacity})
+        verdict = _verdict(spec)
+        assert figure in verdict.message, (capacity, args, verdict.message)

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pagefleet.common.weight_formats import ALIASES, QUANTIZATION_METHODS
 from pagefleet.engine.kv_cache.state_cache import StateConfig
 from pagefleet.engine.pooling.config import CONVERTS, RUNNERS
 from pagefleet.engine.spec_decode.config import SpeculativeConfig
@@ -60,6 +61,9 @@ class EngineArgs:
     # Most prompt tokens one request may compute in one step; 0 means no cap beyond the budget.
     long_prefill_token_threshold: int = 0
     dtype: str = "auto"
+    # Weight format (vLLM's names: fp8, compressed-tensors, awq, gptq, gguf); None: the
+    # checkpoint's quantization_config. fp8 on a float checkpoint quantizes it at load.
+    quantization: str | None = None
     kv_cache_dtype: str = "auto"
     seed: int = 0
     kv_cache_memory: float = 4.0  # GiB for the KV pool on CPU (VLLM_CPU_KVCACHE_SPACE)
@@ -99,6 +103,13 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "must be > 0")
+        if self.quantization is not None:
+            _require(
+                ALIASES.get(self.quantization, self.quantization) in QUANTIZATION_METHODS,
+                "quantization",
+                self.quantization,
+                f"must be one of {', '.join(QUANTIZATION_METHODS)}",
+            )
         _require(self.runner in RUNNERS, "runner", self.runner, f"one of {', '.join(RUNNERS)}")
         _require(self.convert in CONVERTS, "convert", self.convert, f"one of {', '.join(CONVERTS)}")
         self._check_offloading()

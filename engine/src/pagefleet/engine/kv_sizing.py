@@ -19,6 +19,7 @@ from pagefleet.common.capacity import CapacityPlan, cache_plan, kv_pool_plan, nu
 from pagefleet.engine.attention.backend import select_backend
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.model.causal_lm import CausalLM
+from pagefleet.engine.model.linear import weight_bytes
 from pagefleet.engine.request import Request
 from pagefleet.engine.runner import ModelRunner, forget_start_up_routing, kv_bytes_per_token
 from pagefleet.engine.sampling_params import SamplingParams
@@ -95,7 +96,8 @@ def kv_pool_plan_of(
     args: EngineArgs, model: CausalLM, kv_dtype: torch.dtype, kv_bytes: int
 ) -> CapacityPlan:
     """This rank's pool of `kv_bytes` as the capacity module sees it (tokens, blocks, bytes per
-    token and per block, sequences at a context), and the state slots beside it."""
+    token and per block, sequences at a context), the state slots beside it, and this rank's
+    weights as loaded."""
     slots = state_slots_of(args, model)
     return kv_pool_plan(
         kv_bytes_per_token(model, kv_dtype),
@@ -105,6 +107,8 @@ def kv_pool_plan_of(
         tensor_parallel_size=args.tensor_parallel_size,
         state_slots=slots,
         state_bytes=slots * state_bytes_per_slot(model),
+        weights_format=model.weights_format,
+        weights_bytes=weight_bytes(model),
     )
 
 

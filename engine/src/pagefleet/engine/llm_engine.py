@@ -43,6 +43,7 @@ from pagefleet.engine.kv_sizing import (
     state_slots_of,
 )
 from pagefleet.engine.model.causal_lm import CausalLM
+from pagefleet.engine.model.linear import weight_bytes as model_weight_bytes
 from pagefleet.engine.model.loader import (
     kv_cache_format,
     load_model,
@@ -453,7 +454,12 @@ class LLMEngine:
             return self._load_parallel_runner()
         start = time.perf_counter()
         model = load_model(
-            args.model, self.dtype, self.device, self.max_model_len, lm_head=self.lm_head
+            args.model,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            quantization=args.quantization,
+            lm_head=self.lm_head,
         )
         self._log_weights(model, start)
         self.model_config = model.config
@@ -573,12 +579,13 @@ class LLMEngine:
         return kv_dtype, scales
 
     def _log_weights(self, model, start: float) -> None:
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        weight_bytes = model_weight_bytes(model)
         tp = self.args.tensor_parallel_size
         logger.info(
-            "Loading weights took %.2f s; model weights take %.2f GiB%s",
+            "Loading weights took %.2f s; model weights take %.2f GiB (%s)%s",
             time.perf_counter() - start,
             weight_bytes / GiB,
+            model.weights_format,
             f" per rank (tensor-parallel size {tp})" if tp > 1 else "",
         )
 

@@ -37,6 +37,7 @@ from pagefleet.common.capacity import (
     num_state_slots,
     plan_on_gpu,
 )
+from pagefleet.common.weight_formats import online_weights_format
 from pagefleet.operator.spec import CapacitySpec, Model, Pool, Spec, SpecError
 
 CONDITION = "CapacityAdmitted"
@@ -167,7 +168,7 @@ def check_pool(spec: Spec, pool: Pool, shape: ModelShape, budget: GpuBudget) -> 
         plan = plan_on_gpu(
             shape,
             GpuBudget(budget.gpu_memory, utilization, budget.overhead_bytes),
-            weights_format=spec.capacity.weights_format or engine_dtype,
+            weights_format=weights_format(spec, pool, shape, engine_dtype),
             kv_format=str(kv) if kv not in (None, "auto") else engine_dtype,
             tensor_parallel_size=pool.tensor_parallel_size,
             block_size=_number_arg(spec, pool, "block-size", int, ENGINE_BLOCK_SIZE),
@@ -178,6 +179,22 @@ def check_pool(spec: Spec, pool: Pool, shape: ModelShape, budget: GpuBudget) -> 
     except ValueError as e:
         raise CapacityUnknown(f"the capacity cannot be computed: {e}") from e
     return admit(shape, plan, max_model_len(spec, pool))
+
+
+def weights_format(spec: Spec, pool: Pool, shape: ModelShape, engine_dtype: str) -> str:
+    """What the engine's weights will be: spec.capacity.weightsFormat, else what
+    engineArgs.quantization makes of a float checkpoint (fp8 quantizes at load), else the
+    checkpoint's own quantization (its config.json), else the engine's dtype."""
+    quantization = _engine_arg(spec, pool, "quantization")
+    try:
+        online = online_weights_format(None if quantization is None else str(quantization))
+    except ValueError as e:
+        raise CapacityUnknown(str(e)) from e
+    return (
+        spec.capacity.weights_format
+        or (shape.weights_format if shape.weights_format else online)
+        or engine_dtype
+    )
 
 
 # ---------------------------------------------------------------------------- every pool

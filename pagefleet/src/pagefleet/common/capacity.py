@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pagefleet.common.weight_formats import quantized_weights_format
+
 GB = 10**9
 GiB = 1 << 30
 KiB = 1 << 10
@@ -152,6 +154,17 @@ class ModelShape:
     experts_per_token: int = 0
     num_expert_parameters: int = 0
     num_active_parameters: int | None = None
+    # A quantized checkpoint's per-value format (int4, int8, fp8: its quantization_config);
+    # None for a float one (its dtype).
+    weights_format: str | None = None
+    # The checkpoint's weight bytes as stored (codes, scales and all), from its safetensors
+    # headers; None without them.
+    weight_bytes: int | None = None
+
+    @property
+    def own_weights_format(self) -> str:
+        """The format the engine loads this checkpoint's weights in, unless told otherwise."""
+        return self.weights_format or self.dtype
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
@@ -176,6 +189,7 @@ class ModelShape:
             linear_state_bytes_per_sequence=int(
                 (layers - attention) * _linear_state_values(cfg) * FORMAT_BYTES.get(dtype, 2)
             ),
+            weights_format=quantized_weights_format(config),
             num_experts=experts.num_experts if experts else 0,
             experts_per_token=experts.top_k if experts else 0,
             num_expert_parameters=params.experts if params else 0,
@@ -436,17 +450,34 @@ MAX_SAFETENSORS_HEADER = 100 * 10**6
 UNSERVED_PREFIXES = ("model.visual.", "mtp.")
 
 
+# Bytes per element of a safetensors dtype (packed int32 words count as their 4 bytes).
+SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+    "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+
+
 def safetensors_parameters(path: str | Path) -> int | None:
     """Exact parameter count of the tensors the engine loads, from a checkpoint dir's
     safetensors headers (None without any)."""
+    totals = safetensors_totals(path)
+    return None if totals is None else totals[0]
+
+
+def safetensors_totals(path: str | Path) -> tuple[int, int] | None:
+    """(elements, bytes) of the tensors the engine loads in a checkpoint dir's safetensors
+    files (None without any). For a quantized checkpoint the elements are packed words, not
+    parameters."""
     files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
     if not files:
         return None
-    return sum(_safetensors_file_parameters(file) for file in files)
+    totals = [_safetensors_file_totals(file) for file in files]
+    return sum(t[0] for t in totals), sum(t[1] for t in totals)
 
 
-def _safetensors_file_parameters(file: Path) -> int:
-    """Parameters one safetensors file holds, from its header (ValueError when it is not one)."""
+def _safetensors_file_totals(file: Path) -> tuple[int, int]:
+    """(elements, bytes) one safetensors file holds, from its header (ValueError when it is
+    not one)."""
     with file.open("rb") as f:
         head = f.read(8)
         (size,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
@@ -454,11 +485,14 @@ def _safetensors_file_parameters(file: Path) -> int:
             raise ValueError(f"{file}: not a safetensors file (header of {size} bytes)")
         try:
             header = json.loads(f.read(size))
-            return sum(
-                math.prod(int(d) for d in entry["shape"])
-                for name, entry in header.items()
-                if name != "__metadata__" and not name.startswith(UNSERVED_PREFIXES)
-            )
+            elements = bytes_ = 0
+            for name, entry in header.items():
+                if name == "__metadata__" or name.startswith(UNSERVED_PREFIXES):
+                    continue
+                count = math.prod(int(d) for d in entry["shape"])
+                elements += count
+                bytes_ += count * SAFETENSORS_DTYPE_BYTES.get(entry["dtype"], 4)
+            return elements, bytes_
         except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
             raise ValueError(f"{file}: not a safetensors header") from None
 
@@ -472,8 +506,14 @@ def model_shape(config: dict[str, Any] | str | Path) -> ModelShape:
         shape = ModelShape.from_hf_config(read_hf_config(config))
     except (KeyError, TypeError) as e:
         raise ValueError(f"{config}: the config lacks a shape field ({e})") from e
-    exact = safetensors_parameters(config)
-    return shape if exact is None else shape.with_parameters(exact)
+    totals = safetensors_totals(config)
+    if totals is None:
+        return shape
+    elements, stored = totals
+    # A quantized checkpoint's elements are packed words: its parameters stay estimated.
+    if not shape.weights_format:
+        shape = shape.with_parameters(elements)
+    return ModelShape(**{**asdict(shape), "weight_bytes": stored})
 
 
 def num_state_slots(
@@ -615,7 +655,7 @@ def pool_of_blocks(
         kv_format=kv_format,
         block_size=block_size,
         tensor_parallel_size=tensor_parallel_size,
-        weights_format=weights_format or shape.dtype,
+        weights_format=weights_format or shape.own_weights_format,
         state_slots=state_slots,
         state_bytes=state_slots * shape.state_bytes_per_slot(tensor_parallel_size),
     )
@@ -640,7 +680,7 @@ def plan_in_memory(
         tensor_parallel_size=tensor_parallel_size,
         state_slots=state_slots,
         state_bytes_per_slot=shape.state_bytes_per_slot(tensor_parallel_size),
-        weights_format=weights_format or shape.dtype,
+        weights_format=weights_format or shape.own_weights_format,
     )
 
 
@@ -684,16 +724,25 @@ def plan_on_gpu(
     num_parameters: int | None = None,
     state_slots: int = 0,
     expert_parallel: bool = False,
+    weights_bytes: int | None = None,
 ) -> CapacityPlan:
     """Capacity of one replica over `tensor_parallel_size` GPUs: memory x utilisation, less
     this rank's weights (its experts' under expert parallelism) and the overhead, goes to the
-    cache (state slots, then KV pool)."""
-    params = num_parameters if num_parameters is not None else shape.num_parameters
-    if params is None:
-        raise ValueError("the parameter count is unknown: give it (--params)")
-    weights = weights_bytes_per_gpu(
-        params, weights_format, tensor_parallel_size, shape=shape, expert_parallel=expert_parallel
-    )
+    cache (state slots, then KV pool). `weights_bytes`: the replica's weights as stored (a
+    checkpoint's own format), instead of parameters x bytes."""
+    if weights_bytes is not None:
+        weights = weights_bytes // tensor_parallel_size
+    else:
+        params = num_parameters if num_parameters is not None else shape.num_parameters
+        if params is None:
+            raise ValueError("the parameter count is unknown: give it (--params)")
+        weights = weights_bytes_per_gpu(
+            params,
+            weights_format,
+            tensor_parallel_size,
+            shape=shape,
+            expert_parallel=expert_parallel,
+        )
     cache = int(budget.gpu_memory * budget.gpu_memory_utilization) - weights
     return cache_plan(
         shape.kv_bytes_per_token(kv_format, tensor_parallel_size),

@@ -51,7 +51,11 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--gpu", default="H100-80GB", help="GPU type (H100-80GB); see --gpu-memory-gb")
     p.add_argument("--gpu-memory-gb", type=float, default=None, help="GPU memory in GB (10^9 B)")
     p.add_argument(
-        "--weights", type=_csv(str), default=None, help="weight formats: bf16,fp8,int4 (model's)"
+        "--weights",
+        type=_csv(str),
+        default=None,
+        help="weight formats: bf16,fp8,int4 (the checkpoint's: its dtype or quantization, "
+        "weighed as its files are)",
     )
     p.add_argument(
         "--kv-cache-dtype", type=_csv(str), default=None, help="KV formats: bf16,fp8 (model's)"
@@ -132,11 +136,14 @@ def build_plans(args: argparse.Namespace, shape: ModelShape) -> list[CapacityPla
         raise ValueError(f"--num-gpu-blocks {args.num_gpu_blocks} must be >= 1")
     if any(c < 1 for c in args.contexts):
         raise ValueError("--contexts must be >= 1 token each")
-    weights = [shape.dtype if w == "auto" else w for w in args.weights or ["auto"]]
+    weights = args.weights or ["auto"]
     kv_formats = [shape.dtype if k == "auto" else k for k in args.kv_cache_dtype or ["auto"]]
     slots = _state_slots(args, shape)
     plans = []
     for w, kv, tp in itertools.product(weights, kv_formats, args.tensor_parallel_size):
+        # The checkpoint's own format (auto) weighs what its files hold, codes and scales.
+        own = w == "auto" or w == shape.weights_format
+        w = shape.own_weights_format if w == "auto" else w
         common = {
             "kv_format": kv,
             "block_size": args.block_size,
@@ -156,6 +163,7 @@ def build_plans(args: argparse.Namespace, shape: ModelShape) -> list[CapacityPla
                 weights_format=w,
                 num_parameters=params,
                 expert_parallel=args.enable_expert_parallel,
+                weights_bytes=shape.weight_bytes if own and params is None else None,
                 **common,
             )
         plans.append(plan)

@@ -131,7 +131,10 @@ def load_shard(job: ShardJob, group: RankGroup) -> CausalLM:
     if layout.experts is not None:
         _log_experts(cfg, layout, job.args.all2all_backend)
     dtype = resolve_dtype(job.args.dtype, group.device)
-    return load_model(job.args.model, dtype, group.device, job.max_model_len, tp)
+    args = job.args
+    return load_model(
+        args.model, dtype, group.device, job.max_model_len, tp, quantization=args.quantization
+    )
 
 
 def _log_experts(cfg, layout: TPLayout, backend: str) -> None:

@@ -17,7 +17,8 @@ from torch import nn
 from pagefleet.engine.attention.backend import AttentionBackend, AttentionMetadata, LayerKV
 from pagefleet.engine.model.config import ModelConfig
 from pagefleet.engine.model.layers import RMSNorm, TPParts, embedding, lm_head
-from pagefleet.engine.model.packed import pack_children
+from pagefleet.engine.model.linear import process_weights
+from pagefleet.engine.model.packed import prepack_supported
 from pagefleet.engine.model.rope import RotaryEmbedding
 
 # Checkpoint projections that load into one fused parameter: (ours, part).
@@ -35,8 +36,9 @@ LayerFactory = Callable[[ModelConfig, int, TPParts | None], nn.Module]
 class CausalLM(nn.Module):
     """Embedding → decoder layers (`make_layer(cfg, index, tp)`) → norm → LM head.
 
-    A decoder layer's forward is `(x, positions, rope, backend, kv_caches, meta) -> x` and its
-    `prepack()` moves its linears onto packed weights (model/packed.py)."""
+    A decoder layer's forward is `(x, positions, rope, backend, kv_caches, meta) -> x`; its
+    linears come from model/layers.py's factories (model/linear.py), and an optional
+    `prepack()` processes whatever else it loaded (packed experts)."""
 
     # Checkpoint name pieces renamed to ours (families with more fused layers extend it).
     fused_projections: dict[str, tuple[str, str]] = FUSED_PROJECTIONS
@@ -51,6 +53,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
+        # The weights' format as capacity names it (float32, int4, fp8...; set by the loader).
+        self.weights_format = ""
         self.max_positions = max_positions
         self.embed_tokens = embedding(cfg, tp)
         self.layers = nn.ModuleList(make_layer(cfg, i, tp) for i in range(cfg.num_layers))
@@ -64,7 +68,9 @@ class CausalLM(nn.Module):
         return RotaryEmbedding(cfg.head_dim, self.max_positions, cfg.rope)
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings and self.lm_head is not None:
+        """A tied LM head reads the embedding's weight (a float one: a quantized head keeps
+        its own)."""
+        if self.config.tie_word_embeddings and hasattr(self.lm_head, "weight"):
             self.lm_head.weight = self.embed_tokens.weight
 
     def drop_lm_head(self) -> None:
@@ -95,12 +101,22 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
 
+    def process_weights(self, prepack: bool = True) -> None:
+        """Once, after the weights are loaded: every linear layer's weights into the form its
+        method's kernel reads (model/linear.py). `prepack` lets float32 CPU weights move onto
+        oneDNN-packed ones (model/packed.py) and layers pack what else they hold (`prepack()`,
+        float32 on CPU only: a MoE's or a linear-attention layer's plain linears); False keeps
+        the plain float reference (tests and benchmarks)."""
+        weight = self.embed_tokens.weight
+        if prepack and prepack_supported(weight.device, weight.dtype):
+            for layer in self.layers:
+                hook = getattr(layer, "prepack", None)
+                if hook is not None:
+                    hook()
+        process_weights(self, prepack)
+
     def prepack(self) -> None:
-        """Move every linear layer onto oneDNN-prepacked weights (model/packed.py): call once,
-        after the weights are loaded, on a float32 CPU model."""
-        for layer in self.layers:
-            layer.prepack()
-        pack_children(self, ("lm_head",))
+        self.process_weights(prepack=True)
 
     def checkpoint_target(self, name: str) -> tuple[str, Hashable] | None:
         """(parameter name, part) a checkpoint tensor loads into, or None for tensors the model
@@ -114,6 +130,19 @@ class CausalLM(nn.Module):
             if f".{theirs}." in name:
                 return name.replace(theirs, ours), part
         return name, None
+
+    def checkpoint_modules(self, name: str, parts: list[Hashable]) -> list[str]:
+        """The checkpoint's module names (HF's: `model.layers.0.self_attn.q_proj`) whose
+        weights load into our module `name`, one per fused part (the inverse of
+        `checkpoint_target`; quantization configs name layers so)."""
+        found = []
+        for part in parts:
+            theirs = name
+            for checkpoint, (ours, ours_part) in self.fused_projections.items():
+                if ours_part == part and name.endswith("." + ours):
+                    theirs = name[: -len(ours)] + checkpoint
+            found.append(theirs if theirs == "lm_head" else "model." + theirs)
+        return found
 
     @property
     def num_kv_heads(self) -> int:

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.engine.model.layers import RMSNorm, TPParts, output_linear
-from pagefleet.engine.model.packed import linear_add, pack_children
+from pagefleet.engine.model.linear import linear_add
+from pagefleet.engine.model.packed import pack_children
 from pagefleet.engine.model.weights import (
     Slice,
     TensorSource,

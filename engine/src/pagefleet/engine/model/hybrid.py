@@ -22,7 +22,7 @@ from pagefleet.engine.model.causal_lm import FUSED_PROJECTIONS, CausalLM
 from pagefleet.engine.model.config import ModelConfig, SequenceStateShape
 from pagefleet.engine.model.gated_deltanet import IN_PROJECTIONS, GatedDeltaNet
 from pagefleet.engine.model.layers import MLP, Attention, RMSNorm, TPParts
-from pagefleet.engine.model.packed import linear_add
+from pagefleet.engine.model.linear import linear_add
 from pagefleet.engine.model.weights import (
     TensorSource,
     WeightLoader,

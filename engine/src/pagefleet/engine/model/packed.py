@@ -3,9 +3,11 @@
 Torch's plain CPU float32 linear goes to MKL's sgemm, which on this class of machine (AMD EPYC
 with AVX-512) ran the model's shapes at ~80-100 GFLOP/s on one core; oneDNN's JIT kernels on a
 weight reordered once into its blocked layout ran them at ~190-240 from 8 rows up, and about
-even at 1 row (benchmarks/cpu_linear.py). `load_model` reorders after loading
-(`CausalLM.prepack`) and the plain weight is released, so memory stays the same except for a
-tied LM head, whose packed copy sits beside the embedding.
+even at 1 row (benchmarks/cpu_linear.py). The float linear method (model/linear.py) reorders
+each weight after loading and releases the plain one, so memory stays the same except for a
+tied LM head, whose packed copy sits beside the embedding. The families' plain `nn.Linear`
+children outside that seam (a MoE router's gate, a linear-attention layer's projections) are
+swapped for `PackedLinear` by `pack_children`.
 """
 
 from __future__ import annotations
@@ -62,16 +64,8 @@ class PackedLinear(nn.Module):
         return packed_linear_add(x, self.packed, self.bias, residual)
 
 
-def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + layer(x), fused where the layer offers it (a packed, unsharded linear)."""
-    fused = getattr(layer, "forward_add", None)
-    if fused is not None:
-        return fused(x, residual)
-    return residual.add_(layer(x))
-
-
 def pack_children(module: nn.Module, names: tuple[str, ...]) -> None:
-    """Replace each named `nn.Linear` child by its packed form; other kinds (row-parallel
+    """Replace each named `nn.Linear` child by its packed form; other kinds (the linear seam's
     layers) pack themselves through their own `prepack`."""
     for name in names:
         child = getattr(module, name)

@@ -67,6 +67,13 @@ def set_weight_loader(module: nn.Module, param: str, loader: WeightLoader, parts
     loaders[param] = ParamLoader(loader, frozenset(parts))
 
 
+def set_check_loader(module: nn.Module, name: str, loader: WeightLoader) -> None:
+    """Attach a loader for a checkpoint tensor `module` reads and checks but keeps no
+    parameter for (a quantized weight's stored shape): it gets None for the parameter, and
+    the tensor is never required."""
+    module.__dict__.setdefault("weight_loaders", {})[name] = ParamLoader(loader, frozenset())
+
+
 def param_loaders(model: nn.Module) -> dict[str, ParamLoader]:
     """Every parameter's loader by its full name (tied parameters under each name)."""
     found = {}

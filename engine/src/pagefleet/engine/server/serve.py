@@ -210,6 +210,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
     )
     flag(
+        "quantization",
+        "weight format: fp8, compressed-tensors, awq, gptq, gguf (default: the checkpoint's "
+        "quantization_config; fp8 on a float checkpoint quantizes it at load)",
+    )
+    flag(
         "kv_cache_dtype",
         "KV cache dtype (auto: the model's; fp8 = fp8_e4m3: half the bytes of a 16-bit cache, "
         "per-layer scales from the checkpoint's k_scale/v_scale, else 1.0)",
