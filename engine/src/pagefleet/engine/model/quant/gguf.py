@@ -23,6 +23,7 @@ from pagefleet.engine.model.ggml_quants import CODED_TYPES, block_codes, block_g
 from pagefleet.engine.model.linear import Linear, LinearMethod, rows_loader
 from pagefleet.engine.model.quant.int_weight import IntWeight
 from pagefleet.engine.model.quant.packing import pack_codes
+from pagefleet.engine.model.quant.weight_only import KernelMethod
 from pagefleet.engine.model.weights import TensorSource, set_weight_loader
 
 NAME = "gguf"
@@ -38,7 +39,7 @@ LAYOUT = {
 
 
 @dataclass(frozen=True)
-class GgufMethod(LinearMethod):
+class GgufMethod(KernelMethod):
     """Codes of `bits` (4: two per byte) with a scale and an offset per `group` columns."""
 
     bits: int
@@ -80,16 +81,6 @@ class GgufMethod(LinearMethod):
         layer.kernel = int_kernel(weight)
         layer.weight = None
         del layer.code_scales, layer.code_offsets
-
-    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = layer.kernel(x)
-        return y if bias is None else y + bias
-
-    def weight_bytes(self, layer: Linear) -> int:
-        kernel = getattr(layer, "kernel", None)
-        if kernel is None:
-            return super().weight_bytes(layer)
-        return sum(t.numel() * t.element_size() for t in kernel.tensors())
 
 
 def _decode(source, rows, cols, group: int):

@@ -89,7 +89,22 @@ def check_loader(read: PartReader):
     return load
 
 
-class WeightOnlyMethod(LinearMethod):
+class KernelMethod(LinearMethod):
+    """A method whose processed layer runs `layer.kernel` (quant/kernels.py's int_kernel over
+    the layer's codes): every integer weight-only format, GGUF's included."""
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = layer.kernel(x)
+        return y if bias is None else y + bias
+
+    def weight_bytes(self, layer: Linear) -> int:
+        kernel = getattr(layer, "kernel", None)
+        if kernel is None:
+            return super().weight_bytes(layer)
+        return sum(t.numel() * t.element_size() for t in kernel.tensors())
+
+
+class WeightOnlyMethod(KernelMethod):
     """Base of the weight-only integer formats: a subclass sets `scheme`, `roles` (codes,
     scales, zeros, g_idx -> its parameter names) and `params(spec)`."""
 
@@ -157,13 +172,3 @@ class WeightOnlyMethod(LinearMethod):
         layer.kernel = int_kernel(self.int_weight(layer))
         for name in [n for n in layer._parameters if n != "bias"]:
             delattr(layer, name)
-
-    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = layer.kernel(x)
-        return y if bias is None else y + bias
-
-    def weight_bytes(self, layer: Linear) -> int:
-        kernel = getattr(layer, "kernel", None)
-        if kernel is None:
-            return super().weight_bytes(layer)
-        return sum(t.numel() * t.element_size() for t in kernel.tensors())
