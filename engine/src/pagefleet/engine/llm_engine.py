@@ -42,6 +42,7 @@ from pagefleet.engine.kv_sizing import (
     kv_pool_plan_of,
 )
 from pagefleet.engine.model.causal_lm import CausalLM
+from pagefleet.engine.model.linear import weight_bytes as model_weight_bytes
 from pagefleet.engine.model.loader import (
     kv_cache_format,
     load_model,
@@ -557,7 +558,7 @@ class LLMEngine:
         return kv_dtype, scales
 
     def _log_weights(self, model, start: float) -> None:
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        weight_bytes = model_weight_bytes(model)
         tp = self.args.tensor_parallel_size
         logger.info(
             "Loading weights took %.2f s; model weights take %.2f GiB%s",

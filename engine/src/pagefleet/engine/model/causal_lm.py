@@ -17,7 +17,7 @@ from torch import nn
 from pagefleet.engine.attention.backend import AttentionBackend, AttentionMetadata, LayerKV
 from pagefleet.engine.model.config import ModelConfig
 from pagefleet.engine.model.layers import RMSNorm, TPParts, embedding, lm_head
-from pagefleet.engine.model.packed import pack_children
+from pagefleet.engine.model.linear import process_weights
 from pagefleet.engine.model.rope import RotaryEmbedding
 
 # Checkpoint projections that load into one fused parameter: (ours, part).
@@ -35,8 +35,9 @@ LayerFactory = Callable[[ModelConfig, int, TPParts | None], nn.Module]
 class CausalLM(nn.Module):
     """Embedding → decoder layers (`make_layer(cfg, index, tp)`) → norm → LM head.
 
-    A decoder layer's forward is `(x, positions, rope, backend, kv_caches, meta) -> x` and its
-    `prepack()` moves its linears onto packed weights (model/packed.py)."""
+    A decoder layer's forward is `(x, positions, rope, backend, kv_caches, meta) -> x`; its
+    linears come from model/layers.py's factories (model/linear.py), and an optional
+    `prepack()` processes whatever else it loaded (packed experts)."""
 
     # Checkpoint name pieces renamed to ours (families with more fused layers extend it).
     fused_projections: dict[str, tuple[str, str]] = FUSED_PROJECTIONS
@@ -64,7 +65,9 @@ class CausalLM(nn.Module):
         return RotaryEmbedding(cfg.head_dim, self.max_positions, cfg.rope)
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        """A tied LM head reads the embedding's weight (a float one: a quantized head keeps
+        its own)."""
+        if self.config.tie_word_embeddings and hasattr(self.lm_head, "weight"):
             self.lm_head.weight = self.embed_tokens.weight
 
     def materialize(self, device: torch.device) -> None:
@@ -90,12 +93,20 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
 
+    def process_weights(self, prepack: bool = True) -> None:
+        """Once, after the weights are loaded: every linear layer's weights into the form its
+        method's kernel reads (model/linear.py). `prepack` lets float32 CPU weights move onto
+        oneDNN-packed ones (model/packed.py) and layers pack what else they hold (`prepack()`);
+        False keeps the plain float reference (tests and benchmarks)."""
+        if prepack:
+            for layer in self.layers:
+                hook = getattr(layer, "prepack", None)
+                if hook is not None:
+                    hook()
+        process_weights(self, prepack)
+
     def prepack(self) -> None:
-        """Move every linear layer onto oneDNN-prepacked weights (model/packed.py): call once,
-        after the weights are loaded, on a float32 CPU model."""
-        for layer in self.layers:
-            layer.prepack()
-        pack_children(self, ("lm_head",))
+        self.process_weights(prepack=True)
 
     def checkpoint_target(self, name: str) -> tuple[str, Hashable] | None:
         """(parameter name, part) a checkpoint tensor loads into, or None for tensors the model

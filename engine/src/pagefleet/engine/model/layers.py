@@ -2,7 +2,10 @@
 and the tensor-parallel split of each (column-parallel in, row-parallel out).
 
 Every layer attaches its parameters' weight loaders (model/weights.py) as it builds them: it
-knows which checkpoint projections fuse into which rows and which slice its rank holds.
+knows which checkpoint projections fuse into which rows and which slice its rank holds. Linear
+layers come from `column_linear`, `output_linear` and `lm_head`, which describe the layer
+(`LinearSpec`) and leave its weights to a method (model/linear.py): float unless the
+checkpoint's quantization chooses another one for it.
 """
 
 from __future__ import annotations
@@ -14,21 +17,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.engine.model.config import ModelConfig
-from pagefleet.engine.model.packed import linear_add, pack_children
-from pagefleet.engine.model.parallel import (
-    Collectives,
+from pagefleet.engine.model.linear import (
+    FLOAT,
+    Linear,
+    LinearMethod,
+    LinearSpec,
     ParallelLMHead,
     RowParallelLinear,
-    TPLayout,
-    VocabParallelEmbedding,
+    linear_add,
 )
-from pagefleet.engine.model.weights import (
-    Slice,
-    fused_loader,
-    set_weight_loader,
-    vocab_loader,
-    whole_loader,
-)
+from pagefleet.engine.model.parallel import Collectives, TPLayout, VocabParallelEmbedding
+from pagefleet.engine.model.weights import Slice, set_weight_loader, vocab_loader, whole_loader
 
 
 @dataclass(frozen=True)
@@ -55,27 +54,27 @@ def column_linear(
     parts: dict[str, int],
     pieces: dict[str, Slice | None],
     bias: bool,
-) -> nn.Linear:
+    method: LinearMethod = FLOAT,
+) -> Linear:
     """A linear whose output rows stack checkpoint projections (`parts`: rows of each on this
-    rank, in order), each read as `pieces[part]` of its checkpoint tensor (None: all of it)."""
-    layer = nn.Linear(in_features, sum(parts.values()), bias=bias)
-    set_weight_loader(layer, "weight", fused_loader(parts, pieces), parts)
-    set_weight_loader(layer, "bias", fused_loader(parts, pieces), parts)
-    return layer
+    rank, in order), each read as `pieces[part]` of its checkpoint rows (None: all of it)."""
+    return Linear(LinearSpec(in_features, dict(parts), dict(pieces), bias=bias), method)
 
 
-def output_linear(in_features: int, out_features: int, bias: bool, tp: TPParts | None) -> nn.Module:
+def output_linear(
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    tp: TPParts | None,
+    method: LinearMethod = FLOAT,
+) -> Linear:
     """o_proj / down_proj: a plain linear on one rank, row-parallel over several (each rank
     reads its `in_features` columns; the bias is whole on every rank, added once)."""
     if tp is None:
-        layer = nn.Linear(in_features, out_features, bias=bias)
-        set_weight_loader(layer, "weight", whole_loader())
-    else:
-        layer = RowParallelLinear(in_features, out_features, bias, tp.group)
-        piece = Slice(1, tp.layout.rank * in_features, in_features)
-        set_weight_loader(layer, "weight", whole_loader(piece))
-    set_weight_loader(layer, "bias", whole_loader())
-    return layer
+        return Linear(LinearSpec(in_features, {None: out_features}, bias=bias), method)
+    cols = Slice(1, tp.layout.rank * in_features, in_features)
+    spec = LinearSpec(in_features, {None: out_features}, cols=cols, bias=bias)
+    return RowParallelLinear(spec, tp.group, method)
 
 
 def embedding(cfg: ModelConfig, tp: TPParts | None) -> nn.Module:
@@ -88,14 +87,14 @@ def embedding(cfg: ModelConfig, tp: TPParts | None) -> nn.Module:
     return layer
 
 
-def lm_head(cfg: ModelConfig, tp: TPParts | None) -> nn.Module:
+def lm_head(cfg: ModelConfig, tp: TPParts | None, method: LinearMethod = FLOAT) -> Linear:
+    """The LM head: whole on one rank; under tensor parallelism each rank scores its slice of
+    the vocabulary (padded on the last rank) and rank 0 gathers them."""
     if tp is None:
-        layer = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        set_weight_loader(layer, "weight", whole_loader())
-        return layer
-    layer = ParallelLMHead(tp.layout, cfg.hidden_size, tp.group)
-    set_weight_loader(layer, "weight", vocab_loader(_vocab_slice(tp.layout)))
-    return layer
+        return Linear(LinearSpec(cfg.hidden_size, {None: cfg.vocab_size}), method)
+    layout = tp.layout
+    spec = LinearSpec(cfg.hidden_size, {None: layout.vocab_per_rank}, {None: _vocab_slice(layout)})
+    return ParallelLMHead(spec, layout.vocab_size, tp.group, method)
 
 
 def _vocab_slice(layout: TPLayout) -> Slice:
@@ -142,7 +141,8 @@ class Attention(nn.Module):
         return linear_add(self.o_proj, out.reshape(-1, self.q_size), residual)
 
     def prepack(self) -> None:
-        pack_children(self, ("qkv_proj", "o_proj"))
+        self.qkv_proj.prepack()
+        self.o_proj.prepack()
 
 
 class MLP(nn.Module):
@@ -177,4 +177,5 @@ class MLP(nn.Module):
         return linear_add(self.down_proj, torch.mul(F.silu(gate, inplace=True), up), residual)
 
     def prepack(self) -> None:
-        pack_children(self, ("gate_up_proj", "down_proj"))
+        self.gate_up_proj.prepack()
+        self.down_proj.prepack()

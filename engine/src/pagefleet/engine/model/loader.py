@@ -16,7 +16,6 @@ from pagefleet.engine.kv_cache.fp8 import FP8_KV_DTYPE, LayerScales, is_fp8, is_
 from pagefleet.engine.model.causal_lm import CausalLM
 from pagefleet.engine.model.checkpoint import kv_scales, read_config, tensor_sources, weight_files
 from pagefleet.engine.model.layers import TPParts
-from pagefleet.engine.model.packed import prepack_supported
 from pagefleet.engine.model.registry import family_of, model_config
 from pagefleet.engine.model.weights import param_loaders
 
@@ -58,8 +57,8 @@ def build_model(
     family, arch = family_of(hf_config)
     cfg = family.config_from_hf(hf_config, arch)
     with torch.device("meta"):
-        model = family.build(cfg, max_positions, tp)
-    model = model.to_empty(device=device).to(dtype)
+        model = family.build(cfg, max_positions, tp).to(dtype)
+    model = model.to_empty(device=device)
     model.materialize(device)
     return model
 
@@ -72,9 +71,10 @@ def load_model(
     tp: TPParts | None = None,
     prepack: bool = True,
 ) -> CausalLM:
-    """The model (or with `tp`, this rank's shard of it) on `device`, in `dtype`; on a float32
-    CPU model the linear layers then run on oneDNN-prepacked weights (model/packed.py) unless
-    `prepack` is False (the benchmarks' and tests' unpacked reference)."""
+    """The model (or with `tp`, this rank's shard of it) on `device`, in `dtype`; each linear
+    layer's weights are then processed for its kernel (model/linear.py): on a float32 CPU
+    model oneDNN-prepacked (model/packed.py) unless `prepack` is False (the benchmarks' and
+    tests' unpacked reference)."""
     model = build_model(read_config(path), dtype, device, max_positions, tp)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaders = param_loaders(model)
@@ -91,8 +91,7 @@ def load_model(
         loaders[name].load(params[name], source, part)
         arrived.setdefault(name, set()).add(part)
     _check_complete(model, loaders, arrived, path)
-    if prepack and prepack_supported(device, dtype):
-        model.prepack()
+    model.process_weights(prepack)
     return model.eval()
 
 

@@ -1,6 +1,6 @@
 """Tensor-parallel model pieces: which slice of each weight a rank holds (`TPLayout`, pure
-arithmetic shared by the model and the loader) and the layers whose outputs need a collective
-(row-parallel linear, vocab-parallel embedding and LM head).
+arithmetic shared by the model and the loader) and the vocab-parallel embedding (the
+row-parallel linear and the vocab-parallel LM head are in model/linear.py).
 
 Megatron's split, as vLLM does it: q/k/v and gate/up are column-parallel (each rank computes
 its heads and its slice of the MLP), o_proj and down_proj are row-parallel (partial sums, one
@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from pagefleet.engine.model.packed import pack_weight, shard_linear
 
 if TYPE_CHECKING:
     from pagefleet.engine.model.config import ModelConfig
@@ -92,25 +90,6 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
             )
 
 
-class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_shard @ W_shard^T) + b: inputs split over ranks, the bias added once."""
-
-    def __init__(self, in_local: int, out: int, bias: bool, group: Collectives) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out, in_local))
-        self.bias = nn.Parameter(torch.empty(out)) if bias else None
-        self.group = group
-        self.packed: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(shard_linear(x, self.weight, self.packed))
-        return y if self.bias is None else y + self.bias
-
-    def prepack(self) -> None:
-        """Run on a oneDNN-packed copy of the shard (model/packed.py), releasing the plain one."""
-        self.packed, self.weight = pack_weight(self.weight), None
-
-
 class VocabParallelEmbedding(nn.Module):
     """Each rank looks up the ids in its vocabulary slice, zeroes the rest; an all-reduce sums
     the one non-zero row per token."""
@@ -126,24 +105,3 @@ class VocabParallelEmbedding(nn.Module):
         local = (ids - self.start).masked_fill(outside, 0)
         rows = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return self.group.all_reduce(rows)
-
-
-class ParallelLMHead(nn.Module):
-    """Each rank scores its vocabulary slice; rank 0 gathers the slices (the others get None)."""
-
-    def __init__(self, layout: TPLayout, hidden: int, group: Collectives) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(layout.vocab_per_rank, hidden))
-        self.vocab_size = layout.vocab_size
-        self.group = group
-        self.packed: torch.Tensor | None = None
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        parts = self.group.gather_to_first(shard_linear(hidden, self.weight, self.packed))
-        if parts is None:
-            return None
-        return torch.cat(parts, dim=-1)[..., : self.vocab_size]
-
-    def prepack(self) -> None:
-        """As RowParallelLinear.prepack; a tied embedding keeps its own reference to the weight."""
-        self.packed, self.weight = pack_weight(self.weight), None
