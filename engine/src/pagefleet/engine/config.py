@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pagefleet.engine.lora.config import LoRAConfig, LoRAModulePath, parse_lora_modules
 from pagefleet.engine.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -73,9 +74,18 @@ class EngineArgs:
     # Speculative decoding: vLLM's --speculative-config JSON (or its dict, or the parsed
     # config, which it becomes here); see spec_decode/.
     speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None
+    # Multi-LoRA (engine/lora/): adapters by name (`name=path` or JSON, parsed into
+    # LoRAModulePath), slots per step, their largest rank, adapters kept in host memory.
+    enable_lora: bool = False
+    lora_modules: list[str | dict] | tuple[LoRAModulePath, ...] | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "must be > 0")
+        self.lora_modules = parse_lora_modules(self.lora_modules)
+        self.lora_config()  # checks the LoRA flags
         self._check_offloading()
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None:
@@ -175,6 +185,17 @@ class EngineArgs:
                 "the CPU offload tier needs real weights (not --simulate)",
             )
 
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA settings with --enable-lora, else None (ValueError for flags that need
+        it, or values out of range)."""
+        if not self.enable_lora:
+            _require(
+                not self.lora_modules, "lora_modules", self.lora_modules, "needs --enable-lora"
+            )
+            return None
+        _require(self.simulate is None, "enable_lora", True, "LoRA needs real weights")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's limits, with max_model_len resolved against the checkpoint."""
         return SchedulerConfig(
@@ -184,6 +205,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_loras=self.max_loras if self.enable_lora else 0,
         )
 
     def cache_config(self, num_gpu_blocks: int, num_host_blocks: int = 0) -> CacheConfig:
@@ -215,6 +237,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill
     max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills
     long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold
+    max_loras: int = 0  # distinct LoRA adapters in one step; 0: LoRA is off
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")

@@ -9,6 +9,7 @@ from pagefleet.common.kv_events import KVEventListener
 from pagefleet.engine.chat_template import render_chat
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.llm_engine import LLMEngine
+from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
 
@@ -29,8 +30,11 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order. `lora_request`:
+        the LoRA adapter of every prompt, or one per prompt (None: the base model), as vLLM's
+        (an adapter not loaded yet is loaded from its path)."""
         batch = _as_batch(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -40,10 +44,11 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(batch):
                 raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
+        loras = _per_prompt(lora_request, len(batch))
         ids: list[str] = []
         try:
-            for prompt, sp in zip(batch, params, strict=True):
-                ids.append(self.engine.add_request(None, _unwrap(prompt), sp))
+            for prompt, sp, lora in zip(batch, params, loras, strict=True):
+                ids.append(self.engine.add_request(None, _unwrap(prompt), sp, lora_request=lora))
         except Exception:
             for rid in ids:  # all or nothing: drop what this call queued
                 self.engine.abort_request(rid)
@@ -58,6 +63,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (with `tools`, OpenAI-shaped, if given) to each
         conversation, then generate."""
@@ -67,7 +73,7 @@ class LLM:
             render_chat(tokenizer, conv, add_generation_prompt, tools, chat_template)
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
@@ -93,6 +99,15 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[rid] for rid in request_ids]
+
+
+def _per_prompt(lora_request, count: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"{len(loras)} LoRA requests for {count} prompts")
+    return loras
 
 
 def _as_batch(prompts) -> list[Prompt]:

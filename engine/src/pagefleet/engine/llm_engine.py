@@ -41,6 +41,8 @@ from pagefleet.engine.kv_sizing import (
     kv_pool_blocks,
     kv_pool_plan_of,
 )
+from pagefleet.engine.lora.manager import remove_adapter, setup_lora
+from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.model.causal_lm import CausalLM
 from pagefleet.engine.model.linear import weight_bytes as model_weight_bytes
 from pagefleet.engine.model.loader import (
@@ -144,6 +146,7 @@ class LLMEngine:
                 f"does not implement; set --max-model-len {window} or less"
             )
         self.draft_model: CausalLM | None = None
+        self.lora = None  # the LoRAManager with --enable-lora (lora/manager.py)
         if args.simulate is not None:
             self.model_config = model_config(hf_config)
             num_blocks = args.num_gpu_blocks_override or args.simulate.num_gpu_blocks
@@ -183,6 +186,7 @@ class LLMEngine:
             args.max_num_seqs,
             args.enable_prefix_caching,
             self.runner.kv_cache_dtype,
+            args.max_loras if self.lora is not None else 0,
         )
 
     def subscribe(self, observer: EngineObserver) -> None:
@@ -207,6 +211,7 @@ class LLMEngine:
             kv_transfer=transfer,
             kv_offload=self._offload_stats(),
             spec_decode=self.spec_counters.snapshot() if self.spec_counters else None,
+            lora=self.lora.stats(sched) if self.lora is not None else None,
         )
 
     def _offload_stats(self) -> KVOffloadStats | None:
@@ -450,13 +455,16 @@ class LLMEngine:
         model = load_model(args.model, self.dtype, self.device, self.max_model_len)
         self._log_weights(model, start)
         self.model_config = model.config
+        self.lora = setup_lora(args, model, self.dtype, self.device)
         kv_dtype, kv_scales = self._kv_format()
         num_blocks = self._size_kv_pool(model, kv_dtype)
         backend = select_backend(args.attention_backend, self.device)
         runner = ModelRunner(
             model, args.block_size, num_blocks, backend, self.device, kv_dtype, kv_scales
         )
-        if self.device.type == "cuda" and not args.enforce_eager:
+        runner.lora = self.lora
+        # A captured decode step would not see the step's adapter slots: LoRA runs eagerly.
+        if self.device.type == "cuda" and not args.enforce_eager and self.lora is None:
             runner.capture_decode_graphs(self._max_decode_rows(), self.max_model_len)
         return runner, num_blocks
 
@@ -505,12 +513,14 @@ class LLMEngine:
             model = tp_runner.load_shard(job, group)
             self._log_weights(model, start)
             self.model_config = model.config
+            self.lora = setup_lora(args, model, self.dtype, self.device)
             kv_dtype, kv_scales = self._kv_format()
             num_blocks = self._size_kv_pool(model, kv_dtype, group)
             backend = select_backend(args.attention_backend, self.device)
             runner = tp_runner.ParallelModelRunner(
                 model, args.block_size, num_blocks, backend, kv_dtype, group, executor, kv_scales
             )
+            runner.attach_lora(self.lora)
         except BaseException:
             self._stop_supervision()
             executor.shutdown(timeout_s=0.0)
@@ -630,14 +640,17 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        """Queue a request (text or token ids); returns its id. Raises ValueError if it cannot
-        run (the scheduler's rules, see validation.py; a duplicate id; kv_transfer_params this
-        engine cannot act on)."""
+        """Queue a request (text or token ids), for the base model or `lora_request`'s
+        adapter; returns its id. Raises ValueError if it cannot run (the scheduler's rules,
+        see validation.py; a duplicate id; kv_transfer_params this engine cannot act on; an
+        adapter this engine cannot load)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups or request_id in self._group_of:
             raise ValueError(f"duplicate request id {request_id!r}")
-        hold, source = self._kv_transfer_role(params)
+        lora = self._resolve_lora(lora_request)
+        hold, source = self._kv_transfer_role(params, lora)
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -662,6 +675,7 @@ class LLMEngine:
                 eos_token_id=self.eos_token_ids,
                 block_size=self.args.block_size,
                 arrival_time=group.arrival_time,
+                lora_request=lora,
             )
             req.hold_blocks, req.remote_source = hold, source
             detok = Detokenizer(
@@ -692,6 +706,31 @@ class LLMEngine:
         for seq in group.sequences:
             self._group_of[seq.request.request_id] = request_id
         return request_id
+
+    def _resolve_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
+        return self.lora.resolve(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Make an adapter nameable by requests (vLLM's add_lora); ValueError if it cannot
+        run here (engine thread)."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
+        return self.lora.resolve(lora_request)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter no request runs with (KeyError: unknown; ValueError: in use);
+        engine thread. See lora.manager.remove_adapter."""
+        if self.lora is None:
+            raise KeyError(name)
+        requests = (s.request for g in self.groups.values() for s in g.sequences)
+        remove_adapter(self.lora, self.scheduler.kv_cache, requests, name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.lora.adapters.values()) if self.lora is not None else []
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -746,7 +785,7 @@ class LLMEngine:
             if seq.detok:
                 seq.detok.flush()
 
-    def _kv_transfer_role(self, params: SamplingParams):
+    def _kv_transfer_role(self, params: SamplingParams, lora: LoRARequest | None = None):
         """(hold blocks when done?, remote source to pull from) for this request."""
         kv = params.kv_transfer_params
         if not kv or not (kv.get("do_remote_decode") or kv.get("do_remote_prefill")):
@@ -768,7 +807,7 @@ class LLMEngine:
             )
         from pagefleet.engine.kv_transfer.connector import RemoteSource
 
-        return False, RemoteSource.from_params(kv)
+        return False, RemoteSource.from_params(kv).checked_for(lora)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         group = self.groups.pop(request_id, None)
@@ -878,8 +917,9 @@ class LLMEngine:
             if req.grammar is not None and not req.status.finished:
                 self._advance_grammar(next(s for s in group.sequences if s.request is req), start)
             if req.hold_blocks and req.request_id in self.scheduler.held:
+                blocks = req.block_ids[: req.num_prompt_blocks]
                 group.kv_transfer_params = self.connector.hold(
-                    req.request_id, req.block_ids[: req.num_prompt_blocks], time.monotonic()
+                    req.request_id, blocks, time.monotonic(), req.lora_name
                 )
             touched[group.request_id] = group
         now = time.time()

@@ -22,6 +22,7 @@ from pagefleet.engine.attention.backend import (
 )
 from pagefleet.engine.cuda_graph import DecodeGraphs
 from pagefleet.engine.kv_cache.fp8 import check_fp8_backend
+from pagefleet.engine.lora.ops import LoRABatch
 from pagefleet.engine.model.causal_lm import CausalLM
 from pagefleet.engine.outputs import TokenLogprobs
 from pagefleet.engine.request import Request
@@ -41,6 +42,8 @@ class StepInputs:
     sample_requests: list[Request]
     # Requests asking for prompt logprobs: (request, first row, first position, rows).
     prompt_logprob_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
+    # Each row's LoRA adapter slot (None: no row runs an adapter, or LoRA is off).
+    lora: LoRABatch | None = None
 
 
 def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
@@ -101,6 +104,7 @@ class ModelRunner:
         ]
         self.kv_cache_dtype = str(dtype).removeprefix("torch.")
         self.decode_graphs: DecodeGraphs | None = None  # see capture_decode_graphs
+        self.lora = None  # the LoRAManager of a model with LoRA layers (lora/manager.py)
 
     def capture_decode_graphs(
         self, max_num_seqs: int, max_model_len: int, use_graphs: bool = True
@@ -132,6 +136,8 @@ class ModelRunner:
         `out.samples()`, and prompt logprobs by request id). A request verifying drafts has
         all its 1 + k rows there, one after another, and appears once per row."""
         inputs = self.prepare(out)
+        if self.lora is not None:
+            self.lora.state.batch = inputs.lora
         hidden = None
         if self.decode_graphs is not None:
             hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
@@ -219,6 +225,7 @@ class ModelRunner:
             single_groups=self._single_groups(tables, single_lens),
             prefills=prefills,
         )
+        lora = self._lora_rows(out, singles, chunks) if self.lora is not None else None
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.cat([torch.tensor(positions, dtype=torch.int64), *chunk_positions]).to(
@@ -228,7 +235,20 @@ class ModelRunner:
             sample_rows=sample_rows,
             sample_requests=sample_requests,
             prompt_logprob_rows=prompt_rows,
+            lora=lora,
         )
+
+    def _lora_rows(self, out: SchedulerOutput, singles, chunks) -> LoRABatch | None:
+        """Slots for the step's adapters (installed now if not resident) and each row's slot,
+        in the rows' order: the single rows, then each chunk's."""
+        names = {r.lora_name for r, _ in out.scheduled if r.lora_name is not None}
+        if not names:
+            return None
+        slots = self.lora.activate(names)
+        row_slots = [slots.get(req.lora_name, -1) for _, req, _, _ in singles]
+        for _, req, n in chunks:
+            row_slots += [slots.get(req.lora_name, -1)] * n
+        return LoRABatch.build(row_slots, self.device)
 
     # A group of single rows holds at most this many padded context tokens (about 2.5 MB of
     # keys and values for a 57M model's layer) or this many rows.
