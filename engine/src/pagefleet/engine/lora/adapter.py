@@ -50,6 +50,14 @@ class AdapterError(ValueError):
     """The adapter cannot run on this engine; the message says why."""
 
 
+class AdapterNotFound(AdapterError):
+    """The adapter's folder or one of its files is not there."""
+
+
+class AdapterOutsideRoot(AdapterError):
+    """The path leads outside the folder adapters may be loaded from."""
+
+
 @dataclass(frozen=True)
 class Target:
     """A projection an adapter may target: the model's layer that computes it, the part of that
@@ -92,33 +100,38 @@ class AdapterWeights:
 
 
 def adapter_files(folder: str | Path) -> tuple[Path, Path]:
-    """The adapter's config and weight files, or AdapterError naming what is missing."""
+    """The adapter's config and weight files, or AdapterNotFound naming what is missing."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise AdapterError(f"LoRA adapter {str(folder)!r} is not a folder")
+        raise AdapterNotFound(f"LoRA adapter {str(folder)!r} is not a folder")
     config, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
     for file in (config, weights):
         if not file.is_file():
             extra = ""
             if file is weights and (folder / "adapter_model.bin").exists():
                 extra = " (pickled adapter_model.bin is not loaded: save it as safetensors)"
-            raise AdapterError(f"LoRA adapter {str(folder)!r} has no {file.name}{extra}")
+            raise AdapterNotFound(f"LoRA adapter {str(folder)!r} has no {file.name}{extra}")
     return config, weights
 
 
-def resolve_under_root(root: str | Path, path: str | Path) -> Path:
-    """The adapter folder `path` (absolute, or relative to `root`) if it and its two files lie
-    under `root` once every symlink is followed; AdapterError otherwise."""
+def resolve_under_root(root: str | Path, path: str) -> Path:
+    """The adapter folder `path` (absolute, or relative to `root`) once every symlink is
+    followed, if it and its two files lie under `root`: AdapterOutsideRoot otherwise, decided
+    before anything about the path's existence is told (no probing outside the root);
+    AdapterNotFound if it is inside but incomplete."""
     base = Path(os.path.realpath(root))
     target = Path(os.path.realpath(base / path))
-    inside = [target, *(Path(os.path.realpath(f)) for f in adapter_files(target))]
-    for resolved in inside:
-        if resolved != base and base not in resolved.parents:
-            raise AdapterError(
-                f"LoRA adapter path {str(path)!r} leads outside the allowed root "
-                f"({resolved.name!r} resolves outside --lora-root)"
-            )
+    _inside(base, target, path)
+    for file in adapter_files(target):
+        _inside(base, Path(os.path.realpath(file)), path)
     return target
+
+
+def _inside(base: Path, resolved: Path, path: str) -> None:
+    if resolved != base and base not in resolved.parents:
+        raise AdapterOutsideRoot(
+            f"LoRA adapter path {path!r} leads outside the folder adapters load from (--lora-root)"
+        )
 
 
 def read_adapter_config(file: Path) -> AdapterConfig:

@@ -32,6 +32,9 @@ from pagefleet.engine.lora.ops import LoRABatch, kernels_for
 from pagefleet.engine.lora.request import LoRARequest, check_name
 
 logger = logging.getLogger("pagefleet.engine")
+# Adapters an engine knows at most (each costs a name and a path until it is read): clients
+# with runtime loading must not grow the registry, or the metrics listing it, without bound.
+MAX_ADAPTERS = 1024
 
 
 @dataclass
@@ -90,6 +93,8 @@ class LoRAManager:
             raise ValueError(f"LoRA adapter name {name!r} is the base model's name")
         if name in self.adapters:
             raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        if len(self.adapters) >= MAX_ADAPTERS:
+            raise ValueError(f"{MAX_ADAPTERS} LoRA adapters are loaded: unload one first")
         check_adapter(path, self.targets, self.config.max_lora_rank)
         request = LoRARequest(name, next(self._ids), str(path), base_model_name)
         self.adapters[name] = request

@@ -1,0 +1,259 @@
+"""Multi-LoRA in one engine: each adapter's greedy output equals transformers + peft, a step
+mixing adapters and the base model equals each run alone, no step runs more than --max-loras
+adapters, the prefix cache never shares a block across adapters, and an adapter that cannot
+run is refused with the reason. One engine (two slots, three adapters) serves the cases."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import make_request, make_scheduler
+from lora_adapters import assert_peft_greedy_equal, write_adapter, write_adapters
+from pagefleet.common.block_hash import hash_blocks, lora_extra_keys
+from pagefleet.engine import LLM, LoRARequest, SamplingParams
+from pagefleet.engine.lora.adapter import (
+    AdapterError,
+    AdapterNotFound,
+    AdapterOutsideRoot,
+    check_adapter,
+    resolve_under_root,
+)
+from pagefleet.engine.lora.ops import GatheredKernels, LoRABatch, SegmentKernels
+
+MAX_TOKENS = 10
+PROMPTS = {  # per model: lengths off and on block edges (16), one chunked over several steps
+    None: list(range(3, 40)),
+    "sql": [7, 8, 9] * 11,
+    "chat": list(range(50, 98)),
+    "math": list(range(100, 113)),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_checkpoints, tmp_path_factory):
+    return write_adapters(tiny_checkpoints["llama"], tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoints, adapters):
+    """Two slots for three adapters: steps must wait for a slot and slots must be reused;
+    a small step budget splits prompts into chunks that share steps with decodes."""
+    engine = LLM(
+        tiny_checkpoints["llama"],
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        max_cpu_loras=2,
+        lora_modules=[f"{n}={adapters[n]}" for n in ("sql", "chat", "math")],
+        num_gpu_blocks_override=128,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+    )
+    yield engine
+    engine.engine.close()
+
+
+def lora(name: str | None) -> LoRARequest | None:
+    return None if name is None else LoRARequest(name, 0, "")
+
+
+def generate(llm, prompts, names) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([list(p) for p in prompts], params, False, [lora(n) for n in names])
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    return {name: generate(llm, [prompt], [name])[0] for name, prompt in PROMPTS.items()}
+
+
+def test_each_adapter_alone_equals_transformers_peft(tiny_checkpoints, adapters, alone):
+    base = tiny_checkpoints["llama"]
+    for name, prompt in PROMPTS.items():
+        adapter = adapters[name] if name else None
+        assert_peft_greedy_equal(base, adapter, prompt, alone[name], MAX_TOKENS)
+    # Every adapter changes the output (else the tests above could not see one ignored).
+    assert len({tuple(tokens) for tokens in alone.values()}) == len(PROMPTS)
+
+
+def test_a_step_mixing_three_adapters_and_the_base_equals_each_alone(llm, alone):
+    """Fails for: rows given another row's slot (a gather or scatter in the wrong order),
+    a slot reused while a request still runs with it, or more adapters in a step than slots
+    (the manager refuses such a step)."""
+    manager = llm.engine.lora
+    seen: list[set[str]] = []
+    activate = manager.activate
+
+    def recording(names):
+        seen.append(set(names))
+        return activate(names)
+
+    manager.activate = recording
+    loads = manager.counters.slot_loads
+    try:
+        names = [None, "sql", "chat", "math", "sql", None]
+        outs = generate(llm, [PROMPTS[n] for n in names], names)
+    finally:
+        del manager.activate
+    assert outs == [alone[n] for n in names]
+    assert max(len(s) for s in seen) == 2  # two adapters shared steps, never three
+    assert manager.counters.slot_loads > loads  # the third adapter took a slot in turn
+    assert len(manager._cpu) <= 2  # --max-cpu-loras
+
+
+def test_prefix_cache_never_shares_blocks_across_adapters(llm, alone):
+    """Blocks are keyed by the adapter's name exactly as the router hashes them: the same
+    tokens under another adapter (or the base) hit nothing, under the same adapter hit."""
+    prompt = PROMPTS["chat"]  # three full blocks
+    kv = llm.engine.scheduler.kv_cache
+    kv.reset_prefix_cache()
+    hits = []
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for name in ("chat", "sql", None, "chat"):
+        out = llm.generate([list(prompt)], params, False, lora(name))[0]
+        hits.append(out.num_cached_tokens)
+    assert hits == [0, 0, 0, 48]
+    assert out.outputs[0].token_ids == alone["chat"]
+    cached = set(kv.pool.cached)
+    by_model = {
+        name: set(hash_blocks(prompt, 16, extra_keys=lora_extra_keys(name)))
+        for name in ("chat", "sql", None)
+    }
+    for hashes in by_model.values():
+        assert hashes <= cached
+    assert not by_model["chat"] & by_model["sql"] and not by_model["chat"] & by_model[None]
+
+
+def test_scheduler_runs_at_most_max_loras_adapters_and_skips_past_a_blocked_one():
+    sched = make_scheduler(max_loras=2, max_num_batched_tokens=64, max_num_seqs=8)
+    names = ["a", "b", "c", None, "a", "c"]
+    for i, name in enumerate(names):
+        req = make_request(f"r{i}", [i + 1] * 5, max_tokens=3)
+        req.lora_request = lora(name)
+        sched.add_request(req)
+    first = sched.schedule()
+    admitted = [r.request_id for r, _ in first.scheduled]
+    # "c" would be a third adapter: it waits, and the base request and "a" behind it go.
+    assert admitted == ["r0", "r1", "r3", "r4"]
+    assert [r.request_id for r in sched.waiting] == ["r2", "r5"]
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert len({r.lora_name for r, _ in out.scheduled} - {None}) <= 2
+        sched.update_from_output(out, [9] * len(out.scheduled))
+    assert not sched.requests
+
+
+@pytest.mark.parametrize("kernels", [SegmentKernels, GatheredKernels])
+def test_batched_delta_equals_each_row_with_its_own_adapter(kernels):
+    """The two CPU implementations against a loop over rows, with base rows, a slot no row
+    uses and a slot whose adapter skips this layer (all zero weights)."""
+    gen = torch.Generator().manual_seed(0)
+    slots, width, n_in, n_out = 4, 6, 10, 7
+    a = torch.randn(slots * width, n_in, generator=gen)
+    b = torch.randn(n_out, slots * width, generator=gen)
+    a[3 * width : 4 * width] = 0
+    b[:, 3 * width : 4 * width] = 0
+    present = [True, True, False, False]
+    row_slots = [1, -1, 0, 1, 3, -1, 0, 0]
+    x = torch.randn(len(row_slots), n_in, generator=gen)
+    y = torch.randn(len(row_slots), n_out, generator=gen)
+    expected = y.clone()
+    for row, slot in enumerate(row_slots):
+        if slot >= 0:
+            s = slice(slot * width, (slot + 1) * width)
+            expected[row] += b[:, s] @ (a[s] @ x[row])
+    batch = LoRABatch.build(row_slots, x.device)
+    t = kernels.shrink(x, a, batch, width, present)
+    kernels.expand(t, b, batch, width, present, y)
+    torch.testing.assert_close(y, expected)
+    # One adapter on every row: the whole batch at once.
+    batch = LoRABatch.build([1] * 3, x.device)
+    assert batch.segments[0][1] is None
+    y = torch.zeros(3, n_out)
+    kernels.expand(kernels.shrink(x[:3], a, batch, width, present), b, batch, width, present, y)
+    torch.testing.assert_close(y, x[:3] @ a[width : 2 * width].t() @ b[:, width : 2 * width].t())
+
+
+# ---------------------------------------------------------------- adapters refused, and why
+
+
+@pytest.fixture(scope="module")
+def targets(llm):
+    return llm.engine.lora.targets
+
+
+def _copy(src: str, dst, config_edit=None, weights_edit=None) -> str:
+    dst.mkdir()
+    config = json.loads(open(os.path.join(src, "adapter_config.json")).read())
+    (dst / "adapter_config.json").write_text(json.dumps(config_edit(config) if config_edit else config))
+    weights = load_file(os.path.join(src, "adapter_model.safetensors"))
+    save_file(weights_edit(weights) if weights_edit else weights, dst / "adapter_model.safetensors")
+    return str(dst)
+
+
+def test_adapters_that_cannot_run_are_refused_with_the_reason(
+    adapters, targets, tiny_checkpoints, tmp_path
+):
+    def refused(path, match, error=AdapterError):
+        with pytest.raises(error, match=match):
+            check_adapter(path, targets, max_rank=8)
+
+    refused(adapters["wide"], "rank 16 is above --max-lora-rank 8")
+    refused(tmp_path / "nowhere", "is not a folder", AdapterNotFound)
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "adapter_config.json").write_text("{}")
+    (half / "adapter_model.bin").write_bytes(b"pickle")
+    refused(half, "pickled adapter_model.bin is not loaded", AdapterNotFound)
+    dora = _copy(adapters["sql"], tmp_path / "dora", lambda c: {**c, "use_dora": True})
+    refused(dora, "DoRA")
+    saved = _copy(adapters["sql"], tmp_path / "saved", lambda c: {**c, "modules_to_save": ["x"]})
+    refused(saved, "modules_to_save")
+    extra = _copy(
+        adapters["sql"],
+        tmp_path / "extra",
+        weights_edit=lambda w: {**w, "base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)},
+    )
+    refused(extra, "lm_head")
+    other = write_adapter(
+        tiny_checkpoints["qwen3"], tmp_path / "other", 0, r=4, target_modules=["q_proj"]
+    )
+    refused(other, "an adapter trained for another model")
+    lonely = _copy(
+        adapters["sql"],
+        tmp_path / "lonely",
+        weights_edit=lambda w: {k: v for k, v in w.items() if "layers.0.self_attn.q_proj.lora_B" not in k},
+    )
+    refused(lonely, "has lora_A only")
+
+
+def test_run_time_paths_stay_under_the_root(adapters, tmp_path):
+    """Traversal, absolute paths and symlinks (of the folder or of one file) out of the root
+    are refused before anything about the path's existence is said."""
+    root = tmp_path / "root"
+    root.mkdir()
+    os.symlink(adapters["sql"], root / "linked")  # a folder symlink out of the root
+    partial = root / "partial"
+    partial.mkdir()
+    (partial / "adapter_config.json").write_text("{}")
+    os.symlink(os.path.join(adapters["sql"], "adapter_model.safetensors"),
+               partial / "adapter_model.safetensors")
+    inside = root / "inside"
+    os.symlink(adapters["sql"], tmp_path / "real")
+    (root / "inside").mkdir()
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (inside / f).write_bytes(open(os.path.join(adapters["sql"], f), "rb").read())
+    for path in ("../real", str(tmp_path / "real"), "linked", "partial", "../../etc", "/etc"):
+        with pytest.raises(AdapterOutsideRoot):
+            resolve_under_root(root, path)
+    with pytest.raises(AdapterNotFound):
+        resolve_under_root(root, "missing")
+    assert resolve_under_root(root, "inside") == inside.resolve()
+    assert resolve_under_root(root, str(inside)) == inside.resolve()
