@@ -95,3 +95,12 @@ def assert_peft_greedy_equal(
             f"ours {a}, theirs {b}, logprob gap {gap:.2e}"
         )
         return
+
+
+def peft_text(base: str, adapter: str | None, prompt: list[int], max_tokens: int) -> str:
+    """transformers + peft's greedy continuation as the engine's API returns it: text, special
+    tokens skipped."""
+    from pagefleet.common.tokenizer import load_tokenizer
+
+    tokens = peft_greedy(base, adapter, tuple(prompt), max_tokens)
+    return load_tokenizer(base).decode(list(tokens), skip_special_tokens=True)

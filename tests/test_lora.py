@@ -10,10 +10,10 @@ import os
 
 import pytest
 import torch
+from lora_adapters import assert_peft_greedy_equal, write_adapter, write_adapters
 from safetensors.torch import load_file, save_file
 
 from conftest import make_request, make_scheduler
-from lora_adapters import assert_peft_greedy_equal, write_adapter, write_adapters
 from pagefleet.common.block_hash import hash_blocks, lora_extra_keys
 from pagefleet.engine import LLM, LoRARequest, SamplingParams
 from pagefleet.engine.lora.adapter import (
@@ -192,7 +192,9 @@ def targets(llm):
 def _copy(src: str, dst, config_edit=None, weights_edit=None) -> str:
     dst.mkdir()
     config = json.loads(open(os.path.join(src, "adapter_config.json")).read())
-    (dst / "adapter_config.json").write_text(json.dumps(config_edit(config) if config_edit else config))
+    (dst / "adapter_config.json").write_text(
+        json.dumps(config_edit(config) if config_edit else config)
+    )
     weights = load_file(os.path.join(src, "adapter_model.safetensors"))
     save_file(weights_edit(weights) if weights_edit else weights, dst / "adapter_model.safetensors")
     return str(dst)
@@ -229,7 +231,9 @@ def test_adapters_that_cannot_run_are_refused_with_the_reason(
     lonely = _copy(
         adapters["sql"],
         tmp_path / "lonely",
-        weights_edit=lambda w: {k: v for k, v in w.items() if "layers.0.self_attn.q_proj.lora_B" not in k},
+        weights_edit=lambda w: {
+            k: v for k, v in w.items() if "layers.0.self_attn.q_proj.lora_B" not in k
+        },
     )
     refused(lonely, "has lora_A only")
 
@@ -243,8 +247,10 @@ def test_run_time_paths_stay_under_the_root(adapters, tmp_path):
     partial = root / "partial"
     partial.mkdir()
     (partial / "adapter_config.json").write_text("{}")
-    os.symlink(os.path.join(adapters["sql"], "adapter_model.safetensors"),
-               partial / "adapter_model.safetensors")
+    os.symlink(
+        os.path.join(adapters["sql"], "adapter_model.safetensors"),
+        partial / "adapter_model.safetensors",
+    )
     inside = root / "inside"
     os.symlink(adapters["sql"], tmp_path / "real")
     (root / "inside").mkdir()

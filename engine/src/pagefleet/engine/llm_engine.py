@@ -719,7 +719,8 @@ class LLMEngine:
         run here (engine thread)."""
         if self.lora is None:
             raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
-        return self.lora.resolve(lora_request)
+        r = lora_request
+        return self.lora.register(r.lora_name, r.lora_path, r.base_model_name)
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter no request runs with (KeyError: unknown; ValueError: in use);
