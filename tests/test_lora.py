@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,7 +192,7 @@ def targets(llm):
 
 def _copy(src: str, dst, config_edit=None, weights_edit=None) -> str:
     dst.mkdir()
-    config = json.loads(open(os.path.join(src, "adapter_config.json")).read())
+    config = json.loads((Path(src) / "adapter_config.json").read_text())
     (dst / "adapter_config.json").write_text(
         json.dumps(config_edit(config) if config_edit else config)
     )
@@ -255,7 +256,7 @@ def test_run_time_paths_stay_under_the_root(adapters, tmp_path):
     os.symlink(adapters["sql"], tmp_path / "real")
     (root / "inside").mkdir()
     for f in ("adapter_config.json", "adapter_model.safetensors"):
-        (inside / f).write_bytes(open(os.path.join(adapters["sql"], f), "rb").read())
+        (inside / f).write_bytes((Path(adapters["sql"]) / f).read_bytes())
     for path in ("../real", str(tmp_path / "real"), "linked", "partial", "../../etc", "/etc"):
         with pytest.raises(AdapterOutsideRoot):
             resolve_under_root(root, path)

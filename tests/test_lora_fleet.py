@@ -66,7 +66,8 @@ def fleet(tiny_checkpoints, adapters):
         with ThreadPoolExecutor(len(starting)) as pool:
             started = {name: pool.submit(cm.__enter__) for name, cm in starting.items()}
         for name, cm in starting.items():
-            stack.push(cm.__exit__)
+            if started[name].exception() is None:  # stopped on the way out, whatever fails
+                stack.push(cm.__exit__)
         urls = {name: future.result()[0] for name, future in started.items()}
         endpoints = f"{urls['prefill']}@prefill,{urls['sql']}@decode,{urls['open']}@decode"
         urls["router"], _ = stack.enter_context(
