@@ -132,6 +132,33 @@ def test_prefix_cache_never_shares_blocks_across_adapters(llm, alone):
     assert not by_model["chat"] & by_model["sql"] and not by_model["chat"] & by_model[None]
 
 
+def test_tensor_parallel_ranks_compute_their_shards_of_each_adapter(
+    tiny_checkpoints, adapters, alone
+):
+    """TP=2 with one slot: every adapter change is installed on both ranks (rank 1 reads its
+    own shard: A's columns for o/down, B's rows for q/k/v and gate/up) and the row-parallel
+    layers all-reduce the shrink. Equal to TP=1 (itself equal to transformers + peft)."""
+    llm = LLM(
+        tiny_checkpoints["llama"],
+        tensor_parallel_size=2,
+        enable_lora=True,
+        max_loras=1,
+        max_lora_rank=8,
+        lora_modules=[f"sql={adapters['sql']}", f"chat={adapters['chat']}"],
+        num_gpu_blocks_override=64,
+        max_model_len=256,
+    )
+    try:
+        names = [None, "sql", "chat", "math"]
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        loras = [lora(n) for n in names[:3]] + [LoRARequest("math", 0, adapters["math"])]
+        outs = llm.generate([PROMPTS[n] for n in names], params, False, loras)
+        assert [list(o.outputs[0].token_ids) for o in outs] == [alone[n] for n in names]
+        assert llm.engine.lora.counters.slot_loads == 3
+    finally:
+        llm.engine.close()
+
+
 def test_scheduler_runs_at_most_max_loras_adapters_and_skips_past_a_blocked_one():
     sched = make_scheduler(max_loras=2, max_num_batched_tokens=64, max_num_seqs=8)
     names = ["a", "b", "c", None, "a", "c"]
