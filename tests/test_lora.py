@@ -291,3 +291,63 @@ def test_run_time_paths_stay_under_the_root(adapters, tmp_path):
         resolve_under_root(root, "missing")
     assert resolve_under_root(root, "inside") == inside.resolve()
     assert resolve_under_root(root, str(inside)) == inside.resolve()
+
+
+def test_unloading_waits_for_the_adapters_requests_and_drops_its_blocks(llm, adapters, alone):
+    """An adapter is unloaded only once no request runs with it, and the blocks keyed by its
+    name go with it: an adapter loaded later under the same name never reads them."""
+    engine = llm.engine
+    generate(llm, [PROMPTS["math"] * 2], ["math"])  # leaves cached blocks keyed by "math"
+    assert engine.scheduler.kv_cache.pool.cached
+    params = SamplingParams(temperature=0, max_tokens=4)
+    engine.add_request("busy", PROMPTS["math"], params, lora_request=lora("math"))
+    with pytest.raises(ValueError, match="1 request\\(s\\) in flight"):
+        engine.remove_lora("math")
+    engine.abort_request("busy")
+    engine.remove_lora("math")
+    assert "math" not in [a.lora_name for a in engine.list_loras()]
+    assert not engine.scheduler.kv_cache.pool.cached
+    with pytest.raises(KeyError):
+        engine.remove_lora("math")
+    with pytest.raises(ValueError, match="not loaded"):
+        engine.add_request("gone", PROMPTS["math"], params, lora_request=lora("math"))
+    engine.add_lora(LoRARequest("math", 0, adapters["math"]))
+    assert generate(llm, [PROMPTS["math"]], ["math"]) == [alone["math"]]
+
+
+def test_run_time_loading_is_off_unless_asked_for(tiny_checkpoints, tmp_path):
+    from fastapi.testclient import TestClient
+    from test_server import _StubEngine
+
+    from pagefleet.common.cli import build_parser
+    from pagefleet.common.tokenizer import load_tokenizer
+    from pagefleet.engine.server.app import ServerConfig, build_app
+    from pagefleet.engine.server.serve import lora_updates_from
+
+    app = build_app(_StubEngine(load_tokenizer(tiny_checkpoints["llama"])), ServerConfig("m"))
+    with TestClient(app) as http:
+        body = {"lora_name": "x", "lora_path": "/etc"}
+        off = http.post("/v1/load_lora_adapter", json=body)
+        assert off.status_code == 404 and "--allow-runtime-lora-updating" in off.text
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 404
+        assert http.post("/v1/completions", json={"model": "x", "prompt": "hi"}).status_code == 404
+    parse = build_parser().parse_args
+    assert lora_updates_from(parse(["serve", "m"])) is None
+    for flags, message in (
+        (["--allow-runtime-lora-updating", "--lora-root", str(tmp_path)], "needs --enable-lora"),
+        (["--enable-lora", "--allow-runtime-lora-updating"], "needs --lora-root"),
+        (["--lora-root", str(tmp_path)], "only with --allow-runtime-lora-updating"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            lora_updates_from(parse(["serve", "m", *flags]))
+    on = parse(
+        [
+            "serve",
+            "m",
+            "--enable-lora",
+            "--allow-runtime-lora-updating",
+            "--lora-root",
+            str(tmp_path),
+        ]
+    )
+    assert lora_updates_from(on).root == tmp_path.resolve()
