@@ -13,3 +13,7 @@ LABEL_POOL = "pagefleet.io/pool"
 # Set by the LeaderWorkerSet controller on a multi-node pool's pods: "0" on each group's leader
 # (the pod that serves), 1.. on the workers that only hold ranks.
 LABEL_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+
+# A LoRA adapter's name: what clients put in `model`, a metric label, part of its blocks' hash
+# (short, printable, none of the separators the metrics' comma-joined lists would misread).
+LORA_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# An adapter's name is a request's `model`, a metric label and part of its blocks' hashes:
-# short, printable, no separators the metrics' comma-joined lists or paths would misread.
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+from pagefleet.common.names import LORA_NAME_PATTERN
+
+NAME_PATTERN = re.compile(LORA_NAME_PATTERN)
 
 
 @dataclass(frozen=True)
