@@ -24,7 +24,7 @@ from pagefleet.common.block_hash import hash_blocks
 from pagefleet.common.kv_events import BlockStored
 from pagefleet.common.tokenizer import load_tokenizer
 from pagefleet.engine.cache import demo_checkpoint
-from pagefleet.router.app import Router, RouterConfig
+from pagefleet.router.core import Router, RouterConfig
 from pagefleet.router.pods import PodRegistry
 from pagefleet.router.prefix_index import PrefixIndex
 from pagefleet.router.scoring import Pipeline, Pod

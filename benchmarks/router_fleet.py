@@ -80,7 +80,7 @@ def build_trace(args, rng: random.Random) -> list[dict]:
 
 
 @contextlib.contextmanager
-def engines(n: int, events: bool):
+def engines(n: int, events: bool, timeout: float = 120.0):
     procs, urls, kv = [], [], []
     model = str(demo_checkpoint())
     try:
@@ -117,7 +117,7 @@ def engines(n: int, events: bool):
             )
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
-            wait_healthy(url, timeout=120.0)
+            wait_healthy(url, timeout=timeout)
         yield urls, kv
     finally:
         for p in procs:
@@ -214,6 +214,15 @@ async def sample_running(urls, stop: asyncio.Event, samples: list):
             await asyncio.sleep(0.25)
 
 
+def hit_rate(before: list[dict], after: list[dict]) -> float:
+    """The engines' prefix-cache hit rate between two scrapes of every engine."""
+    hits = queries = 0.0
+    for a, b in zip(after, before, strict=True):
+        hits += a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
+        queries += a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"]
+    return hits / max(queries, 1)
+
+
 def oracle_hit_rate(order: list[list[int]], engines: int, capacity: int) -> float:
     """Every request to the pod holding its longest cached prefix (capacity as LRU)."""
     pods = [OrderedDict() for _ in range(engines)]
@@ -258,19 +267,11 @@ def run_policy(policy: str, users, args, tmp: Path) -> dict:
 
             results, order, samples = asyncio.run(main())
         after = [scrape(u) for u in urls]
-    hits = sum(
-        a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
-        for a, b in zip(after, before, strict=True)
-    )
-    queries = sum(
-        a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"]
-        for a, b in zip(after, before, strict=True)
-    )
     ttfts = [r[1] for r in results]
     span = max(r[3] for r in results) - min(r[0] for r in results)
     return {
         "policy": policy,
-        "hit_rate": hits / max(queries, 1),
+        "hit_rate": hit_rate(before, after),
         "oracle_hit_rate": oracle_hit_rate(order, args.engines, PROFILE["num_gpu_blocks"]),
         "ttft_p50": pct(ttfts, 50),
         "ttft_p90": pct(ttfts, 90),

@@ -131,7 +131,14 @@ async def run_round(
     return list(results), time.perf_counter() - started
 
 
-async def run_shape(shape: Shape, urls: dict[str, str], pids: dict[str, int], rounds: int, seed):
+async def run_shape(
+    shape: Shape,
+    urls: dict[str, str],
+    pids: dict[str, int],
+    rounds: int,
+    seed,
+    paths: tuple[str, ...] = PATHS,
+):
     dataset = build_dataset(
         SimpleNamespace(
             dataset="random", num_prompts=shape.requests, input_len=shape.input_len, seed=seed
@@ -140,7 +147,7 @@ async def run_shape(shape: Shape, urls: dict[str, str], pids: dict[str, int], ro
     convs = [[{"role": "user", "content": c.turns[0]}] for c in dataset]
     per_round = -(-len(convs) // rounds)
     rng = random.Random(seed + 1)
-    stats = {p: PathStats() for p in PATHS}
+    stats = {p: PathStats() for p in paths}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(120.0, connect=30.0)
     async with contextlib.AsyncExitStack() as stack:
@@ -148,10 +155,10 @@ async def run_shape(shape: Shape, urls: dict[str, str], pids: dict[str, int], ro
             p: await stack.enter_async_context(
                 httpx.AsyncClient(base_url=urls[p], timeout=timeout, limits=limits)
             )
-            for p in PATHS
+            for p in paths
         }
         warm = convs[: min(16, len(convs))]
-        for p in PATHS:  # open connections, warm the tokenizer and the prompt cache
+        for p in paths:  # open connections, warm the tokenizer and the prompt cache
             await run_round(clients[p], shape, tagged(warm, f"warm-{p}"), [0.0] * len(warm))
         for r in range(rounds):
             batch = convs[r * per_round : (r + 1) * per_round]
@@ -161,7 +168,7 @@ async def run_shape(shape: Shape, urls: dict[str, str], pids: dict[str, int], ro
                 gaps = [0.0] * len(batch)
             else:
                 gaps = [rng.expovariate(shape.rate) for _ in batch]
-            order = PATHS if r % 2 == 0 else PATHS[::-1]
+            order = paths if r % 2 == 0 else paths[::-1]
             for p in order:
                 before = {name: cpu_seconds(pid) for name, pid in pids.items()}
                 client_before = own_cpu()

@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import kopf
+from prometheus_client.parser import text_string_to_metric_families
 
 from kube_emulator import kubernetes_emulator
 from pagefleet.operator.handlers import (
@@ -147,10 +148,15 @@ def delete(client: KubeClient, api_version: str, kind: str, name: str) -> None:
 
 
 class _MetricsPage(BaseHTTPRequestHandler):
-    """Any GET: the server's `page(server)` now, as a Prometheus text page."""
+    """Any GET: the server's `page(server)` now, as a Prometheus text page (None: 503, a pod
+    that no longer serves)."""
 
     def do_GET(self) -> None:
-        body = self.server.page(self.server).encode()  # type: ignore[attr-defined]
+        page = self.server.page(self.server)  # type: ignore[attr-defined]
+        if page is None:
+            self.send_error(503)
+            return
+        body = page.encode()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4")
         self.send_header("Content-Length", str(len(body)))
@@ -162,7 +168,9 @@ class _MetricsPage(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def metrics_server(page: Callable[[Any], str], **state: Any) -> Iterator[ThreadingHTTPServer]:
+def metrics_server(
+    page: Callable[[Any], str | None], **state: Any
+) -> Iterator[ThreadingHTTPServer]:
     """A stand-in pod's /metrics on 127.0.0.1 (where the test's pods have their podIP): the
     text `page(server)` returns, `state` set on the server before it starts (a test changes
     it to change what the operator reads)."""
@@ -178,3 +186,22 @@ def metrics_server(page: Callable[[Any], str], **state: Any) -> Iterator[Threadi
         server.shutdown()
         thread.join(5)
         server.server_close()
+
+
+def samples(page: str | bytes, name: str) -> dict[frozenset, float]:
+    """The samples called `name` on a Prometheus text page, by their label sets."""
+    text = page.decode() if isinstance(page, bytes) else page
+    return {
+        frozenset(sample.labels.items()): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+def sample(page: str | bytes, name: str, **labels: str) -> float | None:
+    """The value of the one sample called `name` whose labels include `labels` (None if
+    there is none; an error if there are several)."""
+    found = [v for k, v in samples(page, name).items() if set(labels.items()) <= k]
+    assert len(found) <= 1, (name, labels, found)
+    return found[0] if found else None

@@ -11,6 +11,7 @@ from pagefleet.operator.autoscale import (
     Observation,
     PoolReplicas,
     Recommendation,
+    ScaleReason,
     decide,
     recommend,
 )
@@ -66,22 +67,29 @@ def test_recommendations_without_pod_metrics():
     """No pod answered: hold, unless the pool is at zero with requests waiting (the router
     holds them), then start enough pods. Fails for: `and` turned into `or` (scaling on a
     blind reading), a single waiting request not waking a pool at zero, reasons changed."""
-    assert recommend(obs(40, pods=0, replicas=3), SPEC) == (3, "no pod metrics: holding")
+    assert recommend(obs(40, pods=0, replicas=3), SPEC) == (
+        3,
+        "no pod metrics: holding",
+        ScaleReason.NO_METRICS,
+    )
     assert recommend(obs(0, pods=0, replicas=0), FROM_ZERO) == (
         0,
         "nothing waiting or queued with no pods",
+        ScaleReason.IDLE_AT_ZERO,
     )
-    assert recommend(obs(1, pods=0, replicas=0), FROM_ZERO) == (1, "1 waiting with no pods")
-    assert recommend(obs(9, pods=0, replicas=0), FROM_ZERO) == (3, "9 waiting with no pods")
+    woken = ScaleReason.WAKE
+    assert recommend(obs(1, pods=0, replicas=0), FROM_ZERO) == (1, "1 waiting with no pods", woken)
+    assert recommend(obs(9, pods=0, replicas=0), FROM_ZERO) == (3, "9 waiting with no pods", woken)
 
 
 def test_recommendation_reasons_show_the_formula():
     """Fails for: the formula or the tolerance reason missing from the status."""
-    replicas, why = recommend(obs(30, pods=3, replicas=3, running=4), SPEC)
-    assert replicas == 8
+    replicas, why, cause = recommend(obs(30, pods=3, replicas=3, running=4), SPEC)
+    assert (replicas, cause) == (8, ScaleReason.DEMAND)
     assert why == "30 waiting / 3 pods (target 4/pod, 4 running): ceil(3 x 10/4)=8"
-    replicas, why = recommend(obs(13, pods=3, replicas=3), SPEC)
+    replicas, why, cause = recommend(obs(13, pods=3, replicas=3), SPEC)
     assert (replicas, why.endswith(": within tolerance")) == (3, True)
+    assert cause == ScaleReason.WITHIN_TOLERANCE
 
 
 def test_the_formula_never_recommends_zero_for_a_serving_pool():
@@ -188,6 +196,16 @@ def test_a_pool_at_zero_wakes_at_once_on_the_routers_queue():
     assert woken.idle_since is None
 
 
+def test_pods_on_their_way_out_do_not_wake_a_pool_at_zero():
+    """Just after a scale to zero the pool's pod may still be listed, Ready and answering,
+    until the ReplicaSet deletes it. Fails for: the formula keeping "the last pod" of a pool
+    at zero (it wakes again at once, and flaps), or demand on it not waking the pool."""
+    leaving = Observation(0.0, 0.0, pods=1, replicas=0)
+    assert decide(leaving, (), PoolReplicas(0, 0), TO_ZERO, 0.0).replicas == 0
+    busy = Observation(5.0, 1.0, pods=1, replicas=0)
+    assert decide(busy, (), PoolReplicas(0, 0), TO_ZERO, 0.0).replicas == 2  # ceil(5/4)
+
+
 def test_a_pool_at_zero_stays_there_while_nothing_is_queued():
     """Fails for: a pool at 0 woken by nothing, or by a router that did not answer."""
     idle = decide(at_zero(0), (), PoolReplicas(0, 0), TO_ZERO, 0.0)
@@ -266,6 +284,39 @@ def test_the_routers_queue_counts_as_waiting_on_a_serving_pool():
     queues. Fails for: a saturated pool that never grows because its engines' queues are
     capped."""
     saturated = Observation(waiting=0, running=16, pods=2, replicas=2, queued=16)
-    replicas, why = recommend(saturated, SPEC)
+    replicas, why, _ = recommend(saturated, SPEC)
     assert replicas == 4
     assert why == "0 waiting + 16 queued / 2 pods (target 4/pod, 16 running): ceil(2 x 8/4)=4"
+
+
+def test_each_decision_names_its_cause_from_the_closed_set():
+    """The one word the operator's metrics label a pool's desired replicas with: the last
+    limit a decision met, else what the queues said. Fails for: a limit that changed the
+    number not named (a pool at maxReplicas graphed as plain demand), or one named that did
+    not change it."""
+    up_window = Autoscaling(**{**SPEC.__dict__, "scale_up_stabilization_s": 60})
+    window = (earlier(0, obs(40, pods=4, replicas=4)),)
+    quiet_window = (earlier(0, obs(0, pods=2, replicas=2), up_window),)
+    idle = decide(obs(0, 1, 1), (), PoolReplicas(1, 1), FROM_ZERO, 0.0, idle_since=-IDLE_S)
+    cases = {
+        ScaleReason.DEMAND: decide(obs(24, 2, 2), (), PoolReplicas(2, 2), SPEC, 0.0),
+        ScaleReason.WITHIN_TOLERANCE: decide(obs(13, 3, 3), (), PoolReplicas(3, 3), SPEC, 0.0),
+        ScaleReason.LAST_POD_KEPT: decide(obs(0, 1, 1), (), PoolReplicas(1, 1), FROM_ZERO, 0.0),
+        ScaleReason.NO_METRICS: decide(obs(0, 0, 3), (), PoolReplicas(3, 3), SPEC, 0.0),
+        ScaleReason.WAKE: decide(at_zero(1), (), PoolReplicas(0, 0), TO_ZERO, 0.0),
+        ScaleReason.IDLE_AT_ZERO: decide(at_zero(0), (), PoolReplicas(0, 0), TO_ZERO, 0.0),
+        ScaleReason.SCALE_TO_ZERO: idle,
+        ScaleReason.STABILIZATION: decide(obs(0, 4, 4), window, PoolReplicas(4, 4), SPEC, 100.0),
+        ScaleReason.STEP_LIMIT: decide(obs(80, 2, 2), (), PoolReplicas(2, 2), SPEC, 0.0),
+        ScaleReason.BOUNDS: decide(obs(400, 8, 8), (), PoolReplicas(8, 8), SPEC, 0.0),
+        ScaleReason.PODS_NOT_READY: decide(obs(80, 2, 2), (), PoolReplicas(3, 1), SPEC, 0.0),
+    }
+    assert {reason: d.cause for reason, d in cases.items()} == {r: r for r in cases}
+    held_up = decide(obs(40, 2, 2), quiet_window, PoolReplicas(2, 2), up_window, 30.0)
+    assert held_up.cause == ScaleReason.STABILIZATION
+    # At zero with minReplicas 1: the bound wakes the pool, not demand.
+    assert decide(at_zero(0), (), PoolReplicas(0, 0), SPEC, 0.0).cause == ScaleReason.BOUNDS
+    # A burst at zero is a wake, however the step limit or maxReplicas bounded it.
+    burst = decide(at_zero(1000), (), PoolReplicas(0, 0), TO_ZERO, 0.0)
+    assert (burst.replicas, burst.cause) == (4, ScaleReason.WAKE)
+    assert "step limited" in burst.reason

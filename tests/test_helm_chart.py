@@ -18,6 +18,7 @@ import celpy
 import jsonschema
 import pytest
 import yaml
+from gateway_schemas import validate_inference_pool
 from keda_schema import validate_scaled_object
 from lws_schema import validate_builtin as validate_kubernetes
 from lws_schema import validate_leader_worker_set
@@ -248,6 +249,7 @@ SERVICE_MONITOR_SCHEMA = {
                             "port": {"type": "string"},
                             "path": {"type": "string"},
                             "scheme": {"enum": ["http", "https"]},
+                            "honorLabels": {"type": "boolean"},
                             "interval": _DURATION,
                             "scrapeTimeout": _DURATION,
                         },
@@ -294,6 +296,8 @@ VALIDATORS: dict[tuple[str, str], Callable[[dict], None]] = {
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): lambda o: validate_leader_worker_set(
         o, KUBERNETES_VERSIONS
     ),
+    # The Inference Extension's published CRD's fields, closed (tests/gateway_schemas.py).
+    ("inference.networking.k8s.io/v1", "InferencePool"): validate_inference_pool,
 }
 
 
@@ -807,6 +811,7 @@ def test_minimal_values_run_only_the_operator(rendered):
         "PodDisruptionBudget",
         *("Role", "Role"),  # the operator's, and leader election's
         *("RoleBinding", "RoleBinding"),
+        "Service",  # the operator's /metrics
         "ServiceAccount",
     ]
 
@@ -867,6 +872,7 @@ def test_operator_rbac_is_least_privilege_and_covers_what_it_creates(rendered):
         *(("", "pods", v) for v in ("get", "list", "watch")),
         ("", "events", "create"),
         *(("keda.sh", "scaledobjects", v) for v in owned_verbs),
+        *(("inference.networking.k8s.io", "inferencepools", v) for v in owned_verbs),
     }
     assert granted == expected
     # No nodes, no cluster scope in namespace mode.
@@ -893,6 +899,7 @@ def test_operator_rbac_is_least_privilege_and_covers_what_it_creates(rendered):
         "Secret",
         "NetworkPolicy",
         "LeaderWorkerSet",
+        "InferencePool",
     } <= kinds
 
 
@@ -1277,8 +1284,18 @@ def test_network_policies_off_means_none_from_either_source(helm):
     assert chart_peers(docs) is None
 
 
+def monitors(docs: list[dict]) -> dict[str, dict]:
+    """The ServiceMonitors by what they scrape: engines and routers, or the operator."""
+    found = {m["metadata"]["name"]: m for m in objects_of(docs, "ServiceMonitor")}
+    assert set(found) == {f"{RELEASE}-pagefleet", f"{RELEASE}-pagefleet-operator"}, set(found)
+    return {
+        "fleet": found[f"{RELEASE}-pagefleet"],
+        "operator": found[f"{RELEASE}-pagefleet-operator"],
+    }
+
+
 def test_service_monitor_selects_the_services_the_operator_creates(rendered):
-    monitor = one(rendered["colocated"], "ServiceMonitor")["spec"]
+    monitor = monitors(rendered["colocated"])["fleet"]["spec"]
     assert monitor["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     md = one(rendered["colocated"], "ModelDeployment")
     services = objects_of(owned_objects(md, {}), "Service")
@@ -1289,6 +1306,57 @@ def test_service_monitor_selects_the_services_the_operator_creates(rendered):
         (expr,) = monitor["selector"]["matchExpressions"]
         assert labels[expr["key"]] in expr["values"]
         assert monitor["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+
+
+def test_the_operators_metrics_are_served_selected_scraped_and_let_in(rendered, helm):
+    """Every operator replica serves /metrics on operator.metricsPort (the flag the operator
+    parses); the chart's Service selects those pods on that port, the operator's ServiceMonitor
+    selects the Service (with honorLabels: its series name the ModelDeployment's namespace),
+    and the NetworkPolicy lets the metricsFrom peers in on that port only (none without)."""
+    docs = rendered["colocated"]
+    deployment = one(docs, "Deployment", "operator")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert operator_args(docs).metrics_bind_address == ("0.0.0.0", 8080)
+    assert container["ports"] == [{"name": "metrics", "containerPort": 8080, "protocol": "TCP"}]
+    (service,) = [
+        s for s in objects_of(docs, "Service") if s["metadata"]["name"].endswith("operator")
+    ]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert service["spec"]["ports"] == [
+        {"name": "metrics", "port": 8080, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    monitor = monitors(docs)["operator"]["spec"]
+    assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = monitor["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["honorLabels"] is True
+    # No other Service of the chart's or the operator's is selected by it.
+    md = one(docs, "ModelDeployment")
+    for other in objects_of(owned_objects(md, {}), "Service"):
+        assert not monitor["selector"]["matchLabels"].items() <= other["metadata"]["labels"].items()
+    policy = one(docs, "NetworkPolicy")
+    assert policy["spec"]["ingress"] == [
+        {
+            "ports": [{"port": 8080, "protocol": "TCP"}],
+            "from": ci_values("colocated")["networkPolicy"]["metricsFrom"],
+        }
+    ]
+    assert one(rendered["defaults"], "NetworkPolicy")["spec"]["ingress"] == []
+    # Another port reaches the flag, the container, the Service and the policy alike.
+    moved = template(
+        helm, "-f", str(VALUES_FILES["colocated"]), "--set", "operator.metricsPort=9102"
+    )
+    assert operator_args(moved).metrics_bind_address == ("0.0.0.0", 9102)
+    (service,) = [
+        s for s in objects_of(moved, "Service") if s["metadata"]["name"].endswith("operator")
+    ]
+    assert service["spec"]["ports"][0]["port"] == 9102
+    assert one(moved, "NetworkPolicy")["spec"]["ingress"][0]["ports"] == [
+        {"port": 9102, "protocol": "TCP"}
+    ]
+    clash = run_helm(helm, "template", RELEASE, str(CHART), "--set", "operator.metricsPort=8081")
+    assert clash.returncode != 0 and "operator.metricsPort: 8081" in clash.stderr
 
 
 def _dashboard(rendered) -> dict:
@@ -1314,7 +1382,7 @@ def test_dashboard_has_the_panels_operators_need(rendered):
     ]:
         assert metric in text, metric
     # Replicas per pool group by a pod label the ServiceMonitor copies onto the series.
-    monitor = one(rendered["colocated"], "ServiceMonitor")["spec"]
+    monitor = monitors(rendered["colocated"])["fleet"]["spec"]
     copied = {re.sub(r"[^a-zA-Z0-9_]", "_", label) for label in monitor["podTargetLabels"]}
     grouped = set(re.findall(r"count by \((\w+)\)", text))
     assert grouped and grouped <= copied
@@ -1338,6 +1406,47 @@ def test_dashboard_queries_only_metrics_a_real_engine_exports(rendered, tiny_che
         re.findall(r"(?:vllm|pagefleet):[a-zA-Z0-9_:]+", " ".join(_exprs(_dashboard(rendered))))
     )
     assert queried and queried <= exported, queried - exported
+
+
+def test_dashboard_and_alerts_query_only_series_the_operator_exports(rendered, helm):
+    """Every pagefleet_operator series the dashboard's panels and the PrometheusRule query is
+    on the operator's /metrics page (with the labels they group by)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagefleet.operator.autoscale import ScaleReason
+    from pagefleet.operator.metrics import OperatorMetrics
+    from pagefleet.operator.status import PoolObserved
+
+    metrics = OperatorMetrics()
+    metrics.reconciled(NAMESPACE, "llama", "InvalidSpec", 0.01)
+    pools = (PoolObserved("colocated", 1, 1, 1, "", cause=ScaleReason.SPEC),)
+    metrics.observed(NAMESPACE, "llama", "llama-3-8b", pools)
+    labels = {
+        sample.name: set(sample.labels)
+        for family in text_string_to_metric_families(metrics.page().decode())
+        for sample in family.samples
+    }
+    rule = one(template(helm, "--set", "prometheusRule.enabled=true"), "PrometheusRule")
+    exprs = [
+        *_exprs(_dashboard(rendered)),
+        *(r["expr"] for r in rule["spec"]["groups"][0]["rules"]),
+    ]
+    queried = {
+        name: set(re.findall(r"by \(([^)]*)\)", expr)[0].replace(" ", "").split(","))
+        for expr in exprs
+        for name in re.findall(r"pagefleet_operator:[a-zA-Z0-9_:]+", expr)
+    }
+    assert set(queried) == {
+        f"pagefleet_operator:{name}"
+        for name in [
+            "pool_desired_replicas",
+            "pool_ready_replicas",
+            "reconciles_total",
+            "reconcile_errors_total",
+        ]
+    }
+    for name, grouped in queried.items():
+        assert name in labels and grouped <= labels[name] | {"namespace"}, (name, grouped)
 
 
 def test_notes_show_how_to_reach_the_router(helm):
@@ -1918,3 +2027,40 @@ def test_multinode_values_render_a_leader_worker_set_of_ray_groups(rendered):
     assert not [
         d for d in objects_of(objects, "Deployment") if "colocated" in d["metadata"]["name"]
     ]
+
+
+def test_inference_pool_values_reach_the_model_deployment_and_the_operator(helm):
+    """modelDeployment.inferencePool becomes the ModelDeployment's spec.inferencePool (which
+    the operator renders into an InferencePool and its picker), networkPolicy.gatewayFrom the
+    operator's gatewayFrom peers, and the operator may create and patch InferencePools."""
+    from pagefleet.operator.reconcile import RenderOptions, desired_objects
+
+    gateway = {"podSelector": {"matchLabels": {"gateway.networking.k8s.io/gateway-name": "gw"}}}
+    docs = template(
+        helm,
+        "--set",
+        "modelDeployment.inferencePool.enabled=true",
+        "--set",
+        "modelDeployment.inferencePool.failureMode=FailOpen",
+        "--set",
+        "modelDeployment.inferencePool.podLabels.team=infer",
+        "--set-json",
+        f"networkPolicy.gatewayFrom=[{json.dumps(gateway)}]",
+    )
+    md = one(docs, "ModelDeployment")
+    pool = md["spec"]["inferencePool"]
+    assert (pool["enabled"], pool["failureMode"], pool["podLabels"]) == (
+        True,
+        "FailOpen",
+        {"team": "infer"},
+    )
+    assert chart_peers(docs).gateway_from == (gateway,)
+    assert ("inference.networking.k8s.io", "inferencepools", "create") in _rules(
+        one(docs, "Role", "operator")
+    )
+    stored = {**md, "metadata": {**md["metadata"], "uid": "uid-chart"}}
+    owned = desired_objects(stored, RenderOptions(network_policy=chart_peers(docs)))
+    (inference_pool,) = objects_of(owned, "InferencePool")
+    assert inference_pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+    # Off by default: no picker, and the operator keeps its default Gateway peer.
+    assert "inferencePool" not in one(template(helm), "ModelDeployment")["spec"]

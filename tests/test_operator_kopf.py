@@ -22,6 +22,8 @@ from operator_harness import (
     model_deployment,
     next_pass,
     operator,
+    sample,
+    samples,
     wait_degraded,
     wait_for,
 )
@@ -35,6 +37,9 @@ from pagefleet.operator.handlers import (
 )
 from pagefleet.operator.reconcile import EngineImages
 from server_utils import PAGEFLEET
+
+MD_LABELS = {"namespace": NS, "pagefleet_io_deployment": "llama"}
+ERRORS = "pagefleet_operator:reconcile_errors_total"
 
 
 def test_create_edit_drift_and_idempotence():
@@ -605,13 +610,18 @@ def test_host_paths_outside_the_allowlist_are_refused_with_a_condition():
     host_path = {"name": "tiny", "source": "hostPath", "path": "/etc/kubernetes"}
     with emulator() as url:
         client = KubeClient(url)
-        with operator(url, client, autoscale_interval=0.3, allowed_host_paths=("/srv/models",)):
+        hosts = ("/srv/models",)
+        with operator(url, client, autoscale_interval=0.3, allowed_host_paths=hosts) as state:
             md = model_deployment()
             md["spec"]["model"] = host_path
             client.create(md)
             degraded = wait_degraded(client, "HostPathNotAllowed")
             assert "/etc/kubernetes" in degraded["message"]
             assert "/srv/models" in degraded["message"]
+            # Each pass that ends Degraded is a reconcile error, by the condition's reason.
+            errors = wait_for(lambda: samples(state.metrics.page(), ERRORS), what="errors")
+            assert set(errors) == {frozenset({**MD_LABELS, "reason": "HostPathNotAllowed"}.items())}
+            assert samples(state.metrics.page(), "pagefleet_operator:pool_replicas") == {}
             assert get(client, "apps/v1", "Deployment", "llama-colocated") is None
             assert get(client, "v1", "Secret", "llama-fleet-secret") is None
             md = get(client, MD_API, "ModelDeployment", "llama")
@@ -626,6 +636,13 @@ def test_host_paths_outside_the_allowlist_are_refused_with_a_condition():
                 lambda: condition(md_status(client), "Degraded").get("status") == "False",
                 what="Degraded cleared",
             )
+            # Fixed: reconciles go through (no more errors) and the pool is graphed.
+            errors = sample(state.metrics.page(), ERRORS)
+            next_pass(state)
+            page = state.metrics.page()
+            assert sample(page, ERRORS) == errors
+            pool = {**MD_LABELS, "pagefleet_io_pool": "colocated", "reason": "spec"}
+            assert sample(page, "pagefleet_operator:pool_desired_replicas", **pool) == 1
 
 
 def test_a_missing_api_key_secret_is_reported_until_it_exists():

@@ -18,6 +18,7 @@ from operator_harness import (
     RESOURCES,
     get,
     model_deployment,
+    samples,
     wait_for,
 )
 
@@ -200,9 +201,11 @@ PROCESS_TIMING = (
 
 
 @contextmanager
-def operator_process(url: str, name: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`pagefleet operator` as pod `name` would run it; yields it and its liveness URL."""
+def operator_process(url: str, name: str) -> Iterator[tuple[subprocess.Popen, str, str]]:
+    """`pagefleet operator` as pod `name` would run it; yields it, its liveness URL and its
+    metrics URL."""
     liveness = f"http://127.0.0.1:{free_port()}/healthz"
+    metrics_port = free_port()
     proc = subprocess.Popen(
         [
             PAGEFLEET,
@@ -211,6 +214,7 @@ def operator_process(url: str, name: str) -> Iterator[tuple[subprocess.Popen, st
             url,
             "--autoscale-interval=0.5",
             f"--liveness-endpoint={liveness}",
+            f"--metrics-bind-address=127.0.0.1:{metrics_port}",
             f"--leader-election-namespace={NS}",
             *PROCESS_TIMING,
         ],
@@ -220,7 +224,7 @@ def operator_process(url: str, name: str) -> Iterator[tuple[subprocess.Popen, st
         text=True,
     )
     try:
-        yield proc, liveness
+        yield proc, liveness, f"http://127.0.0.1:{metrics_port}/metrics"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -243,6 +247,12 @@ def alive(liveness: str) -> dict | None:
     except httpx.HTTPError:
         return None
     return response.json() if response.status_code == 200 else None
+
+
+def scraped(url: str, name: str) -> float | None:
+    """One sample (without labels, or summed) of a process' /metrics."""
+    found = samples(httpx.get(url, timeout=10).text, name)
+    return sum(found.values()) if found else None
 
 
 def holder(client: KubeClient) -> str | None:
@@ -270,19 +280,20 @@ def lease_reads(emulated, url: str) -> int:
 def test_two_operators_one_acts_the_other_takes_over_when_it_dies():
     """Only the Lease holder writes; the follower's liveness URL answers while it waits; after
     SIGKILL of the leader the follower takes the Lease and applies a change made after the
-    kill; SIGTERM on the new leader hands the Lease back."""
+    kill; SIGTERM on the new leader hands the Lease back. Each process' /metrics says whether
+    it leads (served while it waits too), and only the leader counts reconciles."""
     with kubernetes_emulators(LEASES, clients=3) as emulated:
         url_a, url_b, url_test = emulated.urls
         client = KubeClient(url_test)
         with (
-            operator_process(url_a, "op-a") as (a, live_a),
-            operator_process(url_b, "op-b") as (b, live_b),
+            operator_process(url_a, "op-a") as (a, live_a, metrics_a),
+            operator_process(url_b, "op-b") as (b, live_b, metrics_b),
         ):
             wait_for(lambda: holder(client) in {"op-a", "op-b"}, 30, "a leader")
             leader, follower = ("op-a", "op-b") if holder(client) == "op-a" else ("op-b", "op-a")
-            procs = {"op-a": (a, live_a, url_a), "op-b": (b, live_b, url_b)}
-            lead_proc, lead_live, lead_url = procs[leader]
-            follow_proc, follow_live, follow_url = procs[follower]
+            procs = {"op-a": (a, live_a, url_a, metrics_a), "op-b": (b, live_b, url_b, metrics_b)}
+            lead_proc, lead_live, lead_url, lead_metrics = procs[leader]
+            follow_proc, follow_live, follow_url, follow_metrics = procs[follower]
 
             client.create(model_deployment(pools={"colocated": {"replicas": 1}}))
             wait_for(lambda: replicas(client) == 1, 30, "the leader's reconcile")
@@ -303,6 +314,10 @@ def test_two_operators_one_acts_the_other_takes_over_when_it_dies():
             assert emulated.writes(lead_url), "the leader wrote nothing"
             assert alive(lead_live) == {}, "the leader's (kopf's) liveness"
             assert holder(client) == leader
+            assert scraped(lead_metrics, "pagefleet_operator:leader") == 1
+            assert scraped(lead_metrics, "pagefleet_operator:reconciles_total") >= 1
+            assert scraped(follow_metrics, "pagefleet_operator:leader") == 0
+            assert scraped(follow_metrics, "pagefleet_operator:reconciles_total") is None
 
             lead_proc.send_signal(signal.SIGKILL)
             lead_proc.wait(30)
@@ -312,6 +327,7 @@ def test_two_operators_one_acts_the_other_takes_over_when_it_dies():
             assert lease(client)["spec"]["leaseTransitions"] == 1
             # kopf's endpoint now (its body is its probes' results: {} here).
             assert wait_for(lambda: alive(follow_live) == {}, 30, "the new leader's liveness")
+            assert scraped(follow_metrics, "pagefleet_operator:leader") == 1
 
             code, output = stop(follow_proc)
             assert code == 0, output
@@ -325,9 +341,9 @@ def test_a_paused_leader_that_lost_the_lease_exits_when_it_resumes():
     with kubernetes_emulators(LEASES, clients=3) as emulated:
         url_a, url_b, url_test = emulated.urls
         client = KubeClient(url_test)
-        with operator_process(url_a, "op-a") as (a, _):
+        with operator_process(url_a, "op-a") as (a, _, _):
             wait_for(lambda: holder(client) == "op-a", 30, "op-a leads")
-            with operator_process(url_b, "op-b") as (b, live_b):
+            with operator_process(url_b, "op-b") as (b, live_b, _):
                 wait_for(lambda: alive(live_b), 30, "op-b waits")
                 a.send_signal(signal.SIGSTOP)
                 try:
@@ -353,10 +369,11 @@ def test_a_waiting_follower_stops_on_sigterm():
             "spec": Record("someone-else", 3600, T0, T0, 0).spec(),
         }
         client.create(current)
-        with operator_process(url_a, "op-a") as (a, live_a):
+        with operator_process(url_a, "op-a") as (a, live_a, metrics_a):
             assert wait_for(lambda: alive(live_a), 30, "the follower's liveness")["holder"] == (
                 "someone-else"
             )
+            assert scraped(metrics_a, "pagefleet_operator:leader") == 0
             code, output = stop(a)
             assert code == 0, output
             assert emulated.writes(url_a) == []

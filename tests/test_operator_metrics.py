@@ -18,7 +18,13 @@ from pagefleet.operator.handlers import (
     removals,
     with_last_applied,
 )
-from pagefleet.operator.metrics_source import PodScraper, PoolPods, PrometheusSource, ready_pod_ips
+from pagefleet.operator.metrics_source import (
+    PodScraper,
+    PoolPods,
+    PrometheusSource,
+    QueueReading,
+    ready_pod_ips,
+)
 from pagefleet.operator.status import Observed, PoolObserved, build_status
 from server_utils import free_port
 
@@ -83,7 +89,7 @@ def test_pod_scraper_sums_answering_pods_and_skips_dead_ones():
         # 127.0.0.1 answers; 127.0.0.2 (same port, nothing listening there) does not.
         pods = PoolPods("ns", "llama", "decode", "m", ("127.0.0.1", "127.0.0.2"))
         reading = PodScraper(port=port, timeout=1.0).read(pods)
-    assert (reading.waiting, reading.running, reading.pods) == (6.0, 3.0, 1)
+    assert reading == QueueReading(6.0, 3.0, pods=1, errors=1)
     assert seen == ["/metrics"]
 
 
@@ -98,7 +104,7 @@ def test_prometheus_source_queries_the_pool_and_counts_ready_pods():
     with http_server(respond) as (port, seen):
         pods = PoolPods("serving", "llama", "decode", "llama-3-8b", ("10.0.0.1", "10.0.0.2"))
         reading = PrometheusSource(f"http://127.0.0.1:{port}").read(pods)
-    assert (reading.waiting, reading.running, reading.pods) == (12.0, 5.0, 2)
+    assert reading == QueueReading(12.0, 5.0, pods=2, errors=0)
     query = parse_qs(urlparse(seen[0]).query)["query"][0]
     assert query == (
         'sum(vllm:num_requests_waiting{namespace="serving",pod=~"llama-decode-.*",'
@@ -110,6 +116,7 @@ def test_prometheus_down_means_no_data_not_zero_load():
     pods = PoolPods("serving", "llama", "decode", "m", ("10.0.0.1",))
     reading = PrometheusSource(f"http://127.0.0.1:{free_port()}", timeout=1.0).read(pods)
     assert reading.pods == 0  # the autoscaler holds on "no pod metrics"
+    assert reading.errors == 1
 
 
 def test_status_conditions_keep_their_transition_time():

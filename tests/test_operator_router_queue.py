@@ -56,10 +56,12 @@ def test_router_replicas_sum_and_none_answering_is_unknown():
         assert scraper.read_queue(two) == RouterQueue(6.0, True)
         # 127.0.0.2 on the same port: nothing listens there.
         one_dead = RouterPods("serving", "llama", "m", ("127.0.0.1", "127.0.0.2"))
-        assert scraper.read_queue(one_dead) == RouterQueue(3.0, True)
+        assert scraper.read_queue(one_dead) == RouterQueue(3.0, True, errors=1)
     assert seen == ["/metrics"] * 3
     dead = RouterScraper(port=free_port(), timeout=1.0)
-    assert dead.read_queue(RouterPods("serving", "llama", "m", ("127.0.0.1",))).read is False
+    assert dead.read_queue(RouterPods("serving", "llama", "m", ("127.0.0.1",))) == RouterQueue(
+        0.0, False, errors=1
+    )
     assert dead.read_queue(RouterPods("serving", "llama", "m", ())) == RouterQueue(0.0, True)
 
 
@@ -77,4 +79,4 @@ def test_prometheus_reads_the_routers_queue_for_the_model():
         'model="llama-3-8b"})'
     )
     down = PrometheusSource(f"http://127.0.0.1:{free_port()}", timeout=1.0)
-    assert down.read_queue(RouterPods("serving", "llama", "m", ())).read is False
+    assert down.read_queue(RouterPods("serving", "llama", "m", ())) == RouterQueue(0.0, False, 1)

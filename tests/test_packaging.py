@@ -164,7 +164,8 @@ def test_a_default_editable_install_sees_new_modules_without_a_reinstall(tmp_pat
 
 def test_the_router_image_installs_without_the_engine_and_runs_the_router(tmp_path):
     """What the router image installs (proto, the shared pieces, the router): its `pagefleet`
-    knows `router` and nothing else, and the engine is not there to import."""
+    knows `router` and `epp` (the same core behind a Gateway) and nothing else, and the engine
+    is not there to import."""
     src = _copy_sources(tmp_path / "src")
     wheels = tmp_path / "wheels"
     for role in ("proto", "pagefleet", "router"):
@@ -174,7 +175,9 @@ def test_the_router_image_installs_without_the_engine_and_runs_the_router(tmp_pa
     _pip(venv, *map(str, sorted(wheels.glob("*.whl"))), cwd=tmp_path)
     help_text = _run(str(venv / "bin" / "pagefleet"), "--help", cwd=tmp_path).stdout
     assert "router" in help_text and "serve" not in help_text and "operator" not in help_text
+    assert "epp" in help_text
     _run(str(venv / "bin" / "pagefleet"), "router", "--help", cwd=tmp_path)
+    _run(str(venv / "bin" / "pagefleet"), "epp", "--help", cwd=tmp_path)
     code = "import importlib.util as u; print(u.find_spec('pagefleet.engine'))"
     assert _run(str(venv / "bin" / "python"), "-c", code, cwd=tmp_path).stdout.strip() == "None"
 
@@ -185,6 +188,7 @@ def test_router_and_operator_entry_points_import_no_model_stack():
         "from pagefleet.common.cli import build_parser\n"
         "import pagefleet.router.main, pagefleet.router.app, pagefleet.router.pd\n"
         "import pagefleet.router.discovery, pagefleet.router.kv_subscriber\n"
+        "import pagefleet.router.epp_main, pagefleet.router.epp, pagefleet.router.ext_proc\n"
         "import pagefleet.operator.main, pagefleet.operator.handlers\n"
         "import pagefleet.operator.reconcile, pagefleet.operator.metrics_source\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in "

@@ -107,7 +107,7 @@ def test_values_outside_the_schema_fail_the_install(helm):
 def test_promtool_checks_every_rule_and_dashboard_query(promtool, helm, capsys):
     assert check_promql.main(["--helm", str(helm), "--promtool", str(promtool)]) == 0
     out = capsys.readouterr().out
-    assert "SUCCESS: 6 rules found" in out
+    assert "SUCCESS: 7 rules found" in out
     queries = len(check_promql.panel_queries()) + len(check_promql.variable_selectors())
     assert f"SUCCESS: {queries} rules found" in out
 

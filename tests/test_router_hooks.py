@@ -8,7 +8,8 @@ import json
 
 import httpx
 
-from pagefleet.router.app import Router, RouterConfig, build_router_app
+from pagefleet.router.app import build_router_app
+from pagefleet.router.core import Router, RouterConfig
 from pagefleet.router.pods import PodRegistry
 from pagefleet.router.prefix_index import PrefixIndex
 from pagefleet.router.routed import Outcome

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pagefleet.common.block_hash import hash_blocks
 from pagefleet.common.kv_events import BlockStored
 from pagefleet.common.tokenizer import load_tokenizer
-from pagefleet.router.app import Router, RouterConfig
+from pagefleet.router.core import Router, RouterConfig
 from pagefleet.router.pods import PodRegistry
 from pagefleet.router.prefix_index import PrefixIndex
 from pagefleet.router.prompt_cache import PromptCache
@@ -148,6 +148,21 @@ def test_stale_load_reads_as_the_fleet_mean_not_as_idle():
     registry.status["c"].scraped_at = 90.0  # silent for 10 s
     pods = {p.name: p for p in registry.pods(now=100.5)}
     assert pods["c"].waiting == 4.0 and pods["a"].waiting == 2.0
+
+
+def test_a_slow_scrape_interval_keeps_load_fresh_between_its_scrapes():
+    """A picker scraping every 5 s read the pods' loads as the fleet's mean for 3 s of every 5
+    (stale after 2 s): two pods of different load tied, and the pick fell to a tie-break."""
+    registry = PodRegistry(interval=5.0)
+    registry.set_pods([Pod("idle", "http://a"), Pod("busy", "http://b")])
+    registry.status["busy"].pod.waiting = 3.0
+    for status in registry.status.values():
+        status.scraped_at = 100.0
+    pods = {p.name: p.waiting for p in registry.pods(now=104.9)}  # just before the next scrape
+    assert pods == {"idle": 0.0, "busy": 3.0}
+    registry.status["idle"].scraped_at = 110.0
+    pods = {p.name: p.waiting for p in registry.pods(now=113.0)}
+    assert pods == {"idle": 0.0, "busy": 0.0}  # busy missed two scrapes: the fleet's mean
 
 
 def test_a_restarted_pod_is_purged_from_the_index_on_the_next_scrape():

@@ -751,6 +751,10 @@ class LabApi(kmock.KubernetesEmulator):
             return await kmock.KubernetesScaffold._handle(self, request)
         try:
             self._authenticate(request)
+            if request.action == enums.action.WATCH and res == Res("v1/namespaces"):
+                # No kmock reaction matches the Namespace requests `__call__` makes; a
+                # namespace-scoped kopf (the chart's operator) watches them.
+                return await rendering.Response(payload=self._serve_watch)(request)
             if request.action == enums.action.WATCH:
                 return await kmock.KubernetesScaffold._handle(self, request)
             status, body = await self._serve(request)

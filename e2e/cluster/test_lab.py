@@ -273,6 +273,18 @@ def test_watch_resumes_from_a_resource_version_and_follows_the_selector(lab):
 
     assert lab.in_lab(events) == [("DELETED", "a"), ("ADDED", "b")]
 
+    # Cluster-scoped Namespaces too: a namespace-scoped kopf (the chart's operator) watches
+    # them, and stops after a few refused watches.
+    lab.kube.create_namespace("later")
+
+    def namespaces():
+        from kubernetes import watch
+
+        stream = watch.Watch().stream(api.list_namespace, resource_version=since, timeout_seconds=1)
+        return [(e["type"], e["object"].metadata.name) for e in stream]
+
+    assert lab.in_lab(namespaces) == [("ADDED", "later")]
+
 
 def test_rolling_update_scaling_and_garbage_collection(lab):
     d = lab.kube.create(deployment("web", "import time; time.sleep(600)", replicas=2))

@@ -1,23 +1,30 @@
-"""Scenario: the metrics path with a real Prometheus. The lab's Prometheus scrapes the engine and
-router pods at their IPs with the scrape config the Prometheus Operator makes of the chart's
-ServiceMonitor, and evaluates the chart's PrometheusRule. The operator runs with
---prometheus-url: a pool at zero wakes for the requests the router holds and returns to zero
-when the load stops, reading only Prometheus. On the way every shipped query is evaluated:
+"""Scenario: the metrics path with a real Prometheus. The lab's Prometheus scrapes the engine,
+router and operator pods at their IPs with the scrape configs the Prometheus Operator makes of
+the chart's two ServiceMonitors, and evaluates the chart's PrometheusRule. The operator is the
+chart's (two replicas, one leading, in a namespace of their own) with operator.prometheusUrl:
+a pool at zero wakes for the requests the router holds and returns to zero when the load
+stops, reading only Prometheus. On the way every shipped query is evaluated:
 
 - each KEDA trigger the operator renders for the pool returns, at Prometheus' first scrape
   after a reading, the value the builtin autoscaler reads from the pods themselves (the
   router's queue at zero, the engine's waiting and running requests under load);
+- the operator's own series arrive with the ModelDeployment's labels: one replica leads (the
+  Lease's holder), the pool's desired, ready and current replicas are what the operator wrote
+  to the ModelDeployment's status (under load, and back at zero), each scaling decision is
+  counted once with its reason, and a ModelDeployment it refuses counts reconcile errors;
 - the engine killed fires PagefleetEngineDown for that pod alone, and nothing fired before it
-  (not while the engine loaded its model, when Prometheus already scraped it);
+  (not while the engine loaded its model, when Prometheus already scraped it); the refused
+  ModelDeployment fires PagefleetReconcileErrors, alone;
 - under load each dashboard panel's expression (Grafana's variables substituted as Grafana
   does, run as Grafana runs a panel: a range query at $__interval) returns the series it is
   meant to, with the labels its legend and grouping use; its variables offer the namespace
   and the model.
 
 What it catches: a renamed metric or label (a panel, trigger or alert returns nothing), a
-relabeling missing from the ServiceMonitor (pagefleet_io_pool, namespace, pod), a trigger whose
-value differs from what the autoscaler computes, an operator that cannot wake or drain a pool
-through Prometheus, and an alert that never fires or fires on starting engines."""
+relabeling missing from a ServiceMonitor (pagefleet_io_pool, namespace, pod; the operator's
+honorLabels), a trigger whose value differs from what the autoscaler computes, operator series
+that disagree with its status, an operator that cannot wake or drain a pool through
+Prometheus, and an alert that never fires or fires on starting engines."""
 
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ from pathlib import Path
 import yaml
 from prometheus_tools import check_promql
 
+from pagefleet.operator.autoscale import ScaleReason
 from pagefleet.operator.metrics_source import (
     PodScraper,
     PoolPods,
@@ -45,6 +53,7 @@ from pagefleet.operator.reconcile import RenderOptions, desired_objects
 
 from .conftest import open_lab
 from .fleet import (
+    MD,
     Load,
     helm_template,
     md_pods,
@@ -53,19 +62,20 @@ from .fleet import (
     ready,
     router_url,
     simulated_deployment,
-    start_operator,
 )
-from .prometheus import LabPrometheus
+from .prometheus import PROMETHEUS_PORT, LabPrometheus
 from .servicemonitor import scrape_configs
 
 NS, NAME, MODEL, POOL = "serving", "watched", "tiny", "colocated"
+REFUSED = "refused"  # a ModelDeployment the operator refuses: a hostPath it does not allow
+# The chart's release, its operator with it, in a namespace of its own (watching NS): the
+# operator's series name NS only if its ServiceMonitor honours their labels.
+RELEASE_NS = "pagefleet-system"
 SCRAPE_S = 1
-# The chart as a user installs it with Prometheus: ServiceMonitor and rules on, scraped every
-# second and alerting on a dead engine after a second, so the scenario does not wait minutes.
-CHART_VALUES = {
-    "serviceMonitor": {"enabled": True, "interval": f"{SCRAPE_S}s", "scrapeTimeout": "1s"},
-    "prometheusRule": {"enabled": True, "alerts": {"engineDown": {"for": "1s"}}},
-}
+OPERATORS = 2  # the chart's default: one leads
+OPERATOR_JOB = "pf-pagefleet-operator"  # its Service, the job of its targets
+OP = "pagefleet_operator:"
+REASONS = {str(reason) for reason in ScaleReason}
 AUTOSCALING = {
     "mode": "builtin",
     "minReplicas": 0,
@@ -85,19 +95,50 @@ ENGINE_ARGS = {"simulate-profile": json.dumps({"step_overhead_s": 0.12})}
 GRAFANA = {"namespace": [NS], "model": [MODEL]}
 
 
-def chart_objects(tmp_path: Path) -> tuple[dict, list[dict]]:
-    """The chart's ServiceMonitor and its PrometheusRule's rule groups."""
+def chart_values(prometheus_url: str) -> dict:
+    """The chart as a user installs it with Prometheus: ServiceMonitors and rules on, scraped
+    every second and alerting after a second, so the scenario does not wait minutes; the
+    operator reads queues from that Prometheus, every half second, and watches NS. The
+    ModelDeployments are the scenario's own."""
+    alerts = {"engineDown": {"for": "1s"}, "reconcileErrors": {"for": "1s"}}
+    return {
+        "serviceMonitor": {"enabled": True, "interval": f"{SCRAPE_S}s", "scrapeTimeout": "1s"},
+        "prometheusRule": {"enabled": True, "alerts": alerts},
+        "operator": {
+            "prometheusUrl": prometheus_url,
+            "autoscaleInterval": 0.5,
+            "watchNamespaces": [NS],
+        },
+        "modelDeployment": {"enabled": False},
+        "modelCache": {"enabled": False},
+    }
+
+
+def chart_objects(tmp_path: Path, prometheus_url: str) -> tuple[list[dict], list[dict], list]:
+    """The chart's ServiceMonitors, its PrometheusRule's rule groups (both the Prometheus
+    Operator's to read), and the rest: what the API gets (the CRD is installed already)."""
     values = tmp_path / "metrics-values.yaml"
-    values.write_text(yaml.safe_dump(CHART_VALUES))
-    docs = helm_template("pf", NS, values)
-    (monitor,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    values.write_text(yaml.safe_dump(chart_values(prometheus_url)))
+    docs = helm_template("pf", RELEASE_NS, values)
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
     (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
-    return monitor, rule["spec"]["groups"]
+    rest = [
+        d
+        for d in docs
+        if d["apiVersion"].split("/")[0] not in {"monitoring.coreos.com", "apiextensions.k8s.io"}
+    ]
+    return monitors, rule["spec"]["groups"], rest
 
 
 def deployment() -> dict:
     md = simulated_deployment(NAME, NS, {"replicas": 0, "autoscaling": AUTOSCALING})
     md["spec"]["engineArgs"].update(ENGINE_ARGS)
+    return md
+
+
+def refused_deployment() -> dict:
+    md = simulated_deployment(REFUSED, NS, {"replicas": 1})
+    md["spec"]["model"] = {"name": "other", "source": "hostPath", "path": "/srv/models/tiny"}
     return md
 
 
@@ -188,11 +229,77 @@ def check_dashboard(prom: LabPrometheus, start: float, end: float, engines: set[
             assert [labels["model_name"] for labels, _ in series] == [MODEL], where
 
 
-def fired(prom: LabPrometheus, alert: str, window_s: int = 300) -> set[str]:
-    """Pods `alert` fired for in the last `window_s` (the ALERTS series keeps a firing that
-    has already resolved)."""
+def fired(prom: LabPrometheus, alert: str, label: str = "pod", window_s: int = 300) -> set[str]:
+    """The `label` of each series `alert` fired for in the last `window_s` (the ALERTS series
+    keeps a firing that has already resolved)."""
     expr = f'max_over_time(ALERTS{{alertname="{alert}",alertstate="firing"}}[{window_s}s])'
-    return {s.labels.get("pod", "") for s in prom.query(expr)}
+    return {s.labels.get(label, "") for s in prom.query(expr)}
+
+
+def operator_pods(lab) -> list[dict]:
+    return ready(lab.kube.pods(RELEASE_NS, "app.kubernetes.io/component=operator"))
+
+
+def check_leader(lab, prom: LabPrometheus) -> None:
+    """Every operator replica is scraped; exactly one says it leads: the Lease's holder."""
+    up = prom.query(f'up{{job="{OPERATOR_JOB}"}} == 1')
+    assert len(up) == OPERATORS, up
+    (leader,) = prom.query(f"{OP}leader == 1")
+    lease = lab.kube.get("coordination.k8s.io/v1", "Lease", RELEASE_NS, OPERATOR_JOB)
+    assert leader.labels["pod"] == lease["spec"]["holderIdentity"], (leader, lease)
+    assert len(prom.query(f"{OP}leader == 0")) == OPERATORS - 1
+
+
+def pool_status(lab) -> dict:
+    md = lab.kube.get(*MD, NS, NAME)
+    return ((md.get("status") or {}).get("pools") or {}).get(POOL) or {}
+
+
+def operator_pool(prom: LabPrometheus) -> dict[str, float]:
+    """The operator's gauges of the pool, as Prometheus has them, under the status' keys."""
+    labels = f'namespace="{NS}",pagefleet_io_deployment="{NAME}",pagefleet_io_pool="{POOL}"'
+    found: dict[str, float] = {}
+    for key, series in (
+        ("desiredReplicas", "pool_desired_replicas"),
+        ("readyReplicas", "pool_ready_replicas"),
+        ("replicas", "pool_replicas"),
+    ):
+        samples = prom.query(f'{OP}{series}{{{labels},model_name="{MODEL}"}}')
+        assert len(samples) <= 1, samples  # one series per pool (one reason at a time)
+        if samples:
+            found[key] = samples[0].value
+            if key == "desiredReplicas":
+                assert samples[0].labels["reason"] in REASONS, samples
+    return found
+
+
+def operator_agrees(lab, prom: LabPrometheus, desired: int) -> dict:
+    """Wait until Prometheus' operator gauges of the pool equal its status (desired replicas
+    `desired`, at a scrape after the status was read); the status."""
+
+    def agreed():
+        status = pool_status(lab)
+        moment = time.time()
+        lab.wait_for(lambda: prom.scraped_since(moment), 30, "a scrape after the status")
+        seen = operator_pool(prom)
+        wanted = {k: status.get(k) for k in ("desiredReplicas", "readyReplicas", "replicas")}
+        return status if seen == wanted and status.get("desiredReplicas") == desired else None
+
+    return lab.wait_for(agreed, 60, f"the operator's series to show desired {desired}")
+
+
+def decisions(prom: LabPrometheus, direction: str, reason: str) -> float:
+    """The builtin autoscaler's decisions of the pool counted in the scenario, by whichever
+    replica led: each pod's highest count (a restarted pod counts from 0 again), summed."""
+    labels = f'pagefleet_io_deployment="{NAME}",pagefleet_io_pool="{POOL}"'
+    wanted = f'{labels},direction="{direction}",reason="{reason}"'
+    counted = f"max_over_time({OP}autoscaler_decisions_total{{{wanted}}}[15m])"
+    (total,) = prom.query(f"sum({counted}) or vector(0)")
+    return total.value
+
+
+def restarts(pods: list[dict]) -> int:
+    return sum(c["restartCount"] for p in pods for c in p["status"]["containerStatuses"])
 
 
 def mark(timings: dict[str, float], what: str, started: float) -> None:
@@ -206,19 +313,26 @@ def kill_engine(pod: dict) -> None:
 
 
 def test_prometheus_scrapes_the_lab_and_every_shipped_query_answers(tmp_path, model_store):
-    monitor, rule_groups = chart_objects(tmp_path)
     timings: dict[str, float] = {}
     started = time.monotonic()
-    load, loading_seen = Load(""), None
+    load, loading_seen, operator_restarts = Load(""), None, None
     with open_lab(tmp_path / "lab", claims={"models": str(model_store)}) as lab:
         prepare_namespace(lab, NS)
-        prom = LabPrometheus(lab, scrape_configs(monitor), rule_groups)
+        lab.kube.create_namespace(RELEASE_NS)
+        prometheus_url = f"http://{lab.node_ip}:{PROMETHEUS_PORT}"
+        monitors, rule_groups, chart = chart_objects(tmp_path, prometheus_url)
+        configs = [config for monitor in monitors for config in scrape_configs(monitor)]
+        prom = LabPrometheus(lab, configs, rule_groups)
         try:
-            start_operator(lab, "--autoscale-interval", "0.5", "--prometheus-url", prom.url)
+            for obj in chart:
+                lab.kube.create(obj)
+            lab.kube.create(refused_deployment())
             md = deployment()
             lab.kube.create(md)
             triggers = keda_triggers(md, prom.url)
             assert set(triggers) == {"engines-waiting", "router-queued", "engines-running"}
+            lab.wait_for(lambda: len(operator_pods(lab)) == OPERATORS, 90, "the operator pods")
+            mark(timings, "operators", started)
             url = router_url(lab, NS, NAME)
             assert replicas(lab) == 0
 
@@ -236,17 +350,32 @@ def test_prometheus_scrapes_the_lab_and_every_shipped_query_answers(tmp_path, mo
             assert reading["router-queued"][0] == CLIENTS
             lab.wait_for(lambda: replicas(lab) == 1, 60, "the operator to wake the pool")
             mark(timings, "woken", started)
+            # The operator counted that one scale-up, and why; one replica of two leads.
+            lab.wait_for(lambda: decisions(prom, "up", "wake") == 1, 30, "the wake counted")
+            check_leader(lab, prom)
 
-            # The engine serves with requests waiting: the engines' triggers agree with it.
+            # The engine serves with requests waiting: the engines' triggers agree with it,
+            # and the operator's series with its status.
             reading = triggers_agree(lab, prom, triggers, "engines-waiting", timeout=60)
             assert reading["engines-running"][0] > 0
             (engine,) = ready(md_pods(lab, NS, NAME))
             name = engine["metadata"]["name"]
+            serving = operator_agrees(lab, prom, desired=1)
+            assert serving["readyReplicas"] == 1, serving
             mark(timings, "queued on the engine", started)
 
             # Killed, the engine fires its alert, for it alone. Before, nothing fired: not
             # while it loaded its model (Prometheus scrapes pods that are not ready yet).
+            # The refused ModelDeployment fired its own, alone.
             assert not fired(prom, "PagefleetEngineDown")
+            refusals = fired(prom, "PagefleetReconcileErrors", "pagefleet_io_deployment")
+            assert refusals == {REFUSED}, refusals
+            errors = prom.query(f'{OP}reconcile_errors_total{{reason="HostPathNotAllowed"}}')
+            assert [e.labels["pagefleet_io_deployment"] for e in errors] == [REFUSED]
+            # The ModelDeployment's namespace, not the operator pod's (the ServiceMonitor's
+            # honorLabels); that of the operator's own series is the pod's.
+            assert errors[0].labels["namespace"] == NS
+            assert {s.labels["namespace"] for s in prom.query(f"{OP}leader")} == {RELEASE_NS}
             loading_seen = prom.query(f'min_over_time(up{{pod="{name}"}}[10m]) == 0') != []
             kill_engine(engine)
             lab.wait_for(
@@ -271,14 +400,24 @@ def test_prometheus_scrapes_the_lab_and_every_shipped_query_answers(tmp_path, mo
             check_dashboard(prom, load_started, time.time(), {name})
             mark(timings, "dashboard", started)
 
-            # The load stops: the operator, reading Prometheus, returns the pool to zero.
+            # The load stops: the operator, reading Prometheus, returns the pool to zero, and
+            # its series say so as its status does, with one scale-down counted.
             stop.set()
             for w in workers:
                 w.result(timeout=120)
             lab.wait_for(lambda: replicas(lab) == 0, 90, "the operator to return to zero")
             lab.wait_for(lambda: not md_pods(lab, NS, NAME), 90, "the engine pods gone")
+            operator_agrees(lab, prom, desired=0)
+            assert decisions(prom, "down", "scale_to_zero") == 1
+            assert decisions(prom, "up", "wake") == 1
             mark(timings, "zero", started)
             assert load.ok > 0
+            operator_restarts = restarts(
+                lab.kube.pods(RELEASE_NS, "app.kubernetes.io/component=operator")
+            )
         finally:
             prom.close()
-    print(f"metrics path: {timings}, {load.sent} requests sent, loading seen: {loading_seen}")
+    print(
+        f"metrics path: {timings}, {load.sent} requests sent, loading seen: {loading_seen}, "
+        f"operator restarts: {operator_restarts}"
+    )

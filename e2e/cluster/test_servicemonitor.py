@@ -24,12 +24,19 @@ NS = "serving"
 
 
 @pytest.fixture(scope="module")
-def monitor(tmp_path_factory) -> dict:
+def monitors(tmp_path_factory) -> dict[str, dict]:
+    """The chart's ServiceMonitors by name."""
     assert HELM  # installed by `make test` (the helm target) or tests/test_helm_chart.py
     values = tmp_path_factory.mktemp("values") / "values.yaml"
     values.write_text(yaml.safe_dump({"serviceMonitor": {"enabled": True}}))
-    (found,) = [d for d in helm_template("pf", NS, values) if d["kind"] == "ServiceMonitor"]
-    return found
+    docs = helm_template("pf", NS, values)
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceMonitor"}
+
+
+@pytest.fixture(scope="module")
+def monitor(monitors) -> dict:
+    """The engines' and routers'."""
+    return monitors["pf-pagefleet"]
 
 
 def engine_pod(name: str, ip: str, ready: bool, phase: str = "Running") -> dict:
@@ -177,3 +184,25 @@ def test_a_field_the_translator_does_not_read_is_refused(monitor, where, field):
     target[field] = [] if field.endswith("abelings") else 100
     with pytest.raises(UnsupportedField, match=field):
         scrape_configs(changed)
+
+
+def test_the_operators_monitor_keeps_its_own_labels_on_its_metrics_port(monitors):
+    """The operator's ServiceMonitor translates whole (no field left out) into a job that
+    honours the operator's labels (its series name the ModelDeployment's namespace) and keeps
+    only the port named metrics of the chart's operator Service."""
+    assert set(monitors) == {"pf-pagefleet", "pf-pagefleet-operator"}
+    (config,) = scrape_configs(monitors["pf-pagefleet-operator"])
+    assert config["honor_labels"] is True
+    assert config["kubernetes_sd_configs"] == [{"role": "endpoints", "namespaces": {"names": [NS]}}]
+    relabel = config["relabel_configs"]
+    assert {
+        "action": "keep",
+        "source_labels": ["__meta_kubernetes_endpoint_port_name"],
+        "regex": "metrics",
+    } in relabel
+    kept = {tuple(r["source_labels"]): r["regex"] for r in relabel if r.get("action") == "keep"}
+    component = (
+        "__meta_kubernetes_service_label_app_kubernetes_io_component",
+        "__meta_kubernetes_service_labelpresent_app_kubernetes_io_component",
+    )
+    assert kept[component] == "(operator);true"

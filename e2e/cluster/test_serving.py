@@ -6,13 +6,21 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import yaml
+
 from pagefleet.operator.reconcile import KV_TRANSFER_PORT, UCX_PORTS
 
 from .conftest import open_lab
 from .fleet import (
+    ENGINE_PORT,
+    ENVOY_REPOSITORY,
+    EPP_PORT,
     EXAMPLES,
+    GATEWAY_PORT,
+    INFERENCE_POOL_CRD,
     assert_serves_as_offline,
     complete,
+    envoy_image,
     example,
     for_cpu,
     helm_template,
@@ -20,12 +28,17 @@ from .fleet import (
     md_pods,
     metrics,
     operator_ready,
+    pod_url,
     policy_check,
     prepare_namespace,
+    ready,
     router_url,
+    start_gateway,
     start_operator,
     wait_serving,
+    would_drop,
 )
+from .flows import Connection
 from .images import files_image
 
 VALUES = Path(__file__).with_name("chart-cpu-values.yaml")
@@ -44,13 +57,23 @@ KEDA_CRD = {
 
 
 def test_the_charts_default_model_deployment_serves_on_cpu(tmp_path, model_store, offline):
-    """`helm template` of the chart (CPU values) applied as is: the operator pod (in-cluster
-    login with its service-account token), the engine and the router all get Ready, and the
-    openai SDK through the router gets the offline engine's greedy text."""
-    objects = helm_template("pf", "serving", VALUES)
+    """`helm template` of the chart (CPU values, with its InferencePool on) applied as is: the
+    operator pod (in-cluster login with its service-account token), the engine, the router and
+    the Endpoint Picker all get Ready, and the openai SDK gets the offline engine's greedy text
+    through the router and through a Gateway's Envoy pod that asks the picker (gRPC, pod to
+    pod) where to send each request. Every connection is one the policies allow, and no pod
+    but the Gateway's may call the picker."""
+    values = yaml.safe_load(VALUES.read_text())
+    values["modelDeployment"]["inferencePool"] = {"enabled": True}
+    values_file = tmp_path / "values.yaml"
+    values_file.write_text(yaml.safe_dump(values))
+    objects = helm_template("pf", "serving", values_file)
     claim = next(o for o in objects if o["kind"] == "PersistentVolumeClaim")["metadata"]["name"]
-    with open_lab(tmp_path / "lab", claims={claim: str(model_store)}) as lab:
+    with open_lab(
+        tmp_path / "lab", claims={claim: str(model_store)}, images={ENVOY_REPOSITORY: envoy_image()}
+    ) as lab:
         lab.kube.create_namespace("serving")
+        lab.kube.create(INFERENCE_POOL_CRD)  # the Inference Extension's, installed beforehand
         for obj in sorted(objects, key=lambda o: o["kind"] != "CustomResourceDefinition"):
             lab.kube.create(obj)
         operator = operator_ready(lab, "serving")
@@ -64,13 +87,35 @@ def test_the_charts_default_model_deployment_serves_on_cpu(tmp_path, model_store
             for c in p["status"]["containerStatuses"]
         ]
         assert restarts == [0] * len(restarts), lab.describe()
-        # The chart's policy (the operator) and the operator's (router, engines) let through
-        # what runs: the operator and router watch the API, the router follows the engine.
+        (pool,) = lab.kube.list("inference.networking.k8s.io/v1", "InferencePool", "serving")
+        picker = lab.wait_for(
+            lambda: ready(md_pods(lab, "serving", "llama-3-8b", "epp")), 60, "the picker Ready"
+        )[0]
+        assert pool["spec"]["endpointPickerRef"]["name"] == "llama-3-8b-epp"
+        gateway = start_gateway(lab, "serving", "inference-gateway", picker["status"]["podIP"])
+        assert_serves_as_offline(lab, pod_url(gateway, GATEWAY_PORT), "llama-3-8b", offline)
+        # The chart's policy (the operator) and the operator's (router, picker, engines) let
+        # through what runs: the operator, router and picker watch the API, the router and
+        # the picker follow the engine, the Gateway calls the picker and the engine.
         connections, dropped = policy_check(lab, "serving")
         assert not dropped, (dropped, connections)
         opened = {(c.client.rsplit("-", 2)[0], c.port) for c in connections}  # by Deployment
         assert {("pf-pagefleet-operator", 6443), ("llama-3-8b-router", 8000)} <= opened
         assert ("llama-3-8b-router", 5557) in opened, connections
+        assert {("llama-3-8b-epp", 8000), ("llama-3-8b-epp", 5557)} <= opened, connections
+        gateway_name, picker_name = gateway["metadata"]["name"], picker["metadata"]["name"]
+        assert EPP_PORT in {c.port for c in connections if c.client == gateway_name}
+        # The Gateway's requests to the engine (a keep-alive connection the engine may have
+        # closed by now) are allowed; another pod (the router's) calling the picker's port is
+        # dropped by the picker's policy.
+        (engine,) = md_pods(lab, "serving", "llama-3-8b")
+        engine_name, engine_ip = engine["metadata"]["name"], engine["status"]["podIP"]
+        request = Connection(gateway_name, engine_name, engine_ip, ENGINE_PORT)
+        assert would_drop(lab, "serving", [request]) == []
+        router_pod = md_pods(lab, "serving", "llama-3-8b", "router")[0]["metadata"]["name"]
+        probe = Connection(router_pod, picker_name, picker["status"]["podIP"], EPP_PORT)
+        dropped = would_drop(lab, "serving", [probe])
+        assert f"ingress {router_pod} -> {picker_name}:{EPP_PORT}" in dropped
 
 
 def test_every_valid_example_serves_on_cpu(tmp_path, model_store, offline):

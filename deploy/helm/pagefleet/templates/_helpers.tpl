@@ -110,6 +110,8 @@ nulling of the other pools). */}}
 {{- define "pagefleet.networkPolicy.peers" -}}
 {{- $np := .Values.networkPolicy -}}
 {{- $peers := dict "operatorFrom" (list (include "pagefleet.operator.peer" . | fromJson)) "metricsFrom" $np.metricsFrom "clientsFrom" $np.clientsFrom "apiServer" $np.apiServer "dns" $np.dns -}}
+{{- /* Empty: the operator's default, any Gateway's proxy pods (never "anyone"). */ -}}
+{{- with $np.gatewayFrom }}{{ $_ := set $peers "gatewayFrom" . }}{{ end -}}
 {{- toJson $peers -}}
 {{- end -}}
 

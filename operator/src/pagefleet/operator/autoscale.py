@@ -8,6 +8,7 @@ queued."""
 from __future__ import annotations
 
 import datetime
+import enum
 import math
 from dataclasses import dataclass
 
@@ -15,6 +16,29 @@ from pagefleet.operator.spec import Autoscaling
 
 # The HPA's default: ratios within 10% of 1.0 change nothing (avoids chasing noise).
 TOLERANCE = 0.1
+
+
+class ScaleReason(enum.StrEnum):
+    """Why a pool has its desired replicas, in one word from a closed set: what the operator's
+    metrics label a pool with (the status' reason says it in full). Of the limits a decision
+    met, the last one applied names it; but a pool leaving zero for demand is woken, and one
+    going to zero for its idle window is scaled to zero, whatever else bounded the number."""
+
+    DEMAND = "demand"  # the HPA formula on the queues moved or kept it
+    WITHIN_TOLERANCE = "within_tolerance"  # the queues are within 10% of the target
+    LAST_POD_KEPT = "last_pod_kept"  # the formula says 0: only the idle window goes to zero
+    NO_METRICS = "no_metrics"  # no pod answered: holding
+    WAKE = "wake"  # from zero, for demand (requests held at the router)
+    IDLE_AT_ZERO = "idle_at_zero"  # nothing waiting or queued, no pods
+    SCALE_TO_ZERO = "scale_to_zero"  # idle for scaleToZeroIdleSeconds
+    STABILIZATION = "stabilization"  # held by a stabilisation window
+    STEP_LIMIT = "step_limit"  # maxScaleUpStep
+    BOUNDS = "bounds"  # minReplicas or maxReplicas
+    PODS_NOT_READY = "pods_not_ready"  # the last step's pods are not ready yet
+    # Pools the builtin autoscaler does not decide, or has not yet in this process:
+    KEDA = "keda"
+    SPEC = "spec"  # autoscaling mode none: spec.replicas, or the workload's own
+    PENDING = "pending"  # builtin, not evaluated since the operator started
 
 
 @dataclass(frozen=True)
@@ -70,43 +94,60 @@ class Decision:
     # Since when the pool has been seen idle without a break (None: busy now); the next
     # decision's `idle_since`.
     idle_since: float | None = None
+    cause: ScaleReason = ScaleReason.DEMAND
 
 
-def recommend(obs: Observation, spec: Autoscaling) -> tuple[int, str]:
+def recommend(obs: Observation, spec: Autoscaling) -> tuple[int, str, ScaleReason]:
     """The HPA formula on one observation, clamped to min/max and, for a pool with replicas,
     to at least one: ceil(replicas * avg / target), the router's queued requests counted as
     waiting. Only `decide`'s idle window takes a pool to zero; a pool at zero wakes to what
-    its demand needs at the target per replica."""
+    its demand needs at the target per replica. Returns the replicas, why in words, and why in
+    a word (BOUNDS where min/max changed the number)."""
     target = spec.target_waiting_per_replica
     queued = f" + {obs.queued:g} queued" if obs.queued else ""
-    if obs.pods == 0:
+    # At zero replicas only demand wakes the pool: pods still seen are on their way out (the
+    # ReplicaSet deletes them just after the scale to zero), and the formula below would keep
+    # the last of them.
+    if obs.pods == 0 or obs.replicas == 0:
         if obs.replicas == 0 and obs.demand > 0:
             raw = math.ceil(obs.demand / target)
-            return _clamp(raw, spec), f"{obs.waiting:g} waiting{queued} with no pods"
+            why = f"{obs.waiting:g} waiting{queued} with no pods"
+            return _clamped(raw, spec, why, ScaleReason.WAKE)
         if obs.replicas == 0 and obs.queue_read:
-            return _clamp(0, spec), "nothing waiting or queued with no pods"
-        return _clamp(obs.replicas, spec), "no pod metrics: holding"
+            why = "nothing waiting or queued with no pods"
+            return _clamped(0, spec, why, ScaleReason.IDLE_AT_ZERO)
+        return _clamped(obs.replicas, spec, "no pod metrics: holding", ScaleReason.NO_METRICS)
     average = obs.demand / obs.pods
     ratio = average / target
     if abs(ratio - 1.0) <= TOLERANCE:
         raw = obs.replicas
-        why = "within tolerance"
+        why, cause = "within tolerance", ScaleReason.WITHIN_TOLERANCE
     else:
         raw = math.ceil(obs.replicas * ratio)
-        why = f"ceil({obs.replicas} x {average:.3g}/{target:g})={raw}"
+        why, cause = f"ceil({obs.replicas} x {average:.3g}/{target:g})={raw}", ScaleReason.DEMAND
     if raw == 0:
         # A pool that serves keeps a pod: zero is the idle window's call, never the
         # formula's (which would drop the last pod under a running request, or between two).
         raw = 1
-        why += ", the last pod kept"
-    return _clamp(raw, spec), (
+        why, cause = why + ", the last pod kept", ScaleReason.LAST_POD_KEPT
+    return _clamped(
+        raw,
+        spec,
         f"{obs.waiting:g} waiting{queued} / {obs.pods} pods (target {target:g}/pod, "
-        f"{obs.running:g} running): {why}"
+        f"{obs.running:g} running): {why}",
+        cause,
     )
 
 
 def _clamp(replicas: int, spec: Autoscaling) -> int:
     return max(spec.min_replicas, min(spec.max_replicas, replicas))
+
+
+def _clamped(
+    raw: int, spec: Autoscaling, why: str, cause: ScaleReason
+) -> tuple[int, str, ScaleReason]:
+    replicas = _clamp(raw, spec)
+    return replicas, why, cause if replicas == raw else ScaleReason.BOUNDS
 
 
 def needed(
@@ -166,8 +207,8 @@ def decide(
                 f"nothing running, waiting or queued for {idle_for:g}s "
                 f"(scaleToZeroIdleSeconds {spec.scale_to_zero_idle_s:g}) -> 0"
             )
-            return Decision(0, reason, 0, (), idle)
-    latest, latest_reason = recommend(observation, spec)
+            return Decision(0, reason, 0, (), idle, ScaleReason.SCALE_TO_ZERO)
+    latest, latest_reason, cause = recommend(observation, spec)
     if pool.current == 0 and latest > 0:
         # Waking: the up-window exists to ignore blips on a serving pool; at zero a request
         # is held at the router until a pod loads, so every second of delay is the client's.
@@ -187,21 +228,27 @@ def decide(
         notes.append(
             f"scale-down held to {desired} by the {spec.scale_down_stabilization_s:g}s window"
         )
+        cause = ScaleReason.STABILIZATION
     if latest > current and desired < latest:
         notes.append(f"scale-up held to {desired} by the {spec.scale_up_stabilization_s:g}s window")
+        cause = ScaleReason.STABILIZATION
     if desired > current + spec.max_scale_up_step:
         desired = current + spec.max_scale_up_step
         notes.append(f"step limited to +{spec.max_scale_up_step}")
+        cause = ScaleReason.STEP_LIMIT
     clamped = _clamp(desired, spec)
     if clamped != desired:
         notes.append(f"clamped to [{spec.min_replicas}, {spec.max_replicas}]")
-        desired = clamped
+        desired, cause = clamped, ScaleReason.BOUNDS
     floor = max(current, spec.min_replicas)
     if desired > floor and pool.ready < current:
         desired = floor
         notes.append(f"waiting for {current - pool.ready} pod(s) of the last step to be ready")
+        cause = ScaleReason.PODS_NOT_READY
+    if current == 0 and desired > 0 and observation.demand > 0:
+        cause = ScaleReason.WAKE  # a cold start, however many pods it starts
     reason = latest_reason + "".join(f"; {n}" for n in notes) + f" -> {desired}"
-    return Decision(desired, reason, latest, needed(recommendations, spec, now), idle)
+    return Decision(desired, reason, latest, needed(recommendations, spec, now), idle, cause)
 
 
 def window_to_status(window: tuple[Recommendation, ...]) -> list[dict[str, int | str]]:

@@ -82,6 +82,20 @@ ROUTER_DEFAULTS: dict[str, Any] = {
 # The router's queue (spec.router.queue): requests it holds while no engine of the model is
 # ready or all are saturated (the router's --queue-size and --queue-timeout defaults).
 ROUTER_QUEUE_DEFAULTS: dict[str, Any] = {"size": 256, "timeoutSeconds": 120}
+# spec.inferencePool: the Gateway API Inference Extension's InferencePool over the serving
+# pods, with `pagefleet epp` as its Endpoint Picker (a Gateway routes to it beside, or instead
+# of, the router).
+FAILURE_MODES = ("FailClose", "FailOpen")
+INFERENCE_POOL_DEFAULTS: dict[str, Any] = {
+    "enabled": False,
+    "failureMode": "FailClose",
+    "replicas": 1,
+    "fallbackEndpoints": 0,
+}
+EPP_RESOURCES: dict[str, dict[str, str]] = {
+    "requests": {"cpu": "250m", "memory": "256Mi"},
+    "limits": {"memory": "1Gi"},
+}
 # The router's requests and limits unless spec.router.resources says otherwise (a router
 # without any would be BestEffort: the first pod evicted under node pressure).
 ROUTER_RESOURCES: dict[str, dict[str, str]] = {
@@ -474,6 +488,38 @@ def router_schema() -> dict:
     )
 
 
+def inference_pool_schema() -> dict:
+    d = INFERENCE_POOL_DEFAULTS
+    return _obj(
+        {
+            "enabled": {
+                "type": "boolean",
+                "default": d["enabled"],
+                "description": "render an InferencePool (inference.networking.k8s.io/v1) over "
+                "the serving pods and its Endpoint Picker (`pagefleet epp`: the router's "
+                "picking, for a Gateway's proxy); the router stays unless its replicas are 0",
+            },
+            "failureMode": {
+                "type": "string",
+                "enum": list(FAILURE_MODES),
+                "default": d["failureMode"],
+                "description": "what the Gateway does when the picker cannot be reached: "
+                "FailOpen sends the request on by its own balancing, FailClose answers an error",
+            },
+            "replicas": _int(0, d["replicas"], "Endpoint Picker replicas"),
+            "fallbackEndpoints": _int(
+                0,
+                d["fallbackEndpoints"],
+                "endpoints named after the pick for a Gateway that retries down the list "
+                "(override_host); 0 for one that routes on a single ip:port (ORIGINAL_DST)",
+            ),
+            "resources": _resources(),
+            **pod_overrides_schema(),
+        },
+        default={},
+    )
+
+
 def router_queue_schema() -> dict:
     d = ROUTER_QUEUE_DEFAULTS
     return _obj(
@@ -598,6 +644,7 @@ def spec_schema() -> dict:
             "mode": {"type": "string", "enum": list(DEPLOYMENT_MODES), "default": "colocated"},
             "pools": pools,
             "router": router_schema(),
+            "inferencePool": inference_pool_schema(),
             "kvTransfer": _obj(
                 {
                     "connector": {

@@ -31,10 +31,12 @@ from pagefleet.operator.autoscale import (
     Observation,
     PoolReplicas,
     Recommendation,
+    ScaleReason,
     decide,
     needed,
     window_from_status,
 )
+from pagefleet.operator.metrics import API_ERROR, UNEXPECTED, OperatorMetrics, ReadSource
 from pagefleet.operator.metrics_source import (
     PodScraper,
     PoolPods,
@@ -48,11 +50,13 @@ from pagefleet.operator.metrics_source import (
 from pagefleet.operator.network_policy import PolicyPeers
 from pagefleet.operator.reconcile import (
     ENGINE_API_KEY,
+    EPP_METRICS_PORT,
     FLEET_SECRET_KEY,
     ROUTER_PORT,
     EngineImages,
     RenderOptions,
     desired_objects,
+    epp_selector,
     retired_objects,
     router_selector,
     serving_selector,
@@ -382,6 +386,7 @@ class PoolMemory:
     window: tuple[Recommendation, ...] = ()
     replicas: int | None = None
     reason: str = ""
+    cause: ScaleReason = ScaleReason.PENDING  # the reason in a word (the metrics' label)
     # Start of the pool's unbroken idle stretch (in memory: a restarted operator starts the
     # idle window over, which only ever delays a scale to zero).
     idle_since: float | None = None
@@ -400,6 +405,7 @@ class OperatorState:
     guard: threading.Lock = field(default_factory=threading.Lock)
     loop: asyncio.Task | None = None
     model_configs: ModelConfigs = field(default_factory=ModelConfigs)  # capacity admission
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)  # its /metrics
 
     def lock(self, uid: str) -> threading.Lock:
         with self.guard:
@@ -413,8 +419,10 @@ class OperatorState:
         with self.guard:
             self.passes[uid] = self.passes.get(uid, 0) + 1
 
-    def keep_only(self, uids: set[str]) -> None:
-        """Drop the memory of ModelDeployments that are gone."""
+    def keep_only(self, uids: set[str], keys: set[tuple[str, str]]) -> None:
+        """Drop the memory (by uid) and the series (by namespace and name) of ModelDeployments
+        that are gone."""
+        self.metrics.keep_only(keys)
         with self.guard:
             for uid in [u for u in self.locks if u not in uids]:
                 del self.locks[uid]
@@ -480,18 +488,31 @@ def remembered(state: OperatorState, md: dict, pool: Pool, now: float) -> PoolMe
 
 
 def router_queue(state: OperatorState, md: dict, spec: Spec) -> RouterQueue:
-    """What the ModelDeployment's router holds for its model: from Prometheus when the
-    operator has one, else from the router pods' /metrics."""
+    """What the ModelDeployment's router (and Endpoint Picker) holds for its model: from
+    Prometheus when the operator has one, else from the router and picker pods' /metrics."""
     meta = md["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     if state.config.prometheus_url:
-        source: PrometheusSource | RouterScraper = PrometheusSource(state.config.prometheus_url)
-        ips: tuple[str, ...] = ()
-    else:
-        source = RouterScraper(state.config.router_metrics_port)
-        pods = state.client.list("v1", "Pod", namespace, router_selector(name))
-        ips = running_pod_ips(pods)
-    return source.read_queue(RouterPods(namespace, name, spec.model.name, ips))
+        source = PrometheusSource(state.config.prometheus_url)
+        queue = source.read_queue(RouterPods(namespace, name, spec.model.name, ()))
+        state.metrics.read_failed(namespace, name, ReadSource.PROMETHEUS, queue.errors)
+        return queue
+    pods = state.client.list("v1", "Pod", namespace, router_selector(name))
+    ips = running_pod_ips(pods)
+    queue = RouterScraper(state.config.router_metrics_port).read_queue(
+        RouterPods(namespace, name, spec.model.name, ips)
+    )
+    if spec.inference_pool is not None:
+        # The Endpoint Picker holds requests as the router does (one core, the same gauge).
+        pods = state.client.list("v1", "Pod", namespace, epp_selector(name))
+        held = RouterScraper(EPP_METRICS_PORT).read_queue(
+            RouterPods(namespace, name, spec.model.name, running_pod_ips(pods))
+        )
+        queue = RouterQueue(
+            queue.queued + held.queued, queue.read and held.read, queue.errors + held.errors
+        )
+    state.metrics.read_failed(namespace, name, ReadSource.ROUTER_PODS, queue.errors)
+    return queue
 
 
 def autoscale_pool(
@@ -515,6 +536,8 @@ def autoscale_pool(
         else PodScraper(state.config.metrics_port)
     )
     reading = source.read(pool_pods)
+    where = ReadSource.PROMETHEUS if state.config.prometheus_url else ReadSource.ENGINE_PODS
+    state.metrics.read_failed(namespace, name, where, reading.errors)
     observation = Observation(
         reading.waiting, reading.running, reading.pods, current, queue.queued, queue.read
     )
@@ -528,33 +551,56 @@ def autoscale_pool(
     )
     if decision.replicas != memory.replicas:
         log.info("%s/%s pool %s: %s", namespace, name, pool.name, decision.reason)
+    state.metrics.decided(namespace, name, pool.name, current, decision.replicas, decision.cause)
     memory.replicas, memory.reason = decision.replicas, decision.reason
     memory.window, memory.idle_since = decision.window, decision.idle_since
+    memory.cause = decision.cause
     return memory
 
 
-def _pool_reason(pool: Pool, memory: PoolMemory | None) -> str:
+def _pool_reason(pool: Pool, memory: PoolMemory | None) -> tuple[str, ScaleReason]:
+    """Why the pool has its desired replicas: in words (status) and in a word (metrics)."""
     if pool.autoscaling.mode == "builtin" and memory is not None and memory.reason:
-        return memory.reason
+        return memory.reason, memory.cause
     if pool.autoscaling.mode == "keda":
-        return "scaled by KEDA ScaledObject on vllm:num_requests_waiting"
-    return f"spec.pools.{pool.name}.replicas when it changes, else the Deployment's own"
+        return "scaled by KEDA ScaledObject on vllm:num_requests_waiting", ScaleReason.KEDA
+    why = f"spec.pools.{pool.name}.replicas when it changes, else the Deployment's own"
+    return why, ScaleReason.PENDING if pool.autoscaling.mode == "builtin" else ScaleReason.SPEC
 
 
 def reconcile(state: OperatorState, namespace: str, name: str, autoscale: bool) -> None:
-    """Read the ModelDeployment afresh, (optionally) autoscale, apply, write status."""
+    """Read the ModelDeployment afresh, (optionally) autoscale, apply, write status; count it
+    in the operator's metrics (a ModelDeployment that is gone leaves them)."""
+    started = time.monotonic()
+    try:
+        found, error = _reconcile(state, namespace, name, autoscale)
+    except Exception as e:
+        failure = API_ERROR if isinstance(e, ApiError) else UNEXPECTED
+        state.metrics.reconciled(namespace, name, failure, time.monotonic() - started)
+        raise
+    if found:
+        state.metrics.reconciled(namespace, name, error, time.monotonic() - started)
+    else:
+        state.metrics.forget(namespace, name)
+
+
+def _reconcile(
+    state: OperatorState, namespace: str, name: str, autoscale: bool
+) -> tuple[bool, str | None]:
+    """Whether the ModelDeployment was there to reconcile, and its Degraded reason if any."""
     md = _live_model_deployment(state.client, namespace, name)
     if md is None:
-        return
+        return False, None
     uid = md["metadata"]["uid"]
     with state.lock(uid):
         # Read again under the lock: a reconcile that held it may have just written the status
         # this one judges news by (and announces problems from).
         md = _live_model_deployment(state.client, namespace, name)
-        if md is not None and md["metadata"]["uid"] == uid:
-            _reconcile_locked(state, md, autoscale)
+        found = md is not None and md["metadata"]["uid"] == uid
+        error = _reconcile_locked(state, md, autoscale) if found else None
         if autoscale:
             state.passed(uid)
+    return found, error
 
 
 def _live_model_deployment(client: KubeClient, namespace: str, name: str) -> dict | None:
@@ -566,7 +612,8 @@ def _live_model_deployment(client: KubeClient, namespace: str, name: str) -> dic
     return md
 
 
-def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
+def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> str | None:
+    """One reconcile under the ModelDeployment's lock; its Degraded reason, if any."""
     client, config = state.client, state.config
     meta = md["metadata"]
     namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
@@ -574,7 +621,7 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
     images = pinned_images(previous, config.images)
     error: tuple[str, str] | None = None
     pools: list[PoolObserved] = []
-    router = (0, 0)
+    router = picker = (0, 0)
     capacity: CapacityVerdict | None = None
     try:
         spec = parse_spec(md.get("spec"))
@@ -595,7 +642,7 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
             current, ready = _pool_workload(client, md, pool)
             desired = replicas.get(pool.name, current)
             memory = memories.get(pool.name)
-            reason = _pool_reason(pool, memory)
+            reason, cause = _pool_reason(pool, memory)
             window = memory.window if memory is not None else None
             pools.append(
                 PoolObserved(
@@ -608,9 +655,14 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
                     pool.replicas,
                     workload_kind(pool),
                     pool.multi_node,
+                    cause,
                 )
             )
+        # Before status: once the status shows a number, the metrics show it too.
+        state.metrics.observed(namespace, name, spec.model.name, tuple(pools))
         router = _deployment(client, namespace, f"{name}-router", uid)
+        if spec.inference_pool is not None:
+            picker = _deployment(client, namespace, f"{name}-epp", uid)
         missing = None
         if spec.api_key_secret is not None:
             missing = missing_secret_key(client, namespace, spec.api_key_secret)
@@ -642,11 +694,20 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> None:
         # condition (every pool on an unlabelled GPU node would warn otherwise).
         announce(client, md, capacity.reason, capacity.message)
     verdict = (capacity.status, capacity.reason, capacity.message) if capacity else None
-    observed = Observed(tuple(pools), router[0], router[1], error, images_status(images), verdict)
+    observed = Observed(
+        tuple(pools),
+        router[0],
+        router[1],
+        error,
+        images_status(images),
+        verdict,
+        *picker,
+    )
     status = build_status(name, meta.get("generation"), observed, previous, _now_iso())
     patch = merge_diff(previous, status)
     if patch:
         client.merge_patch(md, {"status": patch}, "/status")
+    return error[0] if error else None
 
 
 def admit_capacity(state: OperatorState, namespace: str, spec: Spec) -> CapacityVerdict | None:
@@ -818,7 +879,9 @@ async def reconcile_forever(state: OperatorState, model_deployments: kopf.Index)
         for (namespace, name), result in zip(targets, results, strict=True):
             if isinstance(result, Exception):
                 log.warning("%s/%s: reconcile failed: %r", namespace, name, result)
-        state.keep_only({uid for uids in model_deployments.values() for uid in uids})
+        state.keep_only(
+            {uid for uids in model_deployments.values() for uid in uids}, set(model_deployments)
+        )
         await asyncio.sleep(state.config.autoscale_interval)
 
 

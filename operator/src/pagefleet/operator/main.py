@@ -69,6 +69,14 @@ def add_operator_parser(sub) -> None:
         help="serve kopf's liveness probe here, e.g. http://0.0.0.0:8081/healthz",
     )
     p.add_argument(
+        "--metrics-bind-address",
+        type=metrics_bind_address,
+        default=None,
+        metavar="HOST:PORT",
+        help="serve the operator's own Prometheus metrics (pagefleet_operator:*) at "
+        "http://HOST:PORT/metrics, leader or not, e.g. :8080 (default: not served)",
+    )
+    p.add_argument(
         "--allowed-host-paths",
         action="append",
         default=[],
@@ -160,6 +168,15 @@ def print_crd(args: argparse.Namespace) -> int:
     return 0
 
 
+def metrics_bind_address(text: str) -> tuple[str, int]:
+    from pagefleet.operator.metrics import parse_bind_address
+
+    try:
+        return parse_bind_address(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def allowed_host_paths(values: list[str]) -> tuple[str, ...]:
     paths = tuple(p.strip() for value in values for p in value.split(",") if p.strip())
     relative = [p for p in paths if not p.startswith("/")]
@@ -192,6 +209,7 @@ def run_operator(args: argparse.Namespace) -> int:
         configure,
     )
     from pagefleet.operator.leader import lead
+    from pagefleet.operator.metrics import MetricsServer, OperatorMetrics
     from pagefleet.operator.reconcile import EngineImages
     from pagefleet.operator.spec import DEFAULT_ROUTER_IMAGE
 
@@ -210,10 +228,13 @@ def run_operator(args: argparse.Namespace) -> int:
         network_policy=network_policy_peers(args),
         allowed_host_paths=allowed_host_paths(args.allowed_host_paths),
     )
-    registry = build_registry(OperatorState(config, KubeClient(config.api_url)))
+    metrics = OperatorMetrics()
+    state = OperatorState(config, KubeClient(config.api_url), metrics=metrics)
+    registry = build_registry(state)
 
     async def operate(stop: asyncio.Event | None = None, liveness: str | None = None) -> None:
         settings = configure(kopf.OperatorSettings())
+        metrics.leader = True  # only the Lease's holder gets here
         try:
             await kopf.operator(
                 registry=registry,
@@ -225,21 +246,29 @@ def run_operator(args: argparse.Namespace) -> int:
                 stop_flag=stop,
             )
         finally:
+            metrics.leader = False
             await drain(settings)
 
-    if not args.leader_election:
-        asyncio.run(operate(liveness=args.liveness_endpoint))
-        return 0
-    elector = leader_elector(args, KubeClient(config.api_url))
-    asyncio.run(
-        lead(
-            elector,
-            lambda stop: operate(stop, args.liveness_endpoint),
-            exit_on_lost_lease,
-            args.liveness_endpoint,
+    server = None
+    if args.metrics_bind_address:
+        server = MetricsServer(metrics, args.metrics_bind_address).start()
+    try:
+        if not args.leader_election:
+            asyncio.run(operate(liveness=args.liveness_endpoint))
+            return 0
+        elector = leader_elector(args, KubeClient(config.api_url))
+        asyncio.run(
+            lead(
+                elector,
+                lambda stop: operate(stop, args.liveness_endpoint),
+                exit_on_lost_lease,
+                args.liveness_endpoint,
+            )
         )
-    )
-    return 0
+        return 0
+    finally:
+        if server is not None:
+            server.close()
 
 
 LOST_LEASE_EXIT = 3

@@ -22,6 +22,7 @@ class QueueReading:
     waiting: float
     running: float
     pods: int  # pods that answered (pod scraping) or ready pods (Prometheus)
+    errors: int = 0  # reads that failed: pods that did not answer, or Prometheus' queries
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ def running_pod_ips(pods: list[dict]) -> tuple[str, ...]:
 class RouterQueue:
     queued: float  # requests held for the model, summed over router replicas
     read: bool  # False: router pods run but none answered (the queue is unknown)
+    errors: int = 0  # reads that failed: router pods that did not answer, or the query
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ class PodScraper:
                 waiting += float(gauges["waiting"])
                 running += float(gauges["running"])
                 answered += 1
-        return QueueReading(waiting, running, answered)
+        return QueueReading(waiting, running, answered, len(pods.ips) - answered)
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,7 @@ class PrometheusSource:
                 waiting = self._query(client, waiting_q)
                 running = self._query(client, running_q)
         except (httpx.HTTPError, KeyError, IndexError, ValueError):
-            return QueueReading(0.0, 0.0, 0)  # no data: the autoscaler holds
+            return QueueReading(0.0, 0.0, 0, 1)  # no data: the autoscaler holds
         return QueueReading(waiting, running, len(pods.ips))
 
     def read_queue(self, router: RouterPods) -> RouterQueue:
@@ -148,7 +150,7 @@ class PrometheusSource:
             with httpx.Client(timeout=self.timeout) as client:
                 return RouterQueue(self._query(client, query), True)
         except (httpx.HTTPError, KeyError, IndexError, ValueError):
-            return RouterQueue(0.0, False)
+            return RouterQueue(0.0, False, 1)
 
 
 @dataclass(frozen=True)
@@ -173,4 +175,4 @@ class RouterScraper:
                 except (httpx.HTTPError, ValueError):
                     continue
                 answered += 1
-        return RouterQueue(queued, answered > 0)
+        return RouterQueue(queued, answered > 0, len(router.ips) - answered)

@@ -20,6 +20,15 @@ DEFAULT_OPERATOR_PEER = {
         }
     },
 }
+# NetworkPolicyPeer of any Gateway's proxy pods, whatever their namespace: Gateway API
+# implementations label them with the Gateway's name (Envoy Gateway, Istio, kgateway, NGINX
+# Gateway Fabric). What may reach a ModelDeployment's Endpoint Picker and, through it, its
+# engines when no --network-policy-peers gatewayFrom narrows it.
+GATEWAY_NAME_LABEL = "gateway.networking.k8s.io/gateway-name"
+DEFAULT_GATEWAY_PEER = {
+    "namespaceSelector": {},
+    "podSelector": {"matchExpressions": [{"key": GATEWAY_NAME_LABEL, "operator": "Exists"}]},
+}
 API_SERVER_PORTS = (443, 6443)  # the Service's port and the API server's own (after DNAT)
 DNS_PORT = 53
 
@@ -40,10 +49,11 @@ class PolicyPeers:
     api_server_to: tuple[dict, ...] = ()
     api_server_ports: tuple[int, ...] = API_SERVER_PORTS
     dns_to: tuple[dict, ...] = ()
+    gateway_from: tuple[dict, ...] = (DEFAULT_GATEWAY_PEER,)
 
     @classmethod
     def from_json(cls, text: str) -> PolicyPeers:
-        """`{"operatorFrom": [..], "metricsFrom": [..], "clientsFrom": [..],
+        """`{"operatorFrom": [..], "metricsFrom": [..], "clientsFrom": [..], "gatewayFrom": [..],
         "apiServer": {"to": [..], "ports": [..]}, "dns": {"to": [..]}}`, every key optional."""
         try:
             raw = json.loads(text)
@@ -51,7 +61,8 @@ class PolicyPeers:
             raise PeersError(f"--network-policy-peers is not JSON: {e}") from None
         if not isinstance(raw, dict):
             raise PeersError("--network-policy-peers must be a JSON object")
-        _known(raw, {"operatorFrom", "metricsFrom", "clientsFrom", "apiServer", "dns"}, "")
+        keys = {"operatorFrom", "metricsFrom", "clientsFrom", "gatewayFrom", "apiServer", "dns"}
+        _known(raw, keys, "")
         api = _object(raw.get("apiServer"), "apiServer")
         dns = _object(raw.get("dns"), "dns")
         _known(api, {"to", "ports"}, "apiServer.")
@@ -66,6 +77,7 @@ class PolicyPeers:
             api_server_to=_peers(api.get("to", []), "apiServer.to"),
             api_server_ports=tuple(ports),
             dns_to=_peers(dns.get("to", []), "dns.to"),
+            gateway_from=_peers(raw.get("gatewayFrom", [DEFAULT_GATEWAY_PEER]), "gatewayFrom"),
         )
 
 
@@ -114,6 +126,13 @@ class PolicyInputs:
     # each other on these ports (NetworkPolicyPorts), both ways.
     group_pools: tuple[str, ...] = ()
     group_ports: tuple[dict, ...] = ()
+    # The Endpoint Picker of an InferencePool (spec.inferencePool): its pods, its gRPC port
+    # (the Gateway's proxies call it) and its /metrics port; a Gateway's proxies then reach
+    # the pools named in `gateway_pools` directly. None: no picker.
+    epp_selector: dict[str, str] | None = None
+    epp_port: int = 0
+    epp_metrics_port: int = 0
+    gateway_pools: tuple[str, ...] = ()
 
 
 def tcp(*ports: int) -> list[dict]:
@@ -150,6 +169,18 @@ def router_policy(inputs: PolicyInputs, peers: PolicyPeers) -> dict:
     (HTTP, KV events, the prefill pods' KV-transfer port for releases), the API server
     (discovery) and DNS."""
     clients = (*peers.clients_from, *peers.metrics_from) if peers.clients_from else ()
+    return {
+        "podSelector": {"matchLabels": dict(inputs.router_selector)},
+        "policyTypes": ["Ingress", "Egress"],
+        "ingress": [_rule("from", clients, tcp(inputs.router_port))],
+        "egress": _picker_egress(inputs, peers),
+    }
+
+
+def _picker_egress(inputs: PolicyInputs, peers: PolicyPeers) -> list[dict]:
+    """Where the router and the Endpoint Picker connect: this ModelDeployment's engines (HTTP,
+    KV events, the prefill pods' KV-transfer port for releases), the API server (discovery),
+    DNS, and an hf:// model's endpoint (the tokenizer)."""
     egress = [
         _rule(
             "to",
@@ -161,11 +192,24 @@ def router_policy(inputs: PolicyInputs, peers: PolicyPeers) -> dict:
         egress.append(
             _rule("to", [pods(inputs.pool_selectors["prefill"])], tcp(inputs.kv_transfer_port))
         )
+    return egress + _infrastructure(peers, api_server=True) + _downloads(inputs)
+
+
+def epp_policy(inputs: PolicyInputs, peers: PolicyPeers) -> dict:
+    """The Endpoint Picker's pods: only a Gateway's proxies on its gRPC port; the operator
+    (whose autoscaler reads the queue it holds) and Prometheus on its /metrics port; out as
+    the router goes."""
+    assert inputs.epp_selector is not None
     return {
-        "podSelector": {"matchLabels": dict(inputs.router_selector)},
+        "podSelector": {"matchLabels": dict(inputs.epp_selector)},
         "policyTypes": ["Ingress", "Egress"],
-        "ingress": [_rule("from", clients, tcp(inputs.router_port))],
-        "egress": egress + _infrastructure(peers, api_server=True) + _downloads(inputs),
+        "ingress": [
+            _rule("from", peers.gateway_from, tcp(inputs.epp_port)),
+            _rule(
+                "from", [*peers.operator_from, *peers.metrics_from], tcp(inputs.epp_metrics_port)
+            ),
+        ],
+        "egress": _picker_egress(inputs, peers),
     }
 
 
@@ -174,29 +218,36 @@ def _downloads(inputs: PolicyInputs) -> list[dict]:
 
 
 def pool_policy(inputs: PolicyInputs, pool: str, peers: PolicyPeers) -> dict:
-    """An engine pool's pods: HTTP from the router, the operator (the builtin autoscaler reads
-    /metrics) and Prometheus; KV events from the router only; into prefill pods the
-    KV-transfer port (decode pods read, the router releases) and, from decode pods, NIXL's UCX
+    """An engine pool's pods: HTTP from the router (and the Endpoint Picker), the operator (the
+    builtin autoscaler reads /metrics), Prometheus and, for the pool an InferencePool selects,
+    a Gateway's proxies; KV events from the router (and the picker) only; into prefill pods the
+    KV-transfer port (decode pods read, the pickers release) and, from decode pods, NIXL's UCX
     ports (the decode side opens every connection: its READs are one-sided and it sends no
     notifications); out only to DNS and, for decode pods, to the prefill pods. A multi-node
     pool's pods also reach each other (and only each other) on Ray's pinned ports and the
     ephemeral range torch.distributed, gloo and NCCL listen on. The engines use no API (no
     token either)."""
     router = pods(inputs.router_selector)
+    # Who picks for these pods: the router, and the Endpoint Picker if there is one.
+    pickers = [router]
+    if inputs.epp_selector is not None:
+        pickers.append(pods(inputs.epp_selector))
+    # A Gateway's proxies send requests to the pods the InferencePool selects.
+    gateway = peers.gateway_from if pool in inputs.gateway_pools else ()
     ingress = [
         _rule(
             "from",
-            [router, *peers.operator_from, *peers.metrics_from],
+            [*pickers, *gateway, *peers.operator_from, *peers.metrics_from],
             tcp(inputs.engine_port),
         )
     ]
     if inputs.events_ports:
-        ingress.append(_rule("from", [router], tcp(*inputs.events_ports)))
+        ingress.append(_rule("from", pickers, tcp(*inputs.events_ports)))
     egress = _infrastructure(peers, api_server=False) + _downloads(inputs)
     selectors = inputs.pool_selectors
     if pool == "prefill":
         decode = pods(selectors["decode"])
-        ingress.append(_rule("from", [decode, router], tcp(inputs.kv_transfer_port)))
+        ingress.append(_rule("from", [decode, *pickers], tcp(inputs.kv_transfer_port)))
         if inputs.ucx_ports:
             ingress.append(_rule("from", [decode], [tcp_range(inputs.ucx_ports)]))
     elif pool == "decode":

@@ -3,6 +3,7 @@ No I/O; the kopf handlers apply the result and golden tests pin it."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shlex
@@ -44,12 +45,13 @@ from pagefleet.operator.model_source import (
 from pagefleet.operator.network_policy import (
     PolicyInputs,
     PolicyPeers,
+    epp_policy,
     pool_policy,
     router_policy,
     tcp,
     tcp_range,
 )
-from pagefleet.operator.pod_overrides import overlay
+from pagefleet.operator.pod_overrides import PodOverrides, overlay
 from pagefleet.operator.spec import (
     DEFAULT_GPU_IMAGE,
     DEFAULT_IMAGE,
@@ -73,6 +75,9 @@ KV_EVENTS_PORT = 5557
 KV_REPLAY_PORT = KV_EVENTS_PORT + 1  # the engine replays missed events here
 KV_TRANSFER_PORT = 14579
 ROUTER_PORT = 8080
+EPP_GRPC_PORT = 9002  # the Inference Extension's Endpoint Picker port (its charts use it)
+EPP_METRICS_PORT = 9090
+INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
 ROUTER_CONFIG_FILE = "/etc/pagefleet/router.yaml"
 # The engine container's own pod IP (downward API); the kubelet expands $(POD_IP) in commands.
 POD_IP_ENV = "POD_IP"
@@ -167,6 +172,8 @@ def desired_objects(md: dict[str, Any], options: RenderOptions | None = None) ->
         if pool.autoscaling.mode == "keda":
             objects.append(scaled_object(ctx, pool, options.prometheus_url))
     objects.extend(router_objects(ctx))
+    if spec.inference_pool is not None:
+        objects.extend(epp_objects(ctx))
     if options.network_policy is not None:
         objects.extend(network_policies(ctx, options.network_policy))
     # A JSON round trip: no object shares a dict with another (callers may mutate them).
@@ -178,8 +185,8 @@ def retired_objects(md: dict[str, Any]) -> list[dict]:
     delete rights needed: the engine workloads of removed pools go to 0 replicas, and so does a
     pool's Deployment when it became multi-node (a LeaderWorkerSet) and its LeaderWorkerSet when
     it went back to one node; ScaledObjects of pools no longer on KEDA are paused (so KEDA stops
-    fighting the operator's replicas). Callers apply each only to an existing object this
-    ModelDeployment controls."""
+    fighting the operator's replicas); an Endpoint Picker no longer wanted goes to 0 replicas.
+    Callers apply each only to an existing object this ModelDeployment controls."""
     spec = parse_spec(md.get("spec"))
     meta = md["metadata"]
     current = {p.name: p for p in spec.pools}
@@ -206,6 +213,17 @@ def retired_objects(md: dict[str, Any]) -> list[dict]:
                     "metadata": {**where, "annotations": {KEDA_PAUSED: "true"}},
                 }
             )
+    if spec.inference_pool is None:
+        # The Endpoint Picker of an InferencePool since dropped: no pods (the InferencePool
+        # itself stays, as everything the operator made: it deletes nothing).
+        patches.append(
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {"name": f"{meta['name']}-epp", "namespace": meta["namespace"]},
+                "spec": {"replicas": 0},
+            }
+        )
     return patches
 
 
@@ -874,7 +892,8 @@ def _prometheus_trigger(name: str, query: str, a: Autoscaling, prometheus_url: s
 
 
 def network_policies(ctx: _Context, peers: PolicyPeers) -> list[dict]:
-    """One NetworkPolicy for the router's pods and one per engine pool (network_policy.py)."""
+    """One NetworkPolicy for the router's pods, one for the Endpoint Picker's (if any) and one
+    per engine pool (network_policy.py)."""
     spec = ctx.spec
     inputs = PolicyInputs(
         name=ctx.name,
@@ -890,8 +909,18 @@ def network_policies(ctx: _Context, peers: PolicyPeers) -> list[dict]:
         group_pools=tuple(p.name for p in spec.pools if p.multi_node),
         group_ports=group_ports(),
     )
+    if spec.inference_pool is not None:
+        inputs = dataclasses.replace(
+            inputs,
+            epp_selector=epp_selector(ctx.name),
+            epp_port=EPP_GRPC_PORT,
+            epp_metrics_port=EPP_METRICS_PORT,
+            gateway_pools=(inference_pool_serving(spec).name,),
+        )
     labels = _common_labels(ctx, "network-policy")
     policies = [(f"{ctx.name}-router", router_policy(inputs, peers))]
+    if spec.inference_pool is not None:
+        policies.append((f"{ctx.name}-epp", epp_policy(inputs, peers)))
     for pool in spec.pools:
         policies.append(
             (pool_object_name(ctx.name, pool.name), pool_policy(inputs, pool.name, peers))
@@ -979,31 +1008,38 @@ def router_objects(ctx: _Context) -> list[dict]:
         "metadata": _metadata(ctx, name, labels),
         "data": {"router.yaml": config_text},
     }
-    account = {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": _metadata(ctx, name, labels),
-    }
-    role = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": _metadata(ctx, name, labels),
-        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
-    }
-    binding = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": _metadata(ctx, name, labels),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ctx.namespace}],
-    }
-    command = [
-        "pagefleet",
+    command = ["pagefleet", "router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
+    container = _picker_container(
+        ctx,
         "router",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(ROUTER_PORT),
+        command + _picking_flags(ctx),
+        [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "http",
+        spec.router.resources,
+    )
+    deployment = _picker_deployment(
+        ctx, name, labels, selector, container, spec.router.replicas, spec.router.pod
+    )
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(ctx, name, labels),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector,
+            "ports": [
+                {"name": "http", "port": ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+    return [config_map, *_pod_reader_rbac(ctx, name, labels), deployment, service]
+
+
+def _picking_flags(ctx: _Context) -> list[str]:
+    """The flags of the router's picking core, the same for `pagefleet router` and `pagefleet
+    epp`: what they discover, how they score, hash, follow KV events and hold requests."""
+    spec = ctx.spec
+    flags = [
         "--kubernetes-namespace",
         ctx.namespace,
         # Discovery trusts only pods of this ModelDeployment's own engine Deployments.
@@ -1028,10 +1064,45 @@ def router_objects(ctx: _Context) -> list[dict]:
         spec.router.prefix_index,
     ]
     if spec.router.precise:
-        # Follow the engines' KV events (replayed from port + 1 when the router starts, so a
-        # restarted router rebuilds its index).
-        command += ["--kv-events-port", str(KV_EVENTS_PORT)]
-    command += queue_flags(spec.router.queue)
+        # Follow the engines' KV events (replayed from port + 1 when the picker starts, so a
+        # restarted one rebuilds its index).
+        flags += ["--kv-events-port", str(KV_EVENTS_PORT)]
+    return flags + queue_flags(spec.router.queue)
+
+
+def _pod_reader_rbac(ctx: _Context, name: str, labels: dict[str, str]) -> list[dict]:
+    """A ServiceAccount whose Role reads pods, nothing else: discovery watches the engines."""
+    account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _metadata(ctx, name, labels),
+    }
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _metadata(ctx, name, labels),
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _metadata(ctx, name, labels),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ctx.namespace}],
+    }
+    return [account, role, binding]
+
+
+def _picker_container(
+    ctx: _Context,
+    name: str,
+    command: list[str],
+    ports: list[dict],
+    probe_port: str,
+    resources: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """The container of a router or Endpoint Picker pod."""
+    spec = ctx.spec
     env = [
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "HOME", "value": "/tmp"},
@@ -1039,24 +1110,20 @@ def router_objects(ctx: _Context) -> list[dict]:
     ]
     if spec.api_key_secret is not None:
         env.append(_secret_env(API_KEY_ENV, spec.api_key_secret))
-    # A config change must roll the router: the pods read the file once at start.
-    config_hash = hashlib.sha256(config_text.encode()).hexdigest()[:16]
-    security = _container_security()
-    model_volume, init_containers = router_model_volume(spec.model, ctx.router_image, security)
-    container: dict[str, Any] = {
-        "name": "router",
+    return {
+        "name": name,
         "image": ctx.router_image,
         "command": command,
-        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "ports": ports,
         "env": env,
         # Ready while an engine is healthy, or, where a pool can sit at zero, while the
         # process serves: it holds requests and its queue wakes the pool, so its Service must
-        # send them. Alive while the process serves (/health would restart the router while
-        # engines load, in an outage and at zero replicas).
-        "readinessProbe": _http_probe(router_readiness_path(spec), "http", 5, 3),
-        "livenessProbe": _http_probe("/livez", "http", 10, 6),
-        "securityContext": security,
-        "resources": spec.router.resources,
+        # send them. Alive while the process serves (/health would restart it while engines
+        # load, in an outage and at zero replicas).
+        "readinessProbe": _http_probe(router_readiness_path(spec), probe_port, 5, 3),
+        "livenessProbe": _http_probe("/livez", probe_port, 10, 6),
+        "securityContext": _container_security(),
+        "resources": resources,
         "volumeMounts": [
             {"name": "config", "mountPath": "/etc/pagefleet", "readOnly": True},
             {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True},
@@ -1064,6 +1131,22 @@ def router_objects(ctx: _Context) -> list[dict]:
             _FLEET_SECRET_MOUNT,
         ],
     }
+
+
+def _picker_deployment(
+    ctx: _Context,
+    name: str,
+    labels: dict[str, str],
+    selector: dict[str, str],
+    container: dict[str, Any],
+    replicas: int,
+    overrides: PodOverrides,
+) -> dict:
+    """A router or Endpoint Picker Deployment: the router's config, the model's tokenizer and
+    the fleet secret mounted, discovery under its own ServiceAccount (named as it is)."""
+    spec = ctx.spec
+    security = container["securityContext"]
+    model_volume, init_containers = router_model_volume(spec.model, ctx.router_image, security)
     pod_spec: dict[str, Any] = {
         # Discovery watches pods with this account's token (its Role: pods, read-only).
         "serviceAccountName": name,
@@ -1071,7 +1154,7 @@ def router_objects(ctx: _Context) -> list[dict]:
         "securityContext": _pod_security(),
         "containers": [container],
         "volumes": [
-            {"name": "config", "configMap": {"name": name}},
+            {"name": "config", "configMap": {"name": f"{ctx.name}-router"}},
             model_volume,
             {"name": "tmp", "emptyDir": {}},
             _fleet_secret_volume(ctx),
@@ -1079,24 +1162,56 @@ def router_objects(ctx: _Context) -> list[dict]:
     }
     if init_containers:
         pod_spec["initContainers"] = init_containers
-    overlay(pod_spec, container, spec.router.pod)
-    annotations = {**spec.router.pod.annotations, "pagefleet.io/config-hash": config_hash}
-    deployment = {
+    overlay(pod_spec, container, overrides)
+    # A config change must roll the pods: they read the file once at start.
+    config_hash = hashlib.sha256(router_config(spec).encode()).hexdigest()[:16]
+    annotations = {**overrides.annotations, "pagefleet.io/config-hash": config_hash}
+    return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _metadata(ctx, name, labels),
         "spec": {
-            "replicas": spec.router.replicas,
+            "replicas": replicas,
             "selector": {"matchLabels": selector},
             "template": {
                 "metadata": {
-                    "labels": {**spec.router.pod.labels, **labels, **selector},
+                    "labels": {**overrides.labels, **labels, **selector},
                     "annotations": annotations,
                 },
                 "spec": pod_spec,
             },
         },
     }
+
+
+def epp_selector(md_name: str) -> dict[str, str]:
+    return {LABEL_INSTANCE: md_name, "app.kubernetes.io/component": "epp"}
+
+
+def inference_pool_serving(spec: Spec) -> Pool:
+    """The pool a Gateway sends requests to: decode pods where the fleet is disaggregated (the
+    picker runs the prefill), else the colocated pool."""
+    return spec.pool("decode" if spec.mode == "disaggregated" else "colocated")
+
+
+def epp_objects(ctx: _Context) -> list[dict]:
+    """spec.inferencePool: RBAC to watch pods, Deployment and Service of `pagefleet epp`, and
+    the InferencePool (inference.networking.k8s.io/v1) over the serving pods naming it as its
+    Endpoint Picker. The picker shares the router's config (its ConfigMap)."""
+    spec, pool = ctx.spec, ctx.spec.inference_pool
+    assert pool is not None
+    name = f"{ctx.name}-epp"
+    labels = _common_labels(ctx, "epp")
+    selector = epp_selector(ctx.name)
+    command = ["pagefleet", "epp", "--host", "0.0.0.0", "--port", str(EPP_GRPC_PORT)]
+    command += ["--metrics-port", str(EPP_METRICS_PORT)]
+    command += [*_picking_flags(ctx), "--fallback-endpoints", str(pool.fallback_endpoints)]
+    ports = [
+        {"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"},
+    ]
+    container = _picker_container(ctx, "epp", command, ports, "metrics", pool.resources)
+    deployment = _picker_deployment(ctx, name, labels, selector, container, pool.replicas, pool.pod)
     service = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -1105,8 +1220,35 @@ def router_objects(ctx: _Context) -> list[dict]:
             "type": "ClusterIP",
             "selector": selector,
             "ports": [
-                {"name": "http", "port": ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}
+                {
+                    "name": "grpc",
+                    "port": EPP_GRPC_PORT,
+                    "targetPort": "grpc",
+                    "protocol": "TCP",
+                    # gRPC without TLS: Gateways must speak HTTP/2 to it in the clear.
+                    "appProtocol": "kubernetes.io/h2c",
+                },
+                {
+                    "name": "metrics",
+                    "port": EPP_METRICS_PORT,
+                    "targetPort": "metrics",
+                    "protocol": "TCP",
+                },
             ],
         },
     }
-    return [config_map, account, role, binding, deployment, service]
+    inference_pool = {
+        "apiVersion": INFERENCE_POOL_API_VERSION,
+        "kind": "InferencePool",
+        "metadata": _metadata(ctx, ctx.name, _common_labels(ctx, "inference-pool")),
+        "spec": {
+            "selector": {"matchLabels": serving_selector(ctx.name, inference_pool_serving(spec))},
+            "targetPorts": [{"number": HTTP_PORT}],
+            "endpointPickerRef": {
+                "name": name,
+                "port": {"number": EPP_GRPC_PORT},
+                "failureMode": pool.failure_mode,
+            },
+        },
+    }
+    return [*_pod_reader_rbac(ctx, name, labels), deployment, service, inference_pool]

@@ -45,8 +45,8 @@ def plain_hpa(
 ) -> Decision:
     """The bare HPA formula (with its 10% tolerance and min/max) on the newest observation:
     no stabilisation windows, no step limit, no waiting for pending pods."""
-    replicas, reason = recommend(observation, spec)
-    return Decision(replicas, reason, replicas)
+    replicas, reason, cause = recommend(observation, spec)
+    return Decision(replicas, reason, replicas, cause=cause)
 
 
 @dataclass

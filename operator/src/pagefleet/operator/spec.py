@@ -21,9 +21,12 @@ from pagefleet.operator.crd import (
     AUTOSCALING_MODES,
     DEPLOYMENT_MODES,
     DNS_SUBDOMAIN_PATTERN,
+    EPP_RESOURCES,
+    FAILURE_MODES,
     GPU_MESSAGE,
     GPU_RESOURCE,
     GROUP_STRATEGY_MESSAGE,
+    INFERENCE_POOL_DEFAULTS,
     KV_CONNECTORS,
     LORA_AFFINITY_DEFAULT,
     MAX_ADAPTERS,
@@ -218,6 +221,17 @@ class RouterSpec:
 
 
 @dataclass(frozen=True)
+class InferencePoolSpec:
+    """spec.inferencePool: an InferencePool over the serving pods and its Endpoint Picker."""
+
+    failure_mode: str = INFERENCE_POOL_DEFAULTS["failureMode"]
+    replicas: int = INFERENCE_POOL_DEFAULTS["replicas"]
+    fallback_endpoints: int = INFERENCE_POOL_DEFAULTS["fallbackEndpoints"]
+    resources: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(EPP_RESOURCES))
+    pod: PodOverrides = field(default_factory=PodOverrides)
+
+
+@dataclass(frozen=True)
 class SecretKeyRef:
     """One key of a Secret in the ModelDeployment's namespace."""
 
@@ -254,6 +268,7 @@ class Spec:
     placement: Placement | None = None
     capacity: CapacitySpec = field(default_factory=CapacitySpec)
     adapters: tuple[Adapter, ...] = ()
+    inference_pool: InferencePoolSpec | None = None  # None: no InferencePool, no picker
 
     def pool(self, name: str) -> Pool:
         return next(p for p in self.pools if p.name == name)
@@ -661,6 +676,24 @@ def parse_router(raw: Any) -> RouterSpec:
     )
 
 
+def parse_inference_pool(raw: Any) -> InferencePoolSpec | None:
+    where = "spec.inferencePool"
+    p = {**INFERENCE_POOL_DEFAULTS, **_mapping(raw, where)}
+    known = {"enabled", "failureMode", "replicas", "fallbackEndpoints", "resources"}
+    _reject_unknown(p, known | set(POD_FIELDS), where)
+    if not isinstance(p["enabled"], bool):
+        raise SpecError(f"{where}.enabled must be true or false")
+    if not p["enabled"]:
+        return None
+    return InferencePoolSpec(
+        failure_mode=_choice(p["failureMode"], f"{where}.failureMode", FAILURE_MODES),
+        replicas=_int(p["replicas"], f"{where}.replicas", 0),
+        fallback_endpoints=_int(p["fallbackEndpoints"], f"{where}.fallbackEndpoints", 0),
+        resources=parse_resources(p.get("resources", EPP_RESOURCES), f"{where}.resources"),
+        pod=parse_overrides(p, where),
+    )
+
+
 def parse_queue(raw: Any) -> QueueBounds:
     where = "spec.router.queue"
     q = {**ROUTER_QUEUE_DEFAULTS, **_mapping(raw, where)}
@@ -723,6 +756,7 @@ def parse_spec(raw: Any) -> Spec:
         "apiKeySecret",
         "capacity",
         "adapters",
+        "inferencePool",
     }
     _reject_unknown(s, known, "spec")
     if "model" not in s:
@@ -759,6 +793,7 @@ def parse_spec(raw: Any) -> Spec:
         placement=parse_placement(kv.get("placement")),
         capacity=parse_capacity(s.get("capacity")),
         adapters=parse_adapters(s.get("adapters"), model.name),
+        inference_pool=parse_inference_pool(s.get("inferencePool")),
     )
     if spec.rdma.enabled and (mode != "disaggregated" or spec.kv_connector != "nixl"):
         raise SpecError("spec.kvTransfer.rdma needs mode disaggregated and the nixl connector")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagefleet.common.names import LABEL_INSTANCE, LABEL_POOL, LABEL_WORKER_INDEX
-from pagefleet.operator.autoscale import Recommendation, window_to_status
+from pagefleet.operator.autoscale import Recommendation, ScaleReason, window_to_status
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class PoolObserved:
     spec_replicas: int | None = None  # spec.pools.<name>.replicas as applied in this pass
     workload: str = "Deployment"  # or LeaderWorkerSet (a multi-node pool)
     leaders_only: bool = False  # multi-node: only each group's leader serves
+    cause: ScaleReason = ScaleReason.SPEC  # `reason` in a word (the operator's metrics)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class Observed:
     # The capacity admission's CapacityAdmitted condition: (status True/False/Unknown,
     # reason, message); None when no pool was checked (operator/admission.py).
     capacity: tuple[str, str, str] | None = None
+    # spec.inferencePool's Endpoint Picker (0 and 0 without one).
+    picker_replicas: int = 0
+    picker_ready: int = 0
 
 
 def condition(
@@ -100,6 +104,7 @@ def build_status(
         p.name for p in observed.pools if not (p.replicas == p.desired and p.ready >= p.desired)
     ]
     router_ok = observed.router_ready >= observed.router_replicas
+    picker_ok = observed.picker_ready >= observed.picker_replicas
     unready = [p.name for p in observed.pools if p.desired > 0 and p.ready == 0]
     if observed.error:
         ready_ok, ready_reason, ready_msg = False, observed.error[0], observed.error[1]
@@ -108,9 +113,12 @@ def build_status(
         ready_msg = f"no ready pods in pool(s) {', '.join(unready)}"
     elif not router_ok:
         ready_ok, ready_reason, ready_msg = False, "RouterNotReady", "router pods are not ready"
+    elif not picker_ok:
+        ready_ok, ready_reason = False, "PickerNotReady"
+        ready_msg = "the InferencePool's Endpoint Picker pods are not ready"
     else:
         ready_ok, ready_reason, ready_msg = True, "Serving", "every pool and the router serve"
-    progressing = bool(converging) or not router_ok
+    progressing = bool(converging) or not router_ok or not picker_ok
     conditions = [
         condition("Ready", ready_ok, ready_reason, ready_msg, conditions_before, now, generation),
         condition(

@@ -1,4 +1,8 @@
-"""`pagefleet router`: flags, static discovery, KV-event subscriptions, the uvicorn server."""
+"""`pagefleet router`: flags, static discovery, KV-event subscriptions, the uvicorn server.
+
+The flags that shape the picking core (discovery, prefix index, scorers, P/D, flow control) and
+`build_router`, which builds it from them, are shared with `pagefleet epp` (epp_main.py): the two
+front doors pick alike because they are built alike."""
 
 from __future__ import annotations
 
@@ -13,6 +17,22 @@ from pagefleet.router.scoring import Pod
 
 def add_router_parser(sub) -> None:
     p = sub.add_parser("router", help="cache-aware OpenAI-compatible router in front of engines")
+    p.add_argument("--host", default="0.0.0.0", help="address to bind (0.0.0.0)")
+    p.add_argument("--port", type=int, default=8080, help="port to bind (8080)")
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        default=3,
+        help="pods tried per request before the first byte (3)",
+    )
+    p.add_argument("--read-timeout", type=float, default=600.0, help="seconds (600)")
+    p.add_argument("--uvicorn-log-level", default="warning")
+    add_picking_arguments(p)
+    p.set_defaults(func=run_router)
+
+
+def add_picking_arguments(p) -> None:
+    """The flags of the picking core, shared by `pagefleet router` and `pagefleet epp`."""
     p.add_argument(
         "--endpoints",
         default=None,
@@ -36,8 +56,6 @@ def add_router_parser(sub) -> None:
         default=None,
         help="API server URL (default: in-cluster config, else ~/.kube/config)",
     )
-    p.add_argument("--host", default="0.0.0.0", help="address to bind (0.0.0.0)")
-    p.add_argument("--port", type=int, default=8080, help="port to bind (8080)")
     p.add_argument("--model", default=None, help="served model name to accept (default: any)")
     p.add_argument(
         "--tokenizer",
@@ -85,14 +103,7 @@ def add_router_parser(sub) -> None:
         default=60.0,
         help="seconds to wait for a prefill pod before the decode pod prefills itself (60)",
     )
-    p.add_argument(
-        "--max-attempts",
-        type=int,
-        default=3,
-        help="pods tried per request before the first byte (3)",
-    )
     p.add_argument("--connect-timeout", type=float, default=2.0, help="seconds (2)")
-    p.add_argument("--read-timeout", type=float, default=600.0, help="seconds (600)")
     p.add_argument(
         "--api-key",
         default=os.environ.get("PAGEFLEET_API_KEY"),
@@ -160,8 +171,6 @@ def add_router_parser(sub) -> None:
         "without it, by bearer token, else one shared tenant (x-tenant-id)",
     )
     p.add_argument("--seed", type=int, default=0, help="tie-break seed (0)")
-    p.add_argument("--uvicorn-log-level", default="warning")
-    p.set_defaults(func=run_router)
 
 
 def static_pods(endpoints: str) -> list[Pod]:
@@ -214,22 +223,19 @@ def _pd_threshold(args: argparse.Namespace, config: dict) -> int:
     return value
 
 
-def run_router(args: argparse.Namespace) -> int:
-    keep_model_stack_out()
-    import uvicorn
+def build_router(args: argparse.Namespace, max_attempts: int, read_timeout: float):
+    """The picking core the flags describe, and the KV-event subscribers it started (the
+    caller stops them); Kubernetes discovery is attached, to be started by the front door."""
     import yaml
 
     from pagefleet.common.fleet_auth import curve_keys, load_fleet_secret
-    from pagefleet.router.app import Router, RouterConfig, build_router_app
+    from pagefleet.router.core import Router, RouterConfig
     from pagefleet.router.flow_control import FlowConfig
     from pagefleet.router.kv_subscriber import KVEventSubscriber
     from pagefleet.router.pods import PodRegistry
     from pagefleet.router.prefix_index import PrefixIndex
     from pagefleet.router.scoring import Pipeline
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     if bool(args.endpoints) == bool(args.kubernetes_namespace):
         raise ValueError("give exactly one of --endpoints and --kubernetes-namespace")
     pods = static_pods(args.endpoints) if args.endpoints else []
@@ -283,9 +289,9 @@ def run_router(args: argparse.Namespace) -> int:
             args.model,
             args.api_key,
             args.upstream_api_key,
-            args.max_attempts,
+            max_attempts,
             args.connect_timeout,
-            args.read_timeout,
+            read_timeout,
             _pd_threshold(args, config),
             args.prefill_timeout,
             secret,
@@ -303,6 +309,19 @@ def run_router(args: argparse.Namespace) -> int:
     )
     if args.kubernetes_namespace:
         router.discovery = make_discovery(args)
+    return router, subscribers
+
+
+def run_router(args: argparse.Namespace) -> int:
+    keep_model_stack_out()
+    import uvicorn
+
+    from pagefleet.router.app import build_router_app
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    router, subscribers = build_router(args, args.max_attempts, args.read_timeout)
     app = build_router_app(router)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

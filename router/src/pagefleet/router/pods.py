@@ -38,13 +38,17 @@ class PodRegistry:
     def __init__(
         self,
         interval: float = 0.075,
-        stale_after: float = 2.0,
+        stale_after: float | None = None,
         eject_after: int = 3,
         timeout: float = 1.0,
         api_key: str | None = None,
         models_interval: float = 1.0,
     ) -> None:
         """`api_key`: what the router presents to engines (their /v1/models asks for it)."""
+        # Data is stale once two scrapes were missed, never sooner than 2 s: a slower interval
+        # than the default must not leave every pod reading as the fleet's mean between scrapes.
+        if stale_after is None:
+            stale_after = max(2.0, 2.5 * interval)
         self.interval, self.stale_after = interval, stale_after
         self.api_key, self.models_interval = api_key, models_interval
         self.eject_after, self.timeout = eject_after, timeout

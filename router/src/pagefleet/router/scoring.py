@@ -48,6 +48,11 @@ class Pod:
     max_lora: int = 0
     recent_adapters: list[str] = field(default_factory=list)
 
+    @property
+    def endpoint(self) -> str:
+        """`host:port`, as a gateway names the pod (the Endpoint Picker Protocol's form)."""
+        return self.url.partition("://")[2].rstrip("/")
+
     def begin(self, blocks: int) -> None:
         """The router sent this pod a request of `blocks` prompt blocks."""
         self.inflight += 1
