@@ -153,3 +153,28 @@ def test_kv_events_carry_the_adapter_in_vllms_fields():
     raw = ["BlockStored", [b"h"], None, [], 16, 3, "GPU", "x" * 300, [["sql"]], 0]
     _, (vllm_event,) = decode_batch(msgpack.packb([1.0, [raw]], use_bin_type=True))
     assert vllm_event.lora_name is None and vllm_event.lora_id == 3  # an overlong name: none
+
+
+def test_the_endpoint_picker_sends_an_adapters_request_only_where_it_is_served():
+    """The Endpoint Picker shares the router's core: an adapter's request goes to the pod
+    that lists it though the other pod is less loaded, a base request still takes the less
+    loaded one, and an adapter no pod serves is the router's 404."""
+    from test_epp_protocol import A, B, body_message, headers_message, immediate_of, mutation
+    from test_epp_protocol import picker as epp_picker
+    from test_epp_protocol import run as epp_run
+
+    from pagefleet.router.ext_proc import DESTINATION_HEADER
+
+    epp = epp_picker(model="tiny")  # B has the longer queue
+    epp.router.registry.status[B].pod.adapters = frozenset({"sql"})
+
+    def route(model: str):
+        body = json.dumps({"model": model, "prompt": "a prompt " * 16}).encode()
+        return epp_run(epp, headers_message(), body_message(body))[1]
+
+    (routed, *_) = route("sql")
+    assert mutation(routed)[DESTINATION_HEADER] == B
+    (routed, *_) = route("tiny")
+    assert mutation(routed)[DESTINATION_HEADER].split(",")[0] == A
+    code, _, body = immediate_of(route("chat")[-1:])
+    assert code == 404 and "does not exist" in body["error"]["message"]
