@@ -10,6 +10,10 @@ batched shrink/expand of each step, not adapter swapping. Requests are seeded, g
 `ignore_eos`; request i uses adapter i mod k. Prints output tokens/s per case and its ratio
 to the base model's.
 
+Then the LoRA delta alone (engine/lora/ops.py) on one q/k/v-shaped layer of that model: the
+CPU path (`segments`: a GEMM pair per adapter in the step) and the reference (`gathered`:
+each row's weights gathered, batched matrix-vector products), against the layer's own GEMM.
+
 Then the fleet trace (benchmarks/lora_fleet_sim.py: the router's scoring pipeline over
 simulated engines; seconds, no model): per-tenant adapters routed with and without the
 lora-affinity scorer, with and without a per-tenant shared system prompt; hit rate, adapter
@@ -35,6 +39,7 @@ import torch
 from lora_fleet_sim import FleetParams, run_fleet
 
 from pagefleet.engine import LLM, LoRARequest, SamplingParams
+from pagefleet.engine.lora.ops import KERNELS, LoRABatch
 from pagefleet.engine.model.tiny import write_tiny_checkpoint
 
 SHAPE = dict(
@@ -98,7 +103,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here too")
     parser.add_argument("--fleet-only", action="store_true", help="only the fleet trace")
     args = parser.parse_args()
-    results = {} if args.fleet_only else throughput(args)
+    results = {} if args.fleet_only else {**throughput(args), **delta_kernels(args.rank)}
     for shared in (32, 0):
         print(f"fleet trace: 4 pods, 2 slots each, 16 tenants, 10 req/s, {shared} shared blocks")
         fleet = run_fleet(FleetParams(rate=10.0, max_loras=2, system_blocks=shared))
@@ -106,6 +111,46 @@ def main() -> None:
     print(f"load average: {Path('/proc/loadavg').read_text().strip()}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def _best_of(fn, repeats: int = 20) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def delta_kernels(rank: int, rows: int = 64) -> dict:
+    """Seconds of one layer's LoRA delta (shrink + expand) for `rows` decode rows spread over
+    k adapters, per kernel, and the ratio to the layer's base GEMM (q/k/v fused: 512 -> 768)."""
+    hidden, out, parts = SHAPE["hidden_size"], 768, 3
+    width = parts * rank
+    slots = max(ADAPTER_COUNTS)
+    x, w = torch.randn(rows, hidden), torch.randn(out, hidden)
+    a, b = torch.randn(slots * width, hidden), torch.randn(out, slots * width)
+    base = _best_of(lambda: x @ w.t())
+    results = {}
+    present = [True] * slots
+    for k in ADAPTER_COUNTS:
+        batch = LoRABatch.build([i % k for i in range(rows)], x.device)
+        for name, kernels in KERNELS.items():
+
+            def delta(kernels=kernels, batch=batch):
+                y = torch.zeros(rows, out)
+                t = kernels.shrink(x, a, batch, width, present)
+                kernels.expand(t, b, batch, width, present, y)
+
+            seconds = _best_of(delta)
+            results[f"delta {name} {k}"] = seconds
+            print(
+                f"LoRA delta, {k:2d} adapters over {rows} rows, {name}: {seconds * 1e6:.0f} us "
+                f"({seconds / base:.2f}x the layer's base GEMM, {base * 1e6:.0f} us)",
+                flush=True,
+            )
+    return results
 
 
 def throughput(args: argparse.Namespace) -> dict:
