@@ -1,5 +1,6 @@
 """LoRA adapters across a fleet of real processes: a prefill engine with two adapters, a decode
-engine with one, a second decode engine that loads adapters at run time, and the router.
+engine with one that loads more at run time, and the router (two engines, not three: CI's
+seconds; which of several pods the router picks for an adapter is tests/test_lora_router.py's).
 
 The router sends an adapter's requests only to a decode engine that serves it (learned from
 the engines' /v1/models, run-time loads included) and disaggregates them: the prefill engine
@@ -54,8 +55,7 @@ def fleet(tiny_checkpoints, adapters):
     updates = ("--allow-runtime-lora-updating", "--lora-root", adapters["root"])
     engines = {
         "prefill": (*kv_flags("tcp", "kv_producer"), *LORA, *modules),
-        "sql": (*kv_flags("tcp", "kv_consumer"), *LORA, *modules[:2]),
-        "open": (*kv_flags("tcp", "kv_consumer"), *LORA, *updates),
+        "sql": (*kv_flags("tcp", "kv_consumer"), *LORA, *modules[:2], *updates),
     }
     with contextlib.ExitStack() as stack:
         # The engines start together (each waits for its health), then the router.
@@ -69,7 +69,7 @@ def fleet(tiny_checkpoints, adapters):
             if started[name].exception() is None:  # stopped on the way out, whatever fails
                 stack.push(cm.__exit__)
         urls = {name: future.result()[0] for name, future in started.items()}
-        endpoints = f"{urls['prefill']}@prefill,{urls['sql']}@decode,{urls['open']}@decode"
+        endpoints = f"{urls['prefill']}@prefill,{urls['sql']}@decode"
         urls["router"], _ = stack.enter_context(
             running_router(
                 "--endpoints",
@@ -97,9 +97,9 @@ def text_of(response: httpx.Response) -> str:
 def test_adapter_requests_go_where_it_is_loaded_and_disaggregate_with_it(
     fleet, adapters, tiny_checkpoints
 ):
-    """Fails for: a router that ignores which engine lists the adapter (half the requests
-    reach the engine without it: 404), a prefill or decode side that drops the adapter (the
-    output changes), a decode engine that recomputes instead of pulling."""
+    """Fails for: a router that does not take an adapter's name as the model's (404), a prefill
+    or decode side that drops the adapter (the output changes), a decode engine that
+    recomputes instead of pulling."""
     models = httpx.get(f"{fleet['sql']}/v1/models").json()["data"]
     assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None), ("sql", "tiny")]
     base = tiny_checkpoints["llama"]
@@ -109,7 +109,6 @@ def test_adapter_requests_go_where_it_is_loaded_and_disaggregate_with_it(
         assert text_of(response) == peft_text(base, adapters["sql"], prompt, MAX_TOKENS)
         assert response.json()["model"] == "sql"
     assert pulls(fleet["sql"], "tcp") == 4  # every prompt came from the prefill engine
-    assert metric_value(fleet["open"], "vllm:e2e_request_latency_seconds_count") == 0
     info = {"max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
     assert metric_value(fleet["sql"], "vllm:lora_requests_info", info) > 0
     assert complete(fleet["router"], "nonexistent", LONG).status_code == 404
@@ -138,7 +137,7 @@ def load(base: str, name: str, path: str) -> httpx.Response:
 
 
 def test_run_time_loading_is_confined_to_the_root(fleet, adapters):
-    engine = fleet["open"]
+    engine = fleet["sql"]
     for path in ("../trained/chat", adapters["chat"], "escape", "/etc", "chat/../../trained/sql"):
         refused = load(engine, "evil", path)
         assert refused.status_code == 403, (path, refused.text)
@@ -151,11 +150,14 @@ def test_run_time_loading_is_confined_to_the_root(fleet, adapters):
     unknown = httpx.post(f"{engine}/v1/unload_lora_adapter", json={"lora_name": "never"})
     assert unknown.status_code == 404
     names = [m["id"] for m in httpx.get(f"{engine}/v1/models").json()["data"]]
-    assert names == ["tiny"]  # nothing refused was registered
+    assert names == ["tiny", "sql"]  # nothing refused was registered
 
 
 def test_an_adapter_loaded_at_run_time_is_routed_to_and_unloaded(fleet, adapters, tiny_checkpoints):
-    engine, router = fleet["open"], fleet["router"]
+    engine, router = fleet["sql"], fleet["router"]
+    # No decode engine serves chat yet: the router has nowhere to send it.
+    assert complete(router, "chat", LONG[:20]).status_code != 200
+    served = metric_value(engine, "vllm:e2e_request_latency_seconds_count")
     assert load(engine, "chat", "chat").status_code == 200
     assert load(engine, "chat", "chat").status_code == 400  # already loaded
     # The router learns the engine's adapters from its /v1/models within a second.
@@ -163,7 +165,7 @@ def test_an_adapter_loaded_at_run_time_is_routed_to_and_unloaded(fleet, adapters
     prompt = LONG[5:60]
     expected = peft_text(tiny_checkpoints["llama"], adapters["chat"], prompt, MAX_TOKENS)
     assert text_of(complete(router, "chat", prompt)) == expected
-    assert metric_value(engine, "vllm:e2e_request_latency_seconds_count") >= 2
+    assert metric_value(engine, "vllm:e2e_request_latency_seconds_count") >= served + 2
     unloaded = httpx.post(f"{engine}/v1/unload_lora_adapter", json={"lora_name": "chat"})
     assert unloaded.status_code == 200
     assert complete(engine, "chat", LONG).status_code == 404

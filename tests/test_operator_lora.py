@@ -112,6 +112,18 @@ def test_bad_adapters_are_refused_naming_the_field(adapters, match):
         parse_spec({"model": {"name": "m", "pvc": {"claimName": "c"}}, "adapters": adapters})
 
 
+def test_lora_modules_in_engine_args_are_refused_for_spec_adapters():
+    """Fails if a user's --lora-modules could silently replace spec.adapters' (the user's
+    flags come last and win)."""
+    model = {"name": "m", "pvc": {"claimName": "c"}}
+    for where in (
+        {"engineArgs": {"lora-modules": "x=/y"}},
+        {"pools": {"colocated": {"engineArgs": {"lora-modules": "x=/y"}}}},
+    ):
+        with pytest.raises(SpecError, match=r"list the adapters in spec\.adapters"):
+            parse_spec({"model": model, **where})
+
+
 def test_an_adapter_volume_name_is_the_operators():
     override = {"volumes": [{"name": "adapter-3", "emptyDir": {}}]}
     with pytest.raises(SpecError, match="adapter-3 are the operator's"):

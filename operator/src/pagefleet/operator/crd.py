@@ -46,6 +46,8 @@ RESERVED_ENGINE_ARGS = {
     "mp for the ranks of one pod, ray when a pool spans nodes",
     "pipeline-parallel-size": "engineArgs.pipeline-parallel-size: pipeline parallelism is not "
     "offered (the engine builds tensor parallelism only)",
+    "lora-modules": "engineArgs.lora-modules: list the adapters in spec.adapters instead (the "
+    "operator puts them in the pods and sets the flag)",
 }
 # The pool rules on parallelism (CEL here, the same words in operator/spec.py).
 TP_NODES_MESSAGE = (
