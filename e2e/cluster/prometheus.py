@@ -16,11 +16,12 @@ import contextlib
 import json
 import re
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, urlparse, urlsplit
 
 import httpx
 import yaml
@@ -265,11 +266,16 @@ class LabPrometheus:
     def targets(self) -> list[dict]:
         return self.api("targets", state="active")["activeTargets"]
 
-    def scraped_since(self, moment: float, pool: str | None = None) -> bool:
+    def scraped_since(
+        self, moment: float, pool: str | None = None, hosts: Iterable[str] = ()
+    ) -> bool:
         """Every active target (of scrape pool `pool`, if given) scraped after the Unix time
-        `moment` (its last scrape started then or later)."""
+        `moment` (its last scrape started then or later), and among them a target on each of
+        `hosts`: a pod read directly may not be discovered yet, and its series would be missing."""
         found = [t for t in self.targets() if pool is None or t["scrapePool"] == pool]
-        return bool(found) and all(_unix(t["lastScrape"]) >= moment for t in found)
+        seen = {urlsplit(t["scrapeUrl"]).hostname for t in found}
+        fresh = all(_unix(t["lastScrape"]) >= moment for t in found)
+        return bool(found) and fresh and set(hosts) <= seen
 
     def alerts(self) -> list[dict]:
         return self.api("alerts")["alerts"]

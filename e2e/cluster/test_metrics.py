@@ -158,30 +158,33 @@ def replicas(lab) -> int:
     return found["spec"]["replicas"] if found else -1
 
 
-def direct_readings(lab) -> dict[str, float]:
+def direct_readings(lab) -> tuple[dict[str, float], set[str]]:
     """What the builtin autoscaler reads without Prometheus: each ready engine pod's /metrics
-    and each running router pod's queue, under the KEDA triggers' names."""
+    and each running router pod's queue, under the KEDA triggers' names; and the pods read."""
     engines = ready_pod_ips(md_pods(lab, NS, NAME))
     routers = running_pod_ips(md_pods(lab, NS, NAME, "router"))
     pool = lab.in_lab(PodScraper().read, PoolPods(NS, NAME, POOL, MODEL, engines))
     queue = lab.in_lab(RouterScraper().read_queue, RouterPods(NS, NAME, MODEL, routers))
     assert queue.read and pool.pods == len(engines)
-    return {
+    readings = {
         "engines-waiting": pool.waiting,
         "engines-running": pool.running,
         "router-queued": queue.queued,
     }
+    return readings, {*engines, *routers}
 
 
 def compare_triggers(lab, prom: LabPrometheus, triggers: dict[str, str]) -> dict | None:
     """Each trigger's value at Prometheus' first scrape after a direct reading, with the
-    reading: {name: (direct, prometheus)}; None when the pods changed in between (no verdict)."""
-    before = direct_readings(lab)
+    reading: {name: (direct, prometheus)}; None when the pods changed in between (no verdict).
+    Prometheus must have discovered every pod read (a new pod's series are missing until then)."""
+    before, pods = direct_readings(lab)
     moment = time.time()
-    lab.wait_for(lambda: prom.scraped_since(moment), 30, "a scrape after the reading")
+    scraped = lambda: prom.scraped_since(moment, hosts=pods)  # noqa: E731
+    lab.wait_for(scraped, 30, "a scrape of every pod read after the reading")
     seen = {name: sum(s.value for s in prom.query(q)) for name, q in triggers.items()}
-    after = direct_readings(lab)
-    if before != after:
+    after, pods_after = direct_readings(lab)
+    if (before, pods) != (after, pods_after):
         return None
     return {name: (before[name], seen[name]) for name in triggers}
 
@@ -342,7 +345,7 @@ def test_prometheus_scrapes_the_lab_and_every_shipped_query_answers(tmp_path, mo
             load_started = time.time()
             stop, workers = load.run(lab, clients=CLIENTS)
             lab.wait_for(
-                lambda: direct_readings(lab)["router-queued"] == CLIENTS,
+                lambda: direct_readings(lab)[0]["router-queued"] == CLIENTS,
                 60,
                 "every client's request held at the router",
             )
