@@ -56,6 +56,7 @@ def build_router(args, tokenizer, rng) -> Router:
     registry.set_pods(pods)
     for st in registry.status.values():
         st.scraped_at = time.monotonic() + 1e9  # never stale during the run
+        st.ready = True  # as after a good scrape
     return Router(
         registry, PrefixIndex("precise"), Pipeline.from_config(), RouterConfig(), tokenizer
     )

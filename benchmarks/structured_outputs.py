@@ -63,9 +63,9 @@ class GrammarTimer:
 
     def __init__(self, engine) -> None:
         self.seconds = 0.0
-        constrain, advance = llm_engine.constrain_logits, engine._advance_grammar
+        constrain, advance = llm_engine.constrain_logits, llm_engine.advance_grammar
         llm_engine.constrain_logits = self._timed(constrain)
-        engine._advance_grammar = self._timed(advance)
+        llm_engine.advance_grammar = self._timed(advance)
 
     def _timed(self, fn):
         def timed(*args, **kwargs):
@@ -112,7 +112,7 @@ def run(llm: LLM, concurrency: int, max_tokens: int, grammar: bool, seed: int) -
 
 def compile_times(llm: LLM, n: int = 5) -> tuple[float, float]:
     """(cold, cached) seconds to get a compiled grammar, medians over `n` fresh schemas."""
-    compiler = llm.engine.grammar_compiler
+    compiler = llm.engine.grammars.compiler
     cold, cached = [], []
     for i in range(n):
         so = constraint(tag=f"_{time.monotonic_ns()}_{i}")

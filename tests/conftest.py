@@ -54,7 +54,13 @@ def check_invariants(sched: Scheduler) -> None:
     """The pool's books balance: ref counts equal table references, free list and map agree."""
     kv = sched.kv_cache
     pool = kv.pool
-    holders = [*sched.running, *sched.loading.values(), *sched.held.values(), *sched.quarantined]
+    holders = [
+        *sched.running,
+        *sched.loading.values(),
+        *sched.tier_loading.values(),
+        *sched.held.values(),
+        *sched.quarantined,
+    ]
     refs = Counter(block_id for r in holders for block_id in r.block_ids)
     for r in sched.waiting:
         assert not r.block_ids, f"waiting {r} holds blocks"
@@ -95,3 +101,52 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
         name: str(write_tiny_checkpoint(root / name, arch, **opts))
         for name, (arch, opts) in ARCH_CASES.items()
     }
+
+
+@pytest.fixture(scope="session")
+def hybrid_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """Tiny random Qwen3.5 checkpoints (see hf_reference.HYBRID_CASES)."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from hf_reference import HYBRID_CASES
+    from pagefleet.engine.model.tiny import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("hybrid_checkpoints")
+    return {
+        name: str(write_tiny_checkpoint(root / name, arch, **opts))
+        for name, (arch, opts) in HYBRID_CASES.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """One tiny random checkpoint per mixture-of-experts case (hf_reference.MOE_CASES)."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from hf_reference import MOE_CASES
+    from pagefleet.engine.model.tiny import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("moe-checkpoints")
+    return {
+        name: str(write_tiny_checkpoint(root / name, arch, **opts))
+        for name, (arch, opts) in MOE_CASES.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def interpreter():
+    """One worker process for the whole run whose Triton kernels run in the interpreter on CPU
+    tensors (Triton picks interpreter or compiler when a kernel module is first imported, so it
+    cannot be this process: see triton_interpret_cases.py). Shared by every Triton test file:
+    one spawn and one import of torch and Triton, not one per file."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import triton_interpret_cases
+
+    context = multiprocessing.get_context("spawn")
+    init = triton_interpret_cases.enable_interpreter
+    with ProcessPoolExecutor(1, mp_context=context, initializer=init) as pool:
+        yield lambda fn, *args, **kwargs: pool.submit(fn, *args, **kwargs).result(timeout=300)

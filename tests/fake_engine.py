@@ -78,6 +78,11 @@ def build_app(fake: FakeEngine) -> FastAPI:
     async def health():
         return Response(status_code=200)
 
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": "tiny", "object": "model", "owned_by": fake.name}
+        return {"object": "list", "data": [card]}
+
     @app.get("/metrics")
     async def metrics():
         fake.scrapes += 1

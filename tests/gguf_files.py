@@ -49,8 +49,34 @@ def interleave_rotary(rows: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_gguf_of(hf_dir: str | Path, out: str | Path, weight_type: T = T.F32) -> Path:
-    """The checkpoint at `hf_dir` as a GGUF file: 2-D weights in `weight_type`, the rest F32."""
+# The float16 scale fields of the k-quant blocks (byte offset, value), set when a test writes
+# random blocks of a type the `gguf` library cannot quantize: values then stay near 0.1.
+K_QUANT_SCALES = {
+    T.Q4_K: ((0, 1e-4), (2, 1e-4)),
+    T.Q5_K: ((0, 5e-5), (2, 5e-5)),
+    T.Q6_K: ((208, 2e-5),),
+}
+
+
+def random_blocks(rows: int, cols: int, qtype: T, seed: int) -> np.ndarray:
+    """Random `qtype` blocks for a `[rows, cols]` tensor, with sane scales."""
+    values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    data = np.random.default_rng(seed).integers(0, 256, (rows, cols // values, nbytes))
+    data = data.astype(np.uint8)
+    for offset, value in K_QUANT_SCALES[qtype]:
+        data[:, :, offset : offset + 2] = np.array([value], np.float16).view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+def write_gguf_of(
+    hf_dir: str | Path,
+    out: str | Path,
+    weight_type: T = T.F32,
+    types: dict[str, T] | None = None,
+) -> Path:
+    """The checkpoint at `hf_dir` as a GGUF file: 2-D weights in `weight_type` (a projection
+    named in `types`, e.g. {"v_proj": T.Q6_K}, in its own; a k-quant as random blocks), the
+    rest F32."""
     from safetensors.numpy import load_file
 
     hf_dir, out = Path(hf_dir), Path(out)
@@ -68,8 +94,11 @@ def write_gguf_of(hf_dir: str | Path, out: str | Path, weight_type: T = T.F32) -
         projection = name.split(".")[-2]
         if arch == "llama" and projection in heads:
             values = interleave_rotary(values, heads[projection])
-        qtype = weight_type if values.ndim == 2 else T.F32
-        data = gguf.quants.quantize(values, qtype) if qtype != T.F32 else values
+        qtype = (types or {}).get(projection, weight_type) if values.ndim == 2 else T.F32
+        if qtype in K_QUANT_SCALES:
+            data = random_blocks(*values.shape, qtype, seed=len(name))
+        else:
+            data = gguf.quants.quantize(values, qtype) if qtype != T.F32 else values
         writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

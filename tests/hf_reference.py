@@ -28,8 +28,98 @@ ARCH_CASES = {
     "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32, "num_heads": 4, "num_kv_heads": 2}),
 }
 
+# Hybrid (Qwen3.5) checkpoints of odd shapes: linear/full patterns (explicit, and every 4th
+# layer full), head dims that are not powers of two, grouped value heads (2:1 and 3:1), conv
+# kernels 4 and 3, partial rotary 1/4 and 1/2, tied and untied embeddings, the multimodal
+# wrapper's weight names.
+HYBRID_CASES = {
+    "qwen3_5": (
+        "Qwen3_5ForCausalLM",
+        {
+            "num_layers": 5,
+            "layer_types": [
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+                "linear_attention",
+                "full_attention",
+            ],
+            "hidden_size": 48,
+            "intermediate_size": 96,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 24,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 12,
+            "linear_value_head_dim": 20,
+            "linear_conv_kernel_dim": 4,
+        },
+    ),
+    "qwen3_5_vl": (
+        "Qwen3_5ForConditionalGeneration",
+        {
+            "num_layers": 4,
+            "hidden_size": 40,
+            "intermediate_size": 72,
+            "num_heads": 2,
+            "num_kv_heads": 1,
+            "head_dim": 20,
+            "linear_num_key_heads": 1,
+            "linear_num_value_heads": 3,
+            "linear_key_head_dim": 12,
+            "linear_value_head_dim": 10,
+            "linear_conv_kernel_dim": 3,
+            "rope_scaling": {"partial_rotary_factor": 0.5},
+            "tie_word_embeddings": True,
+        },
+    ),
+}
 
-@functools.lru_cache(maxsize=8)
+# Mixture-of-experts checkpoints, apart from ARCH_CASES (their tests are their own): expert
+# counts the tensor-parallel size 2 does not divide (5 and 3, so expert parallelism places
+# them unevenly), a dense layer among the sparse ones (mlp_only_layers), top-k probabilities
+# renormalised (Mixtral and Qwen3.5-MoE always) or not (Qwen3-MoE's default); Qwen3.5-MoE as
+# published (the multimodal wrapper): hybrid layers, a shared expert of another width than the
+# routed ones, head dims that are not powers of two.
+MOE_CASES = {
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        {
+            "num_layers": 3,
+            "num_experts": 5,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24,
+            "norm_topk_prob": False,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "mixtral": (
+        "MixtralForCausalLM",
+        {"num_local_experts": 3, "num_experts_per_tok": 2, "intermediate_size": 48},
+    ),
+    "qwen3_5_moe": (
+        "Qwen3_5MoeForConditionalGeneration",
+        {
+            "num_layers": 3,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "hidden_size": 48,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 24,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 12,
+            "linear_value_head_dim": 20,
+            "num_experts": 5,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24,
+            "shared_expert_intermediate_size": 20,
+        },
+    ),
+}
+
+
 def hf_model(path: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
@@ -109,6 +199,25 @@ def assert_greedy_equal(path: str | Path, prompt: list[int], ours: list[int], ma
         assert a in top2 and b in top2 and gap < 1e-4, (
             f"diverged from HF at output token {i}: ours {a}, HF {b}, logprob gap {gap:.2e}, "
             f"HF top-2 {sorted(top2)}"
+        )
+        return
+
+
+def assert_greedy_matches_hf(path: str | Path, prompt: list[int], ours: list[int]) -> None:
+    """assert_greedy_equal's verdict from one HF forward instead of a generation: fed the prompt
+    and our tokens, HF's top-1 at every output position must be our token (by induction, that
+    is HF's greedy continuation), or a genuine near-tie (the same rule), after which the rest is
+    not compared."""
+    rows = hf_logprobs(str(path), prompt + ours[:-1])[len(prompt) - 1 :]
+    for i, (row, token) in enumerate(zip(rows, ours, strict=True)):
+        top = int(row.argmax())
+        if top == token:
+            continue
+        top2 = set(row.topk(2).indices.tolist())
+        gap = (row[top] - row[token]).item()
+        assert token in top2 and gap < 1e-4, (
+            f"diverged from HF at output token {i}: ours {token}, HF {top}, logprob gap "
+            f"{gap:.2e}, HF top-2 {sorted(top2)}"
         )
         return
 

@@ -367,4 +367,11 @@ def test_a_pick_that_dies_before_the_first_byte_is_retried_on_the_next_pod(gatew
     assert r.status_code == 200, r.text
     assert r.json()["id"] == "good"
     assert metric_value(gateway.metrics_b, "pagefleet_router:retries_total") == 1
+    # Envoy retries only on a connection that failed before the request went out: the picker
+    # ejects the first pick at once (its scrapes would take eject_after * 5 s), so the next
+    # request is not sent there first.
+    assert metric_value(gateway.metrics_b, "pagefleet_router:ejections_total") == 1
+    r = complete(gateway.urls["fakes"], "the next request")
+    assert r.status_code == 200 and r.json()["id"] == "good", r.text
+    assert metric_value(gateway.metrics_b, "pagefleet_router:retries_total") == 1
     wait_until(lambda: inflight(gateway.metrics_b) == 0, 30, "the retried request's books settled")

@@ -47,6 +47,7 @@ def picker(pods=(A, B), client=None, **config) -> EndpointPicker:
     registry.set_pods([Pod(e, f"http://{e}", role=r) for e, r in _roles(pods)])
     for status in registry.status.values():
         status.scraped_at = 0.0  # fresh at the router's clock
+        status.ready = True  # as after a good scrape
     if B in registry.status:
         registry.status[B].pod.waiting = 5.0
     config.setdefault("flow", FlowConfig(queue_size=0))
@@ -257,7 +258,8 @@ def test_no_engine_without_a_queue_is_a_503_and_with_one_the_request_is_held_unt
         answer = asyncio.ensure_future(exchange.receive(body_message(BODY)))
         await asyncio.sleep(0.05)
         assert not answer.done() and epp.router.flow.held == 1
-        epp.router.registry.set_pods([Pod(A, f"http://{A}")])  # an engine comes up
+        epp.router.registry.set_pods([Pod(A, f"http://{A}")])  # an engine comes up...
+        epp.router.registry.status[A].ready = True  # ...and answers its first scrape
         out = await asyncio.wait_for(answer, 10)
         releaser.cancel()
         return out
@@ -329,6 +331,8 @@ def test_a_retry_on_the_fallback_moves_the_books_to_the_pod_that_served(via_attr
     assert status[A].pod.inflight == status[B].pod.inflight == 0
     sample = epp.router.metrics.registry.get_sample_value
     assert sample("pagefleet_router:retries_total") == 1
+    # The proxy retries only on a failed connection: A is ejected at once (issue 37).
+    assert status[A].ejected and sample("pagefleet_router:ejections_total") == 1
     assert sample("pagefleet_epp:usage_tokens_total", {"kind": "completion"}) == 3
 
 

@@ -9,10 +9,8 @@ cache's bytes; P/D peers refusing a KV dtype mismatch; bad flag values refused."
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import random
 import shutil
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -231,15 +229,6 @@ def test_kv_transfer_refuses_a_kv_dtype_mismatch_at_the_handshake():
 
 
 # ---------------------------------------------------------------- Triton kernels (interpreted)
-
-
-@pytest.fixture(scope="module")
-def interpreter():
-    """A worker process whose Triton kernels run in the interpreter (see
-    test_triton_attention.py for why it is a separate process)."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=context, initializer=cases.enable_interpreter) as pool:
-        yield lambda fn, *args, **kwargs: pool.submit(fn, *args, **kwargs).result(timeout=300)
 
 
 FP8_STEPS = {

@@ -564,6 +564,13 @@ def test_a_schema_violation_fails_install_naming_each_key(helm):
             ],
             "missing property 'decode'",
         ),
+        (
+            [
+                *("--set", "modelDeployment.runner=pooling"),
+                *("--set", "modelDeployment.mode=disaggregated"),
+            ],
+            "runner pooling takes mode colocated",
+        ),
     ],
 )
 def test_inconsistent_values_fail_with_a_clear_message(helm, flags, needle):
@@ -687,6 +694,19 @@ def test_disaggregated_pools_get_their_own_args_gpus_and_roles(rendered):
         }
         assert any(p["containerPort"] == 14579 for p in container["ports"])
         assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_an_embeddings_release_runs_pooling_engines(rendered):
+    """modelDeployment.runner pooling reaches the spec and every engine's command, with its
+    pooler-config; the chart's default leaves the runner to the engine (issue 36)."""
+    md = one(rendered["embeddings"], "ModelDeployment")
+    assert md["spec"]["runner"] == "pooling" and md["spec"]["mode"] == "colocated"
+    deployment = one(owned_objects(md, {}), "Deployment", "engine")
+    command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--runner") + 1] == "pooling"
+    pooler = json.loads(command[command.index("--pooler-config") + 1])
+    assert pooler == {"pooling_type": "LAST", "normalize": True}
+    assert "runner" not in one(rendered["colocated"], "ModelDeployment")["spec"]
 
 
 def test_engine_args_in_every_values_file_are_flags_pagefleet_serve_accepts(rendered):

@@ -95,6 +95,16 @@ def test_each_fix_the_message_names_is_admitted():
     assert "6 requests of max-model-len 32,768" in ok.message
 
 
+def test_a_hybrid_pools_state_slots_are_paid_before_its_kv_pool():
+    """A pool that sets max-num-seqs pays the hybrid's state slots first, as the engine and
+    `pagefleet plan --max-num-seqs` do: 8 sequences and 8 snapshots of 74.8 MiB leave 12,726
+    of the published 13,923 blocks; 128 sequences' 256 slots (20 GB) leave none."""
+    ok = _verdict(_spec({"max-model-len": 32768, "max-num-seqs": 8}))
+    assert ok.reason == "CapacityOK" and "203,616 tokens" in ok.message
+    full = _verdict(_spec({"max-model-len": 32768, "max-num-seqs": 128}))
+    assert full.reason == "PoolTooSmall" and "holds 0 tokens" in full.message
+
+
 def test_no_max_model_len_is_refused_unless_the_expert_overrides():
     verdict = _verdict(_spec({}))
     assert (verdict.reason, verdict.refused) == ("NoMaxModelLen", True)
@@ -542,3 +552,19 @@ def test_operator_deploys_anyway_on_the_override_and_warns_once():
             next_pass(state)
             assert len([e for e in _events(client) if e["reason"] == "PoolTooSmall"]) == 1
             assert condition(md_status(client), "Degraded")["status"] == "False"
+
+
+def test_admission_weighs_the_checkpoints_own_quantization():
+    """A GPTQ config.json plans int4 weights, as the engine will load them (not bf16); an
+    engine told --quantization fp8 on a float checkpoint plans fp8; weightsFormat still wins."""
+    gptq = {**HYBRID_27B, "quantization_config": {"quant_method": "gptq", "bits": 4}}
+    cases = [
+        ({"modelConfig": gptq}, {}, "int4 weights 13.5 GB"),
+        ({}, {"quantization": "fp8"}, "fp8 weights 27.0 GB"),
+        ({}, {}, "bfloat16 weights 54.0 GB"),
+        ({"modelConfig": gptq, "weightsFormat": "fp8"}, {}, "fp8 weights 27.0 GB"),
+    ]
+    for capacity, args, figure in cases:
+        spec = _spec({"max-model-len": 8192, **args}, {**CAPACITY, **capacity})
+        verdict = _verdict(spec)
+        assert figure in verdict.message, (capacity, args, verdict.message)

@@ -334,6 +334,22 @@ def test_engine_args_override_the_operators_flags_and_merge_into_its_json_config
     assert json.loads(prefill[prefill.index("--kv-transfer-config") + 1])["kv_connector"] == "nixl"
 
 
+def test_a_pooling_deployment_starts_its_engines_with_the_pooling_runner():
+    """spec.runner pooling reaches every engine as --runner pooling, and a pool's pooler-config
+    keys merge over the deployment's, as `pagefleet serve` parses them (issue 36)."""
+    from pagefleet.common.cli import build_parser
+    from pagefleet.engine.server.serve import engine_args_from
+
+    md = load_example("embeddings.yaml")
+    md["spec"]["pools"]["colocated"]["engineArgs"] = {"pooler-config": '{"dimensions": 256}'}
+    command = _container(desired_objects(md), "embed-colocated")["command"]
+    args = engine_args_from(build_parser().parse_args(command[1:]))
+    assert args.runner == "pooling"
+    pooler = {"pooling_type": "LAST", "normalize": True, "dimensions": 256}
+    assert json.loads(args.pooler_config) == pooler
+    assert "--runner" not in _container(render("colocated.yaml"), "llama-colocated")["command"]
+
+
 @pytest.mark.parametrize("value", ["not json", "[1, 2]", 7])
 def test_a_kv_config_engine_arg_must_be_a_json_object(value):
     md = load_example("disaggregated.yaml")

@@ -178,8 +178,12 @@ def test_the_router_image_installs_without_the_engine_and_runs_the_router(tmp_pa
     assert "epp" in help_text
     _run(str(venv / "bin" / "pagefleet"), "router", "--help", cwd=tmp_path)
     _run(str(venv / "bin" / "pagefleet"), "epp", "--help", cwd=tmp_path)
-    code = "import importlib.util as u; print(u.find_spec('pagefleet.engine'))"
-    assert _run(str(venv / "bin" / "python"), "-c", code, cwd=tmp_path).stdout.strip() == "None"
+    code = (
+        "import importlib.util as u; from pagefleet.router.openapi import body_schemas\n"
+        "print(u.find_spec('pagefleet.engine'), 'CompletionRequest' in body_schemas())"
+    )
+    out = _run(str(venv / "bin" / "python"), "-c", code, cwd=tmp_path).stdout.strip()
+    assert out == "None True"  # no engine, and the router's OpenAPI bodies (package data)
 
 
 def test_router_and_operator_entry_points_import_no_model_stack():

@@ -24,6 +24,7 @@ def _router(index: PrefixIndex) -> Router:
     registry.set_pods([Pod("down", "http://down"), Pod("up", "http://up")])
     for status in registry.status.values():
         status.scraped_at = 0.0  # fresh at the router's clock
+        status.ready = True  # as after a good scrape
     registry.status["up"].pod.waiting = 5.0
     pipeline = Pipeline.from_config({"scorers": {"queue": 1.0}})
     return Router(registry, index, pipeline, RouterConfig(), clock=lambda: 0.0)
@@ -135,3 +136,53 @@ def test_without_the_key_no_body_is_read_and_no_engine_is_reached():
 
     asyncio.run(run())
     assert seen == ["/v1/completions", "/v1/completions"]  # "down" (503), then "up"
+
+
+def test_embeddings_follow_their_first_inputs_blocks_onto_pods_that_cache_them():
+    """An embeddings request is hashed by its first input, as a completion of that text would
+    be; the pod it went to then attracts the next request opening alike over a little load
+    (a last-token pooling engine caches prefixes), unless the pod's /metrics say it caches
+    nothing (mean or CLS pooling): then load alone decides (issue 36)."""
+    body = {"model": "m", "input": [PROMPT, "a second input"], "dimensions": 8}
+    for caching in (True, False):
+        router = _router(PrefixIndex("approximate"))
+        router.pipeline = Pipeline.from_config({"scorers": {"prefix": 2.0, "queue": 1.0}})
+        hashes = router.prompt_hashes("/v1/embeddings", body, 16)
+        assert hashes == router.prompt_hashes("/v1/completions", {"prompt": PROMPT}, 16)
+        assert hashes and router.prompt_hashes("/pooling", {"input": [[7] * 40]}, 16) == (
+            router.prompt_hashes("/v1/completions", {"prompt": [7] * 40}, 16)
+        )
+        pods = {s.pod.name: s.pod for s in router.registry.status.values()}
+        pods["down"].caches_prefixes = caching
+        first = router.decide("/v1/embeddings", body)
+        assert first.candidates[0].pod.name == "down"  # "up" has 5 waiting
+        attempt = router.hooks.dispatch(first, first.candidates[0])
+        router.hooks.finish(first, attempt, Outcome.RELAYED)
+        pods["down"].waiting, pods["up"].waiting = 2.0, 1.0
+        again = router.decide("/v1/embeddings", body)
+        assert again.candidates[0].pod.name == ("down" if caching else "up")
+
+
+def test_a_scrape_reads_whether_the_pod_caches_prefixes():
+    def engine(request: httpx.Request) -> httpx.Response:
+        caching = "True" if request.url.host == "last" else "False"
+        return httpx.Response(
+            200,
+            text="vllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n"
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="64",'
+            f'enable_prefix_caching="{caching}",cache_dtype="float32"}} 1\n',
+        )
+
+    registry = PodRegistry()
+    registry.set_pods([Pod("last", "http://last"), Pod("mean", "http://mean")])
+
+    async def scrape() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
+            for status in registry.status.values():
+                await registry._scrape(client, status)
+
+    asyncio.run(scrape())
+    assert {s.pod.name: s.pod.caches_prefixes for s in registry.status.values()} == {
+        "last": True,
+        "mean": False,
+    }

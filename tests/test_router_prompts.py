@@ -80,6 +80,8 @@ def test_a_tokenizer_that_does_not_split_at_whitespace_turns_the_cache_off():
 def _router(tok, pods: list[Pod]) -> Router:
     registry = PodRegistry()
     registry.set_pods(pods)
+    for status in registry.status.values():
+        status.ready = True  # as after a good scrape
     return Router(registry, PrefixIndex("precise"), Pipeline.from_config(), RouterConfig(), tok)
 
 

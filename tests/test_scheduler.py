@@ -105,10 +105,10 @@ def test_preemption_picks_the_most_recently_admitted_and_keeps_its_tokens():
 
 
 def test_resumed_request_is_not_the_victim_in_the_next_step():
-    """Anti-thrash: a request resumed in the previous step, or still recomputing what it lost,
-    is skipped as a victim while others are left. Fails for: the step window off by one either
-    way, or the recomputing test off by one (a plain decode counted as recomputing, or the
-    last recompute chunk not)."""
+    """Anti-thrash: a request resumed in the previous step, or that has not sampled a token
+    since it resumed, is skipped as a victim while others are left. Fails for: the step window
+    off by one either way, or the not-sampled test off by one (a plain decode counted as
+    recomputing, or the step that samples after the recompute not)."""
     sched = make_scheduler(num_blocks=32)
     a, b, c = (make_request(x, [1, 2], max_tokens=5) for x in "abc")
     for r in (a, b, c):
@@ -125,10 +125,15 @@ def test_resumed_request_is_not_the_victim_in_the_next_step():
     # A request resumed two steps ago is fair game again...
     c.resumed_step = sched.step_id - 2
     assert sched._pick_victim(0) is c
-    # ... unless it is still recomputing its lost tokens (two or more left to compute).
+    # ... unless it has not sampled since it resumed: still recomputing its lost tokens...
+    c.resumed_len = len(c.all_token_ids)
     c.num_computed_tokens = len(c.all_token_ids) - 2
     assert sched._pick_victim(0) is a
+    # ... or computing the last of them, the step that samples its next token.
     c.num_computed_tokens = len(c.all_token_ids) - 1
+    assert sched._pick_victim(0) is a
+    # One token later it decodes as any request does.
+    c.all_token_ids.append(0)
     assert sched._pick_victim(0) is c
 
 

@@ -200,6 +200,16 @@ def test_client_mistakes_are_openai_shaped_errors(server, body, status, needle):
     assert needle in err["message"] and err["code"] == status and "type" in err
 
 
+@pytest.mark.parametrize(
+    ("path", "api"), [("/v1/embeddings", "Embeddings"), ("/pooling", "Pooling")]
+)
+def test_a_generation_engine_refuses_embeddings_with_a_400(server, path, api):
+    r = httpx.post(f"{server}{path}", json={"model": "tiny", "input": "hi"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert f"does not support the {api} API" in message and "--runner pooling" in message
+
+
 def test_malformed_json_and_oversized_bodies(server):
     r = httpx.post(
         f"{server}/v1/chat/completions",

@@ -87,7 +87,7 @@ class _ScriptedEngine:
     def abort(self, request_id) -> None:
         pass
 
-    async def check_structured_outputs(self, constraint) -> None:
+    async def check_structured_outputs(self, constraint, tenant: str = "") -> None:
         """Where the grammar engine compiles a constraint before the request is submitted: here
         it must be a valid JSON schema."""
         jsonschema.Draft202012Validator.check_schema(json.loads(constraint.json))

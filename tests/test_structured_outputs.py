@@ -11,6 +11,7 @@ import threading
 
 import jsonschema
 import pytest
+import torch
 
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.sampling_params import StructuredOutputsParams
@@ -137,6 +138,53 @@ def test_logit_bias_moves_the_greedy_choice(llm):
     assert down.outputs[0].token_ids[0] != first
 
 
+def test_logit_bias_tensors_are_built_once_per_request():
+    """The bias a request's params carry becomes tensors at its first sampled step and is
+    reused at every later one (before: rebuilt each step); the values land where they
+    should, on every row of a verify step."""
+    from pagefleet.engine.request import Request
+    from pagefleet.engine.structured.logits import constrain_logits
+
+    req = Request("r", [1, 2], SamplingParams(logit_bias={5: 2.0, 7: -1.0}))
+    first = constrain_logits(torch.zeros(1, 10), [req])
+    built = req.logit_bias
+    assert first[0, 5] == 2.0 and first[0, 7] == -1.0 and first[0, 6] == 0.0
+    verify = constrain_logits(torch.zeros(3, 10), [req], {"r": [4, 4]})
+    assert req.logit_bias is built
+    assert verify[:, 5].tolist() == [2.0] * 3
+
+
+def test_a_flood_of_grammars_from_one_tenant_does_not_hold_up_another():
+    """One compile thread; tenant a queues five slow grammars, then tenant b one of its own
+    and one a has queued too. b's own compile runs after at most one more of a's, and the
+    shared one in b's turn, ahead of a's later ones. Fails with a plain FIFO pool (b's
+    compile would wait for all five)."""
+    from pagefleet.engine.structured.compiler import GrammarCompiler
+
+    compiler = GrammarCompiler(None, 0, frozenset(), max_workers=1)
+    release, order = threading.Event(), []
+
+    def slow_compile(params):
+        release.wait(30)
+        order.append(params.regex)
+        return params.regex
+
+    compiler._compile = slow_compile
+    try:
+        flood = [compiler.compile(so(regex=f"a{i}"), "a") for i in range(5)]
+        mine = compiler.compile(so(regex="b"), "b")
+        assert compiler.compile(so(regex="a4"), "b") is flood[4]  # one compile, two turns
+        release.set()
+        for entry in (*flood, mine):
+            assert entry.future.result(30) is not None
+    finally:
+        release.set()
+        compiler.close()
+    assert sorted(order) == ["a0", "a1", "a2", "a3", "a4", "b"]  # each compiled once
+    assert order.index("b") <= 2
+    assert order.index("a4") < order.index("a3")
+
+
 def test_grammar_with_n_and_a_prefix_cache_hit(llm):
     prompt = "The river, the mountain, the sea, the sky and the road " * 3
     params = schema_params(POINTS, n=3, seed=5)
@@ -168,7 +216,7 @@ def test_grammar_survives_preemption_and_speculation(tight_llm, llm):
 
 
 def test_a_compile_past_the_time_limit_fails_the_request(llm):
-    compiler = llm.engine.grammar_compiler
+    compiler = llm.engine.grammars.compiler
     release = threading.Event()
     real_compile, real_timeout = compiler._compile, compiler.timeout_s
     compiler._compile = lambda params: release.wait(30) and real_compile(params)
@@ -205,6 +253,20 @@ def http(tiny_checkpoints):
 def chat(http, **body):
     messages = [{"role": "user", "content": "Give me a point."}]
     return http.post("/v1/chat/completions", json={"messages": messages, "seed": 0, **body})
+
+
+def test_a_grammar_compiled_long_ago_is_served_from_the_cache(http):
+    """A constraint compiled more than the compile time limit ago comes from the cache: before,
+    the server waited for the cached compile with what was left of the limit (nothing), and
+    answered 400 "took too long" (a CI flake whenever the second request came 10 s later)."""
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": POINTS}}
+    assert chat(http, response_format=rf, max_tokens=60).status_code == 200
+    compiler = http.app.state.server.engine.engine.grammars.compiler
+    for entry in compiler._cache.values():
+        entry.started -= 3600  # compiled an hour ago
+    again = chat(http, response_format=rf, max_tokens=60)
+    assert again.status_code == 200, again.text
+    jsonschema.validate(json.loads(again.json()["choices"][0]["message"]["content"]), POINTS)
 
 
 def test_response_format_json_schema_on_chat_streamed_and_not(http):
@@ -304,7 +366,7 @@ def _decode(http, token: int) -> str:
 
 
 def test_a_compiling_grammar_waits_without_blocking_other_requests(llm):
-    engine, compiler = llm.engine, llm.engine.grammar_compiler
+    engine, compiler = llm.engine, llm.engine.grammars.compiler
     release = threading.Event()
     real_compile = compiler._compile
     compiler._compile = lambda params: release.wait(30) and real_compile(params)

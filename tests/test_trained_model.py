@@ -35,6 +35,11 @@ CHATS = ["What is the capital of France?", "Write one sentence about the moon."]
 # fp8 e4m3 cache (scales 1.0) against the float cache, two chats of 48 tokens: see the test.
 MIN_FP8_TOP1_AGREEMENT = 0.9
 MAX_FP8_MEAN_ABS_DELTA_LOGPROB = 0.08
+# The served engine keeps the file's Q4_1 linears as codes and multiplies them with bfloat16
+# activations (engine/model/quant/cpu_kernels.py): a continuation's loglikelihood moves by up
+# to ~0.1 nats from transformers' float32 on the dequantized weights (measured: 0.100). A
+# scoring slip (a token shifted, the context scored, another continuation) moves it by nats.
+MAX_Q4_LOGLIKELIHOOD_DELTA = 0.25
 
 
 class _Index:
@@ -350,7 +355,7 @@ def test_lm_eval_local_completions_against_the_server_equals_its_hf_backend(
     ours, theirs = loglikelihoods(served), loglikelihoods(reference)
     assert ours.keys() == theirs.keys() and len(ours) == 12
     worst = max(abs(ours[k] - theirs[k]) for k in ours)
-    assert worst <= 1e-4, worst
+    assert worst <= MAX_Q4_LOGLIKELIHOOD_DELTA, worst
     accuracy = [sorted((s["doc_id"], s["acc"]) for s in run) for run in (served, reference)]
     with capsys.disabled():
         correct = sum(acc for _, acc in accuracy[0])

@@ -9,15 +9,13 @@ The pure parts (tile and split choices, graph sizes, flags) are tested here dire
 
 from __future__ import annotations
 
-import multiprocessing
 import random
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
 import triton_interpret_cases as cases
 
-from hf_reference import assert_greedy_equal
+from hf_reference import assert_greedy_equal, assert_greedy_matches_hf
 from pagefleet.common.cli import build_parser
 from pagefleet.engine.attention.backend import PagedBatch, select_backend
 from pagefleet.engine.attention.triton_backend import work_list
@@ -27,14 +25,6 @@ from pagefleet.engine.cuda_graph import DecodeBuffers, graph_batch_sizes, padded
 from pagefleet.engine.server.serve import engine_args_from
 
 F32 = {"rtol": 1e-5, "atol": 1e-5}
-
-
-@pytest.fixture(scope="module")
-def interpreter():
-    """A worker process whose Triton kernels run in the interpreter on CPU tensors."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=context, initializer=cases.enable_interpreter) as pool:
-        yield lambda fn, *args, **kwargs: pool.submit(fn, *args, **kwargs).result(timeout=300)
 
 
 # ---------------------------------------------------------------- kernels vs torch reference
@@ -235,3 +225,59 @@ def test_backend_selection_and_flags(monkeypatch):
         parser.parse_args(["serve", "m", "--attention-backend", "torch", "--enforce-eager"])
     )
     assert (args.attention_backend, args.enforce_eager) == ("torch", True)
+
+
+# ---------------------------------------------------------------- linear attention (hybrids)
+
+LINEAR_STEPS = {
+    # Decodes with a verification of 3 drafts among them (its state saved after each row),
+    # two prompt chunks with snapshots inside the first, GVA 2:1, head dims that are not
+    # powers of two (32-token tiles).
+    "decodes-verify-chunks-snapshots": cases.LinearStepSpec(
+        [0, 3, 5], [(1, 40, [(9, 7), (32, 8)]), (2, 5, [])], [(6, 4, [(1, 9), (2, 10), (3, 11)])]
+    ),
+    # GVA 3:1, a conv of width 2, a chunk of two 64-token pieces after a snapshot after its
+    # first token, bfloat16 state.
+    "gva3-long-chunk-bf16": cases.LinearStepSpec(
+        [4],
+        [(1, 80, [(1, 9)])],
+        key_heads=1,
+        value_heads=3,
+        key_dim=16,
+        value_dim=8,
+        conv_width=2,
+        state_dtype=torch.bfloat16,
+        seed=1,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LINEAR_STEPS))
+def test_linear_attention_kernels_match_torch(interpreter, name):
+    """The Triton conv (update, chunk outputs, kept inputs at snapshots) and delta rule
+    (recurrent, chunked with its scan) against linear_attn/torch_ops.py: outputs, every
+    slot's conv and recurrent state (snapshot slots included, untouched ones unchanged)."""
+    result = interpreter(cases.linear_attn_case, LINEAR_STEPS[name])
+    tol = F32 if LINEAR_STEPS[name].state_dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for ours, ref in zip(result["triton"], result["torch"], strict=True):
+        torch.testing.assert_close(ours, ref, **tol)
+
+
+def test_hybrid_greedy_equals_hf_with_triton_kernels(interpreter, hybrid_checkpoints):
+    """A Qwen3.5 checkpoint end to end on the Triton attention backend and Triton linear-
+    attention kernels: chunked prompts over a 16-token budget (the second admitted once the
+    first passed its snapshot boundary at 32, which it hits), then decodes."""
+    path = hybrid_checkpoints["qwen3_5"]
+    prompts = [list(range(40, 80)), list(range(40, 75))]
+    outs, _ = interpreter(
+        cases.greedy_case,
+        path,
+        prompts,
+        3,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        max_model_len=64,
+        num_gpu_blocks_override=32,
+    )
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_greedy_matches_hf(path, prompt, out)

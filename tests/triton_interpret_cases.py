@@ -213,3 +213,74 @@ def fp8_agreement_case(
     # The static buffers keep the last decode they served (zeros if they served none).
     static_served = static_decode and bool(runner.decode_graphs.buffers.seq_lens.any())
     return agreement, delta, str(runner.kv_pool.dtype), static_served
+
+
+@dataclass(frozen=True)
+class LinearStepSpec:
+    """One linear-attention step: single-token sequences' slots, then prompt chunks as
+    (slot, tokens, snapshots (offset, destination slot)); `runs` (verifications, shaped as
+    chunks) sit between the first single row and the others; the layer's shape."""
+
+    singles: list[int]
+    chunks: list[tuple[int, int, list[tuple[int, int]]]]
+    runs: list[tuple[int, int, list[tuple[int, int]]]] = field(default_factory=list)
+    key_heads: int = 2
+    value_heads: int = 4
+    key_dim: int = 12
+    value_dim: int = 20
+    conv_width: int = 3
+    state_dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+
+def linear_attn_case(spec: LinearStepSpec) -> dict[str, tuple[torch.Tensor, ...]]:
+    """The conv and the delta rule of one step by the torch and the Triton kernels, from the
+    same random inputs and slots: (conv out, rule out, conv states, recurrent states) each."""
+    from pagefleet.engine.linear_attn.kernels import TorchKernels
+    from pagefleet.engine.linear_attn.state import StateChunk, StatePool, StepStates
+    from pagefleet.engine.linear_attn.triton_ops import TritonKernels
+    from pagefleet.engine.model.config import SequenceStateShape
+
+    gen = torch.Generator().manual_seed(spec.seed)
+    hk, hv, dk, dv = spec.key_heads, spec.value_heads, spec.key_dim, spec.value_dim
+    shape = SequenceStateShape(1, 2 * hk * dk + hv * dv, spec.conv_width, hv, dk, dv)
+    spans = spec.runs + spec.chunks
+    num_slots = 1 + max([*spec.singles, *(s for s, _, _ in spans)])
+    num_slots = max(num_slots, 1 + max((d for _, _, saves in spans for _, d in saves), default=0))
+    chunks, single_rows, row = [], [0], 1  # the first single, the runs, the other singles
+    for slot, n, saves in spec.runs:
+        chunks.append(StateChunk(row, n, slot, tuple(saves)))
+        row += n
+    single_rows += list(range(row, row + len(spec.singles) - 1))
+    row += len(spec.singles) - 1
+    for slot, n, saves in spec.chunks:
+        chunks.append(StateChunk(row, n, slot, tuple(saves)))
+        row += n
+    rows = single_rows if spec.runs else None
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen)
+
+    conv0 = rand(1, num_slots, shape.conv_channels, spec.conv_width).to(spec.state_dtype)
+    ssm0 = (rand(1, num_slots, hv, dk, dv) * 0.3).to(spec.state_dtype)
+    x, weight = rand(row, shape.conv_channels), rand(shape.conv_channels, spec.conv_width + 1)
+    q, k, v = rand(row, hk, dk), rand(row, hk, dk), rand(row, hv, dv)
+    g = -torch.rand(row, hv, generator=gen) * 0.5
+    beta = torch.rand(row, hv, generator=gen)
+    results = {}
+    for kernels in (TorchKernels(), TritonKernels()):
+        pool = StatePool(shape, num_slots, spec.state_dtype, torch.device("cpu"))
+        pool.conv.copy_(conv0)
+        pool.ssm.copy_(ssm0)
+        states = StepStates(
+            len(spec.singles),
+            torch.tensor(spec.singles),
+            chunks,
+            list(spec.singles),
+            single_rows=rows,
+            pool=pool,
+        )
+        conv = kernels.conv(x, weight, states, 0)
+        out = kernels.delta_rule(q, k, v, g, beta, states, 0)
+        results[kernels.name] = (conv, out, pool.conv.float(), pool.ssm.float())
+    return results

@@ -27,9 +27,11 @@ from pagefleet.common.fleet_auth import FleetSecret
 from pagefleet.common.kv_events import KVEventListener
 from pagefleet.engine.client import EngineLimits, EngineObserver, EngineStats
 from pagefleet.engine.config import EngineArgs
+from pagefleet.engine.engines import make_engine
 from pagefleet.engine.llm_engine import LLMEngine
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.pooling.params import PoolingParams
 from pagefleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from pagefleet.engine.structured import GrammarError
 
@@ -149,7 +151,7 @@ class AsyncLLM:
         fleet_secret: FleetSecret | None = None,
         client_stall_timeout: float | None = None,
     ) -> AsyncLLM:
-        return cls(LLMEngine(args, kv_event_listener, fleet_secret), client_stall_timeout)
+        return cls(make_engine(args, kv_event_listener, fleet_secret), client_stall_timeout)
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -164,6 +166,26 @@ class AsyncLLM:
         return its stream: the cumulative output after every step that advances it. Closing
         the stream early, or dropping it unread, aborts the request. `lora_request`: a
         registered adapter (list_loras), or None for the base model."""
+        if self.engine.limits.pooling is not None:
+            raise ValueError("this engine runs the pooling runner: it does not generate")
+        return self._submit(prompt, params, request_id, lora_request)
+
+    def encode(
+        self, prompt: str | list[int], params: PoolingParams, request_id: str
+    ) -> RequestStream:
+        """A pooling engine's request, submitted now; its stream yields one output, once the
+        vector is pooled (or the request aborted)."""
+        if self.engine.limits.pooling is None:
+            raise ValueError("this engine runs the generate runner: it does not pool")
+        return self._submit(prompt, params, request_id)
+
+    def _submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | PoolingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
+    ) -> RequestStream:
         if self._error is not None:
             raise RuntimeError("the engine loop has died") from self._error
         if not self._thread.is_alive():
@@ -224,11 +246,17 @@ class AsyncLLM:
         fixed at start-up); nothing is submitted."""
         self.engine.limits.rules.check(prompt_token_ids, params)
 
-    async def check_structured_outputs(self, constraint: StructuredOutputsParams) -> None:
-        """Compile `constraint` now (off the engine thread; the engine then finds it cached);
-        raises GrammarError (a ValueError) if it does not compile within the time limit."""
-        compiler = self.engine.grammar_compiler
-        entry = compiler.compile(constraint)
+    async def check_structured_outputs(
+        self, constraint: StructuredOutputsParams, tenant: str = ""
+    ) -> None:
+        """Compile `constraint` now, in `tenant`'s turn (off the engine thread; the engine then
+        finds it cached); raises GrammarError (a ValueError) if it does not compile within
+        the time limit."""
+        compiler = self.engine.grammars.compiler
+        entry = compiler.compile(constraint, tenant)
+        if entry.future.done():  # cached: however long ago it compiled (or failed)
+            compiler.result(entry)
+            return
         remaining = compiler.timeout_s - (time.monotonic() - entry.started)
         try:  # shielded: a waiter's timeout must not cancel the shared compile
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry.future)), remaining)

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.model.expert_load import ExpertLoadStats
+from pagefleet.engine.outputs import PoolingRequestOutput, RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.spec_decode.stats import SpecDecodeStats
 from pagefleet.engine.validation import RequestRules
+
+if TYPE_CHECKING:
+    from pagefleet.engine.pooling.config import PoolingModel
+    from pagefleet.engine.pooling.params import PoolingParams
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,11 @@ class EngineLimits:
     enable_prefix_caching: bool
     kv_cache_dtype: str
     max_loras: int = 0  # LoRA adapters one step runs; 0: LoRA is off
+    pooling: PoolingModel | None = None  # set on a pooling engine (--runner pooling)
+
+    @property
+    def runner(self) -> str:
+        return "generate" if self.pooling is None else "pooling"
 
     @property
     def max_model_len(self) -> int:
@@ -98,6 +108,7 @@ class EngineStats:
     kv_offload: KVOffloadStats | None = None  # None without --kv-offloading-size
     spec_decode: SpecDecodeStats | None = None  # None without --speculative-config
     lora: LoRAStats | None = None  # None without --enable-lora
+    expert_load: ExpertLoadStats | None = None  # None for a dense model
 
 
 @dataclass(frozen=True)
@@ -145,13 +156,18 @@ class EngineClient(Protocol):
         """Raise validation.InvalidRequest unless the request can be queued (synchronously:
         nothing is submitted)."""
 
-    async def check_structured_outputs(self, constraint) -> None:
+    async def check_structured_outputs(self, constraint, tenant: str = "") -> None:
         """Compile a request's output constraint (StructuredOutputsParams) ahead of submitting
-        it; raise ValueError if it cannot compile."""
+        it, in `tenant`'s turn; raise ValueError if it cannot compile."""
 
     def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]: ...
+
+    def encode(
+        self, prompt: str | list[int], params: PoolingParams, request_id: str
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling engine's request: one output, once its vector is pooled."""
 
     def abort(self, request_id: str) -> None: ...
 

@@ -10,7 +10,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pagefleet.common.weight_formats import ALIASES, QUANTIZATION_METHODS
+from pagefleet.engine.kv_cache.state_cache import StateConfig
 from pagefleet.engine.lora.config import LoRAConfig, LoRAModulePath, parse_lora_modules
+from pagefleet.engine.pooling.config import CONVERTS, RUNNERS
 from pagefleet.engine.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -30,6 +33,16 @@ def _require(ok: bool, name: str, value: object, rule: str) -> None:
 # vLLM's other name for it; e5m2 is not stored). See kv_cache/fp8.py.
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 KV_CACHE_DTYPES = ("auto", *FP8_KV_CACHE_DTYPES, "float32", "bfloat16", "float16")
+# --all2all-backend: how MoE tokens meet experts placed on ranks (model/expert_parallel.py);
+# vLLM's GPU-library backends are named so their refusal says why.
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "alltoall")
+ALL2ALL_NOT_BUILT = (
+    "naive",
+    "pplx",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+    "flashinfer_all2allv",
+)
 
 
 @dataclass
@@ -49,6 +62,9 @@ class EngineArgs:
     # Most prompt tokens one request may compute in one step; 0 means no cap beyond the budget.
     long_prefill_token_threshold: int = 0
     dtype: str = "auto"
+    # Weight format (vLLM's names: fp8, compressed-tensors, awq, gptq, gguf); None: the
+    # checkpoint's quantization_config. fp8 on a float checkpoint quantizes it at load.
+    quantization: str | None = None
     kv_cache_dtype: str = "auto"
     seed: int = 0
     kv_cache_memory: float = 4.0  # GiB for the KV pool on CPU (VLLM_CPU_KVCACHE_SPACE)
@@ -68,6 +84,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     # None: mp while the ranks fit on this node's devices, ray when they do not.
     distributed_executor_backend: str | None = None
+    # Mixture-of-experts models: whole experts per rank (else every expert split over ranks).
+    enable_expert_parallel: bool = False
+    all2all_backend: str = "allgather_reducescatter"
     # CPU offload tier: GiB of host memory for blocks evicted from the device pool (0: none).
     kv_offloading_size: float = 0.0
     kv_offloading_backend: str = "native"
@@ -81,9 +100,26 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Hybrid models: prefix-cache state snapshots kept beside the running sequences' state
+    # (None: max_num_seqs with prefix caching, else 1); see capacity.num_state_slots.
+    num_state_snapshots: int | None = None
+    # Pooling models (pooling/): vLLM's --runner (auto: pooling for a checkpoint that declares
+    # it), --convert (embed: pool a *ForCausalLM's hidden states) and --pooler-config JSON.
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "must be > 0")
+        if self.quantization is not None:
+            _require(
+                ALIASES.get(self.quantization, self.quantization) in QUANTIZATION_METHODS,
+                "quantization",
+                self.quantization,
+                f"must be one of {', '.join(QUANTIZATION_METHODS)}",
+            )
+        _require(self.runner in RUNNERS, "runner", self.runner, f"one of {', '.join(RUNNERS)}")
+        _require(self.convert in CONVERTS, "convert", self.convert, f"one of {', '.join(CONVERTS)}")
         self.lora_modules = parse_lora_modules(self.lora_modules)
         self.lora_config()  # checks the LoRA flags
         self._check_offloading()
@@ -119,6 +155,26 @@ class EngineArgs:
             "distributed_executor_backend",
             self.distributed_executor_backend,
             "must be mp or ray",
+        )
+        if self.num_state_snapshots is not None:
+            _require(
+                self.num_state_snapshots >= 0,
+                "num_state_snapshots",
+                self.num_state_snapshots,
+                "must be >= 0",
+            )
+        _require(
+            self.all2all_backend not in ALL2ALL_NOT_BUILT,
+            "all2all_backend",
+            self.all2all_backend,
+            "that backend needs a GPU communication library pagefleet does not build; choose "
+            + " or ".join(ALL2ALL_BACKENDS),
+        )
+        _require(
+            self.all2all_backend in ALL2ALL_BACKENDS,
+            "all2all_backend",
+            self.all2all_backend,
+            "must be one of " + ", ".join(ALL2ALL_BACKENDS),
         )
         if self.num_gpu_blocks_override is not None:
             _require(
@@ -208,11 +264,13 @@ class EngineArgs:
             max_loras=self.max_loras if self.enable_lora else 0,
         )
 
-    def cache_config(self, num_gpu_blocks: int, num_host_blocks: int = 0) -> CacheConfig:
-        """The cache's shape, with the pool's size as measured (or overridden) and the offload
-        tier's in blocks."""
+    def cache_config(
+        self, num_gpu_blocks: int, num_host_blocks: int = 0, state: StateConfig | None = None
+    ) -> CacheConfig:
+        """The cache's shape, with the pool's size as measured (or overridden), the offload
+        tier's in blocks and a hybrid model's state slots."""
         return CacheConfig(
-            self.block_size, num_gpu_blocks, self.enable_prefix_caching, num_host_blocks
+            self.block_size, num_gpu_blocks, self.enable_prefix_caching, num_host_blocks, state
         )
 
 
@@ -222,6 +280,7 @@ class CacheConfig:
     num_gpu_blocks: int = 0  # the pool's size; sized from memory by the runner when 0
     enable_prefix_caching: bool = EngineArgs.enable_prefix_caching
     num_host_blocks: int = 0  # the CPU offload tier's size (--kv-offloading-size); 0: none
+    state: StateConfig | None = None  # a hybrid model's state slots (kv_cache/state_cache.py)
 
     def __post_init__(self) -> None:
         bs = self.block_size

@@ -8,9 +8,10 @@ from typing import Any
 from pagefleet.common.kv_events import KVEventListener
 from pagefleet.engine.chat_template import render_chat
 from pagefleet.engine.config import EngineArgs
-from pagefleet.engine.llm_engine import LLMEngine
+from pagefleet.engine.engines import make_engine
 from pagefleet.engine.lora.request import LoRARequest
-from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.outputs import PoolingRequestOutput, RequestOutput
+from pagefleet.engine.pooling.params import PoolingParams
 from pagefleet.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -20,7 +21,7 @@ class LLM:
     def __init__(
         self, model: str, kv_event_listener: KVEventListener | None = None, **engine_args: Any
     ) -> None:
-        self.engine = LLMEngine(EngineArgs(model=str(model), **engine_args), kv_event_listener)
+        self.engine = make_engine(EngineArgs(model=str(model), **engine_args), kv_event_listener)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -35,15 +36,32 @@ class LLM:
         """Run every prompt to completion; outputs come back in input order. `lora_request`:
         the LoRA adapter of every prompt, or one per prompt (None: the base model), as vLLM's
         (an adapter not loaded yet is loaded from its path)."""
+        if self.engine.limits.pooling is not None:
+            raise ValueError("this model runs the pooling runner: use LLM.embed, not generate")
+        return self._submit_all(
+            prompts, sampling_params or SamplingParams(), use_tqdm, lora_request
+        )
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Pool every prompt into its vector (`output.outputs.embedding`), in input order;
+        needs the pooling runner (--runner pooling, or auto on an embedding checkpoint)."""
+        if self.engine.limits.pooling is None:
+            raise ValueError("this model runs the generate runner: embed needs runner='pooling'")
+        return self._submit_all(prompts, pooling_params or PoolingParams(), use_tqdm)
+
+    def _submit_all(self, prompts, each, use_tqdm: bool, lora_request=None) -> list:
         batch = _as_batch(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(batch)
+        if isinstance(each, SamplingParams | PoolingParams):
+            params = [each] * len(batch)
         else:
-            params = list(sampling_params)
+            params = list(each)
             if len(params) != len(batch):
-                raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
+                raise ValueError(f"{len(params)} sets of params for {len(batch)} prompts")
         loras = _per_prompt(lora_request, len(batch))
         ids: list[str] = []
         try:

@@ -7,13 +7,12 @@ prompt, so they take its blocks from the prefix cache instead of computing them 
 
 from __future__ import annotations
 
-import concurrent.futures
+import atexit
 import dataclasses
 import functools
 import itertools
 import json
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,9 +36,11 @@ from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.detokenizer import Detokenizer
 from pagefleet.engine.kv_sizing import (
     DraftPool,
+    check_holds_one,
     host_memory_bytes,
     kv_pool_blocks,
     kv_pool_plan_of,
+    state_slots_of,
 )
 from pagefleet.engine.lora.manager import remove_adapter, setup_lora
 from pagefleet.engine.lora.request import LoRARequest
@@ -64,18 +65,18 @@ from pagefleet.engine.sampler import Sampler
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import Scheduler
 from pagefleet.engine.simulated import SimulatedRunner
-from pagefleet.engine.spec_decode.config import SpeculativeConfig
+from pagefleet.engine.spec_decode.config import SpeculativeConfig, refuse_recurrent_state
 from pagefleet.engine.spec_decode.draft import DraftModelProposer
 from pagefleet.engine.spec_decode.ngram import NgramProposer
 from pagefleet.engine.spec_decode.stats import SpecDecodeCounters
 from pagefleet.engine.spec_decode.verifier import StepTokens, propose, sample_with_drafts
 from pagefleet.engine.structured import (
     GrammarCompiler,
-    GrammarError,
-    SequenceGrammar,
+    GrammarGate,
+    advance_grammar,
     constrain_logits,
+    trim_drafts,
 )
-from pagefleet.engine.structured.compiler import Compilation
 
 FAILED_RANK_GRACE_S = 5.0
 DRAFT_CPU_DISABLE_AT = 8  # see _spec_disable_at
@@ -104,7 +105,6 @@ class _Group:
     arrival_time: float
     sequences: list[_Sequence] = field(default_factory=list)
     pending: list[_Sequence] = field(default_factory=list)  # siblings waiting for the prompt
-    compiling: Compilation | None = None  # its grammar, still compiling (not yet scheduled)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int | None = None  # prompt tokens the first sample found cached
     kv_transfer_params: dict | None = None  # set when a prefill engine holds the blocks
@@ -116,6 +116,8 @@ class _Group:
 
 
 class LLMEngine:
+    lm_head = True  # the pooling engine (pooling/engine.py) loads its model without one
+
     def __init__(
         self,
         args: EngineArgs,
@@ -165,7 +167,7 @@ class LLMEngine:
         num_host_blocks = self.tier_copier.host_blocks.shape[0] if self.tier_copier else 0
         self.scheduler = Scheduler.create(
             args.scheduler_config(self.max_model_len),
-            args.cache_config(num_blocks, num_host_blocks),
+            args.cache_config(num_blocks, num_host_blocks, self.runner.state_config()),
             kv_event_listener,
             self.model_config.vocab_size,
         )
@@ -175,9 +177,12 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         self._group_of: dict[str, str] = {}  # scheduler request id -> user request id
         self._ids = itertools.count()
-        self._grammar_compiler: GrammarCompiler | None = None  # made by the first grammar
-        self._grammar_lock = threading.Lock()
-        self._compiling: dict[str, _Group] = {}  # groups waiting for their grammar
+        # Constrained requests wait there for their grammar (compiled on first use).
+        self.grammars = GrammarGate(
+            lambda: GrammarCompiler(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+            )
+        )
         self._failures: list[tuple[str, Exception]] = []  # requests failed off the step path
         # Told of every step and KV pull, on the engine's thread (metrics, event flushing).
         self.observers: list[EngineObserver] = []
@@ -212,6 +217,7 @@ class LLMEngine:
             kv_offload=self._offload_stats(),
             spec_decode=self.spec_counters.snapshot() if self.spec_counters else None,
             lora=self.lora.stats(sched) if self.lora is not None else None,
+            expert_load=self.runner.expert_load(),
         )
 
     def _offload_stats(self) -> KVOffloadStats | None:
@@ -311,6 +317,7 @@ class LLMEngine:
                 f"{draft_config.get('max_position_embeddings')} < max_model_len "
                 f"{self.max_model_len}"
             )
+        refuse_recurrent_state(model_config(draft_config), path)
         return load_model(path, self.dtype, self.device, self.max_model_len)
 
     def _draft_pool(self) -> DraftPool | None:
@@ -436,8 +443,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the KV transfer service, the tensor-parallel ranks and their workers (the engine
         is unusable after)."""
-        if self._grammar_compiler is not None:
-            self._grammar_compiler.close()
+        self.grammars.close()
         if self.connector is not None:
             self.connector.close()
         if self.tier_copier is not None:
@@ -452,15 +458,23 @@ class LLMEngine:
         if args.tensor_parallel_size > 1:
             return self._load_parallel_runner()
         start = time.perf_counter()
-        model = load_model(args.model, self.dtype, self.device, self.max_model_len)
+        model = load_model(
+            args.model,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            quantization=args.quantization,
+            lm_head=self.lm_head,
+        )
         self._log_weights(model, start)
         self.model_config = model.config
         self.lora = setup_lora(args, model, self.dtype, self.device)
         kv_dtype, kv_scales = self._kv_format()
         num_blocks = self._size_kv_pool(model, kv_dtype)
         backend = select_backend(args.attention_backend, self.device)
+        slots = state_slots_of(args, model)
         runner = ModelRunner(
-            model, args.block_size, num_blocks, backend, self.device, kv_dtype, kv_scales
+            model, args.block_size, num_blocks, backend, self.device, kv_dtype, kv_scales, slots
         )
         runner.lora = self.lora
         # A captured decode step would not see the step's adapter slots: LoRA runs eagerly.
@@ -518,7 +532,8 @@ class LLMEngine:
             num_blocks = self._size_kv_pool(model, kv_dtype, group)
             backend = select_backend(args.attention_backend, self.device)
             runner = tp_runner.ParallelModelRunner(
-                model, args.block_size, num_blocks, backend, kv_dtype, group, executor, kv_scales
+                *(model, args.block_size, num_blocks, backend, kv_dtype, group, executor),
+                *(kv_scales, state_slots_of(args, model)),
             )
             runner.attach_lora(self.lora)
         except BaseException:
@@ -542,6 +557,11 @@ class LLMEngine:
             cleanup=executor.shutdown,
         )
         self._supervision = watch(executor, on_failure)
+        # A script that ends without closing the engine: at exit, multiprocessing terminates
+        # the worker ranks (SIGTERM); the watch must stop first, or that planned end would
+        # read as a failure (and delay the exit). Registered after multiprocessing's own
+        # handler, so it runs before it.
+        atexit.register(self._stop_supervision)
 
     def _mark_failed(self, reason: str) -> None:
         self.failure = reason
@@ -549,6 +569,7 @@ class LLMEngine:
     def _stop_supervision(self) -> None:
         """Before a planned stop, so ranks leaving on purpose are not taken for a failure."""
         if self._supervision is not None:
+            atexit.unregister(self._stop_supervision)
             self._supervision.stop()
             self._supervision = None
 
@@ -571,9 +592,10 @@ class LLMEngine:
         weight_bytes = model_weight_bytes(model)
         tp = self.args.tensor_parallel_size
         logger.info(
-            "Loading weights took %.2f s; model weights take %.2f GiB%s",
+            "Loading weights took %.2f s; model weights take %.2f GiB (%s)%s",
             time.perf_counter() - start,
             weight_bytes / GiB,
+            model.weights_format,
             f" per rank (tensor-parallel size {tp})" if tp > 1 else "",
         )
 
@@ -594,16 +616,7 @@ class LLMEngine:
         per_block = kv_bytes_per_block(model, args.block_size, kv_dtype)
         plan = kv_pool_plan_of(args, model, kv_dtype, num_blocks * per_block)
         self._log_kv_size(plan.kv_blocks, plan, model.num_kv_heads)
-        if not plan.holds_one(self.max_model_len):
-            memory_flag = (
-                "--gpu-memory-utilization" if self.device.type == "cuda" else ("--kv-cache-memory")
-            )
-            raise ValueError(
-                f"the KV cache holds {plan.block_tokens} tokens, less than one request of "
-                f"max_model_len={self.max_model_len}: lower --max-model-len, raise {memory_flag} "
-                f"or --num-gpu-blocks-override, or use a smaller --kv-cache-dtype "
-                f"(`pagefleet plan` shows the options)"
-            )
+        check_holds_one(plan, self.max_model_len, self.device)
         return num_blocks
 
     def _log_kv_size(
@@ -693,14 +706,17 @@ class LLMEngine:
                 0.0 if params.logprobs is not None else None,
             )
             group.sequences.append(seq)
-        # Validates the request (its siblings share its prompt and parameters).
-        if params.structured_outputs is not None:
-            self.scheduler.check_request(group.sequences[0].request)
-            group.compiling = self.grammar_compiler.compile(params.structured_outputs)
-            if not self._attach_grammar(group):  # raises GrammarError (a ValueError)
-                self._compiling[request_id] = group
+        # Validates the request (its siblings share its prompt and parameters); a grammar
+        # raises GrammarError (a ValueError) if it cannot compile.
+        first = group.sequences[0].request
+        constraint = params.structured_outputs
+        if constraint is None:
+            self.scheduler.add_request(first)
         else:
-            self.scheduler.add_request(group.sequences[0].request)
+            self.scheduler.check_request(first)
+            requests = [seq.request for seq in group.sequences]
+            if self.grammars.admit(request_id, constraint, requests):
+                self.scheduler.add_request(first)
         group.pending = group.sequences[1:]
         self.groups[request_id] = group
         for seq in group.sequences:
@@ -733,39 +749,14 @@ class LLMEngine:
     def list_loras(self) -> list[LoRARequest]:
         return list(self.lora.adapters.values()) if self.lora is not None else []
 
-    @property
-    def grammar_compiler(self) -> GrammarCompiler:
-        """The structured-output grammar compiler (pool and cache), made on first use."""
-        with self._grammar_lock:  # the API server's handlers ask for it too
-            if self._grammar_compiler is None:
-                vocab = self.model_config.vocab_size
-                self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
-            return self._grammar_compiler
-
-    def _attach_grammar(self, group: _Group) -> bool:
-        """Give each sequence its matcher and queue the group once its grammar is compiled;
-        False while it compiles. Raises GrammarError if the compile failed or timed out."""
-        compiled = self.grammar_compiler.result(group.compiling)
-        if compiled is None:
-            return False
-        for seq in group.sequences:
-            seq.request.grammar = SequenceGrammar(compiled)
-        group.compiling = None
-        self.scheduler.add_request(group.sequences[0].request)
-        return True
-
     def _admit_compiled(self) -> None:
         """Queue the groups whose grammar is now ready; fail the ones whose compile failed."""
-        for request_id, group in list(self._compiling.items()):
-            try:
-                ready = self._attach_grammar(group)
-            except GrammarError as e:
-                del self._compiling[request_id]
-                self.abort_request(request_id)
-                self._failures.append((request_id, e))
-                continue
-            if ready:
-                del self._compiling[request_id]
+        ready, failed = self.grammars.take_ready()
+        for request_id in ready:
+            self.scheduler.add_request(self.groups[request_id].sequences[0].request)
+        for request_id, error in failed:
+            self.abort_request(request_id)
+            self._failures.append((request_id, error))
 
     def take_failures(self) -> list[tuple[str, Exception]]:
         """Requests that failed after add_request accepted them (a grammar that failed to
@@ -774,16 +765,10 @@ class LLMEngine:
         return failures
 
     def _advance_grammar(self, seq: _Sequence, start: int) -> None:
-        """Walk the sequence's matcher over the tokens this step kept (after stop strings cut
-        them); a grammar that is complete ends the request (stop), as EOS would."""
-        req = seq.request
-        grammar = req.grammar
-        if not grammar.accept(req.all_token_ids[start:]):
-            logger.warning("request %s: a token broke its grammar; aborting", req.request_id)
-            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        elif grammar.finished and not req.status.finished:
-            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-            if seq.detok:
+        ended = advance_grammar(seq.request, start)
+        if ended is not None:
+            self.scheduler.finish(seq.request, ended)
+            if ended is RequestStatus.FINISHED_STOPPED and seq.detok:
                 seq.detok.flush()
 
     def _kv_transfer_role(self, params: SamplingParams, lora: LoRARequest | None = None):
@@ -814,7 +799,7 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
-        self._compiling.pop(request_id, None)
+        self.grammars.discard(request_id)
         group.pending = []
         group.metrics.finished_time = time.time()
         for seq in group.sequences:
@@ -872,23 +857,22 @@ class LLMEngine:
             return aborted
         if self.tier_copier is not None:
             self._tier_tick()
-        if self._compiling:
+        if self.grammars.waiting:
             self._admit_compiled()
         out = self.scheduler.schedule()
         if self.tier_copier is not None:
             self._tier_copies(out)
         for req in out.kv_loads:
             first = req.num_cached_blocks  # blocks found in our own prefix cache stay
-            blocks = req.block_ids[: req.num_prompt_blocks]
+            blocks = req.transfer_block_ids  # the prompt's (and a hybrid's state's)
             self.connector.start_load(req.request_id, req.remote_source, blocks, first)
         if not out.scheduled:
             if self.scheduler.loading:  # only transfers in flight: wait for one, don't spin
                 self.connector.wait_for_results(0.005)
             if self.scheduler.tier_loading:
                 self.tier_copier.wait(0.005)
-            if self._compiling:  # only grammars compiling: wait for one, don't spin
-                futures = [g.compiling.future for g in self._compiling.values()]
-                concurrent.futures.wait(futures, 0.005, concurrent.futures.FIRST_COMPLETED)
+            if self.grammars.waiting:  # only grammars compiling: wait for one, don't spin
+                self.grammars.wait(0.005)
             return []
         now = time.time()
         num_prompt = 0
@@ -918,9 +902,8 @@ class LLMEngine:
             if req.grammar is not None and not req.status.finished:
                 self._advance_grammar(next(s for s in group.sequences if s.request is req), start)
             if req.hold_blocks and req.request_id in self.scheduler.held:
-                blocks = req.block_ids[: req.num_prompt_blocks]
                 group.kv_transfer_params = self.connector.hold(
-                    req.request_id, blocks, time.monotonic(), req.lora_name
+                    req.request_id, req.transfer_block_ids, time.monotonic(), req.lora_name
                 )
             touched[group.request_id] = group
         now = time.time()
@@ -941,9 +924,7 @@ class LLMEngine:
             limit = self.spec_disable_at
             enabled = limit is None or len(self.scheduler.running) < limit
             propose(self.proposer, [r for r in step.requests if r.status is running], enabled)
-            for req in step.requests:  # drafts the grammar rejects are never worth verifying
-                if req.grammar is not None and req.spec_token_ids:
-                    del req.spec_token_ids[req.grammar.draft_prefix(req.spec_token_ids) :]
+            trim_drafts(step.requests)
         stats = StepStats(num_prompt, num_generated, len(out.preempted))
         for observer in self.observers:
             observer.on_step(stats)

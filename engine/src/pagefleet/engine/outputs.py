@@ -54,3 +54,25 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # A prefill engine's answer to do_remote_decode: where a decode engine reads the blocks.
     kv_transfer_params: dict | None = None
+
+
+@dataclass
+class PoolingOutput:
+    data: object  # the pooled vector: a 1-D float32 CPU torch.Tensor (None if aborted)
+
+    @property
+    def embedding(self) -> list[float]:
+        """The vector as floats (vLLM's EmbeddingOutput.embedding)."""
+        return self.data.tolist()
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling request's one output (vLLM's shape), sent once it finished (or aborted)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    finish_reason: str = "stop"  # "abort" when it ended early
+    metrics: RequestMetrics | None = None

@@ -46,6 +46,7 @@ class Request:
         "extra_keys",
         "grammar",
         "hold_blocks",
+        "logit_bias",
         "lora_request",
         "max_len",
         "num_cached_blocks",
@@ -53,11 +54,17 @@ class Request:
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "prefill_only",
         "remote_source",
         "request_id",
+        "resumed_len",
         "resumed_step",
         "sampling_params",
         "spec_token_ids",
+        "state_block_ids",
+        "state_drafts",
+        "state_saves",
+        "state_slot",
         "status",
         "stop_ids",
     )
@@ -74,6 +81,7 @@ class Request:
         extra_keys: bytes = b"",
         arrival_time: float = 0.0,
         lora_request: LoRARequest | None = None,
+        prefill_only: bool = False,
     ) -> None:
         """`lora_request`: the LoRA adapter the request runs with (None: the base model); it
         keys the request's blocks (common/block_hash.lora_extra_keys)."""
@@ -102,7 +110,10 @@ class Request:
             self.all_token_ids, block_size, extra_keys=extra_keys
         )
         self.num_preemptions = 0
+        # The step and the token count at its last resumption after a preemption (see the
+        # scheduler's anti-thrash rule).
         self.resumed_step = -2
+        self.resumed_len = 0
         # Disaggregation: a prefill pod keeps a finished request's blocks for a decode pod
         # (`hold_blocks`); a decode pod pulls the prompt's blocks from `remote_source` (the
         # prefill pod's address and block ids) before computing the rest.
@@ -112,8 +123,20 @@ class Request:
         # Structured outputs: the sequence's grammar state (structured.SequenceGrammar), set
         # by the engine once the grammar is compiled; None when unconstrained.
         self.grammar = None
+        # sampling_params.logit_bias as (token ids, biases) tensors, built by its first step.
+        self.logit_bias = None
         self.hold_blocks = False
         self.remote_source: RemoteSource | None = None
+        # Hybrid models (kv_cache/state_cache.py): the sequence's recurrent-state slot (-1:
+        # none), the KV blocks its state travels in under P/D, and the positions whose state
+        # is kept (position, reserved slot or -1).
+        self.state_slot = -1
+        self.state_block_ids: list[int] = []
+        self.state_saves: list[tuple[int, int]] = []
+        # Speculative decoding: slots holding the state after each draft verified this step.
+        self.state_drafts: list[int] = []
+        # A pooling request (pooling/): it computes its prompt and finishes, sampling nothing.
+        self.prefill_only = prefill_only
         stop = set(sampling_params.stop_token_ids)
         if eos_token_id is not None and not sampling_params.ignore_eos:
             stop.update([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
@@ -131,6 +154,11 @@ class Request:
     def num_prompt_blocks(self) -> int:
         """Blocks that hold the prompt's keys and values (the last one may be partial)."""
         return -(-self.num_prompt_tokens // self.block_size)
+
+    @property
+    def transfer_block_ids(self) -> list[int]:
+        """The blocks a P/D transfer moves: the prompt's, then its state's (hybrid models)."""
+        return self.block_ids[: self.num_prompt_blocks] + self.state_block_ids
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -3,11 +3,14 @@ KV pool, and returns the logits rows to sample from.
 
 The KV pool is one tensor [layers, 2, kv_heads, num_blocks, block_size, head_dim], so it can
 be registered for transfer as a single memory region (layout: see attention/torch_ref.py).
-Under tensor parallelism each rank's pool holds its own KV heads of the same blocks.
+Under tensor parallelism each rank's pool holds its own KV heads of the same blocks. A hybrid
+model's linear-attention layers keep their per-sequence state in a state pool beside it
+(linear_attn/state.py), moved around each forward pass as the KV manager decided.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -22,12 +25,19 @@ from pagefleet.engine.attention.backend import (
 )
 from pagefleet.engine.cuda_graph import DecodeGraphs
 from pagefleet.engine.kv_cache.fp8 import check_fp8_backend
+from pagefleet.engine.kv_cache.state_cache import StateConfig
+from pagefleet.engine.linear_attn.kernels import select_kernels
+from pagefleet.engine.linear_attn.state import StatePool, blocks_for_state, step_states
 from pagefleet.engine.lora.ops import LoRABatch
 from pagefleet.engine.model.causal_lm import CausalLM
+from pagefleet.engine.model.expert_load import ExpertLoadStats
 from pagefleet.engine.outputs import TokenLogprobs
 from pagefleet.engine.request import Request
 from pagefleet.engine.sampler import top_logprobs
 from pagefleet.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger("pagefleet.engine")
+MiB = 1 << 20
 
 
 @dataclass
@@ -44,6 +54,9 @@ class StepInputs:
     prompt_logprob_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
     # Each row's LoRA adapter slot (None: no row runs an adapter, or LoRA is off).
     lora: LoRABatch | None = None
+    # Each scheduled request's first row, in batch order: its n rows follow it (all but a
+    # verification's, whose 1 + k single rows may be apart); the pooling runner reads these.
+    first_rows: list[int] = field(default_factory=list)
 
 
 def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
@@ -58,6 +71,14 @@ def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
         torch.empty((), dtype=dtype).element_size(),
         model.tp.layout.size if model.tp else 1,
     )
+
+
+def forget_start_up_routing(model: CausalLM) -> None:
+    """Zero a mixture-of-experts model's routing counts after start-up's dry runs (memory
+    profiling, graph capture), so the load metrics count only requests' tokens."""
+    reset = getattr(model, "reset_expert_load", None)
+    if reset is not None:
+        reset()
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -75,8 +96,10 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         kv_scales: list[tuple[float, float]] | None = None,
+        num_state_slots: int = 1,
     ) -> None:
-        """`kv_scales`: per layer (k_scale, v_scale) of an fp8 pool (kv_cache/fp8.py)."""
+        """`kv_scales`: per layer (k_scale, v_scale) of an fp8 pool (kv_cache/fp8.py).
+        `num_state_slots`: a hybrid model's state pool (running sequences and snapshots)."""
         cfg = model.config
         if kv_scales is not None:
             on_cuda = device.type == "cuda"
@@ -105,14 +128,46 @@ class ModelRunner:
         self.kv_cache_dtype = str(dtype).removeprefix("torch.")
         self.decode_graphs: DecodeGraphs | None = None  # see capture_decode_graphs
         self.lora = None  # the LoRAManager of a model with LoRA layers (lora/manager.py)
+        self.state_pool: StatePool | None = None
+        shape = cfg.state_shape(model.tp.layout.size if model.tp else 1)
+        if shape is not None:
+            state_dtype = model.embed_tokens.weight.dtype  # the model's, as the capacity module
+            self.state_pool = StatePool(shape, max(num_state_slots, 1), state_dtype, device)
+            self.state_kernels = select_kernels(backend.name)
+            pool = self.state_pool
+            logger.info(
+                "Linear-attention state: %d slots (running sequences + prefix snapshots) of "
+                "%d bytes, %.1f MiB%s, for %d of %d layers (%s kernels)",
+                pool.num_slots,
+                pool.bytes_per_slot,
+                pool.num_slots * pool.bytes_per_slot / MiB,
+                " per rank" if model.tp else "",
+                shape.num_layers,
+                cfg.num_layers,
+                self.state_kernels.name,
+            )
+
+    def state_config(self) -> StateConfig | None:
+        """The state pool as the KV manager sees it (None: the model keeps only KV)."""
+        pool = self.state_pool
+        if pool is None:
+            return None
+        block = self.kv_pool[:, :, :, 0].numel() * self.kv_pool.element_size()
+        transfer = blocks_for_state(pool.bytes_per_slot, block)
+        return StateConfig(pool.num_slots, transfer, pool.bytes_per_slot / block)
+
+    def expert_load(self) -> ExpertLoadStats | None:
+        """A mixture-of-experts model's routing counts per layer (None for a dense model)."""
+        load = getattr(self.model, "expert_load", None)
+        return load() if load is not None else None
 
     def capture_decode_graphs(
         self, max_num_seqs: int, max_model_len: int, use_graphs: bool = True
     ) -> bool:
         """Serve decode-only steps from CUDA graphs (use_graphs=False: the same static-buffer
         path, run eagerly, for CPU tests). False when the backend cannot be captured."""
-        if not getattr(self.backend, "supports_cuda_graphs", False):
-            return False
+        if not getattr(self.backend, "supports_cuda_graphs", False) or self.state_pool:
+            return False  # (graphs do not carry a hybrid's state slots)
         graphs = DecodeGraphs(
             self.model,
             self.backend,
@@ -125,6 +180,7 @@ class ModelRunner:
         )
         if use_graphs:
             graphs.capture()
+            forget_start_up_routing(self.model)
         self.decode_graphs = graphs
         return True
 
@@ -136,19 +192,34 @@ class ModelRunner:
         `out.samples()`, and prompt logprobs by request id). A request verifying drafts has
         all its 1 + k rows there, one after another, and appears once per row."""
         inputs = self.prepare(out)
+        hidden = self.hidden_states(inputs)
+        rows = torch.tensor(inputs.sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows]) if inputs.sample_rows else hidden[:0]
+        prompt_logprobs = self._prompt_logprobs(hidden, inputs)
+        return logits, inputs.sample_requests, prompt_logprobs
+
+    @torch.inference_mode()
+    def hidden_states(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward pass: final hidden states, one row per input row."""
         if self.lora is not None:
             self.lora.state.batch = inputs.lora
         hidden = None
         if self.decode_graphs is not None:
             hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         if hidden is None:
-            hidden = self.model(
-                inputs.input_ids, inputs.positions, self.backend, self.kv_caches, inputs.meta
-            )
-        rows = torch.tensor(inputs.sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden[rows]) if inputs.sample_rows else hidden[:0]
-        prompt_logprobs = self._prompt_logprobs(hidden, inputs)
-        return logits, inputs.sample_requests, prompt_logprobs
+            hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        return hidden
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's forward pass, with a hybrid's state moves before and after it."""
+        states = meta.states
+        if states is not None:
+            states.pool, states.kernels = self.state_pool, self.state_kernels
+            self.state_pool.apply(states.before, self.kv_pool)
+        hidden = self.model(input_ids, positions, self.backend, self.kv_caches, meta)
+        if states is not None:
+            self.state_pool.apply(states.after, self.kv_pool)
+        return hidden
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         bs = self.block_size
@@ -157,7 +228,10 @@ class ModelRunner:
         # A request verifying drafts is 1 + k single rows (positions in order): the pool
         # takes every row's keys and values before any row attends, so each reads the rows
         # before it as a decode row would, batched with the decodes.
-        singles = sorted(_single_rows(out), key=lambda e: e[2])
+        # (A hybrid's linear-attention layers read a verification's rows in order, as one
+        # short chunk: its rows stay together, requests ordered by their first position.)
+        order = _position if self.state_pool is None else _request_then_position
+        singles = sorted(_single_rows(out), key=order)
         chunks = [
             (k, r, n)
             for k, (r, n) in enumerate(out.scheduled)
@@ -170,6 +244,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         context_lens: list[int] = []
         sample_row_of: list[list[int] | None] = [None] * len(out.scheduled)  # by batch place
+        first_rows = [-1] * len(out.scheduled)
         prompt_rows: list[tuple[Request, int, int, int]] = []
 
         for row, (k, req, pos, token) in enumerate(singles):
@@ -183,13 +258,17 @@ class ModelRunner:
             num_blocks = pos // bs + 1
             tables.append(ids[:num_blocks])
             context_lens.append(pos + 1)
+            if first_rows[k] < 0:
+                first_rows[k] = row
             self._note_rows(req, k, row, pos, 1, sample_row_of, prompt_rows)
 
         prefills: list[PrefillChunk] = []
         chunk_slots: list[torch.Tensor] = []
         chunk_positions: list[torch.Tensor] = []
+        chunk_rows: list[tuple[Request, int, int]] = []
         row = len(singles)
         for k, req, n in chunks:
+            chunk_rows.append((req, row, n))
             start = req.num_computed_tokens
             input_ids.extend(req.all_token_ids[start : start + n])
             pos = torch.arange(start, start + n)
@@ -197,6 +276,7 @@ class ModelRunner:
             block_ids = torch.tensor(req.block_ids[: (start + n + bs - 1) // bs])
             chunk_slots.append(block_ids[pos // bs] * bs + pos % bs)
             prefills.append(PrefillChunk(row, n, start, block_ids.to(self.device)))
+            first_rows[k] = row
             self._note_rows(req, k, row, start, n, sample_row_of, prompt_rows)
             row += n
         sample_rows = [r for rows in sample_row_of if rows is not None for r in rows]
@@ -226,6 +306,9 @@ class ModelRunner:
             prefills=prefills,
         )
         lora = self._lora_rows(out, singles, chunks) if self.lora is not None else None
+        if self.state_pool is not None:
+            single_reqs = [req for _, req, _, _ in singles]
+            meta.states = step_states(out.state, single_reqs, chunk_rows, dev)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.cat([torch.tensor(positions, dtype=torch.int64), *chunk_positions]).to(
@@ -236,6 +319,7 @@ class ModelRunner:
             sample_requests=sample_requests,
             prompt_logprob_rows=prompt_rows,
             lora=lora,
+            first_rows=first_rows,
         )
 
     def _lora_rows(self, out: SchedulerOutput, singles, chunks) -> LoRABatch | None:
@@ -268,7 +352,7 @@ class ModelRunner:
                 and (end + 1 - start) * len(tables[end]) * bs <= self.GROUP_TOKENS
             ):
                 end += 1
-            width = len(tables[end - 1])
+            width = max(len(t) for t in tables[start:end])  # the last's, sorted by length
             padded = [t + [0] * (width - len(t)) for t in tables[start:end]]
             mask = torch.arange(width * bs).unsqueeze(0) < lens[start:end].unsqueeze(1)
             groups.append(
@@ -303,6 +387,14 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[row : row + count])
             result[req.request_id] = (start, prompt_logprob_entries(req, start, logits))
         return result
+
+
+def _position(row: tuple) -> int:
+    return row[2]
+
+
+def _request_then_position(row: tuple) -> tuple[int, int, int]:
+    return row[1].num_computed_tokens, row[0], row[2]
 
 
 def _single_rows(out: SchedulerOutput):

@@ -6,12 +6,19 @@ budget, sequence slots and free blocks allow. When a running request needs a blo
 is free, the most recently admitted running request is preempted by recompute.
 
 Anti-thrash rule: a request resumed from preemption is protected from being chosen as a
-victim while it recomputes, and in the step after it resumed, unless every candidate is
-protected. Without it, two requests that each nearly fill the pool evict each other over and
-over and neither finishes its recompute (a recompute split into chunks needs several steps,
-so protecting a single step is not enough). With it, every resumption ends its recompute and
-samples a token before it can lose its blocks again, so every request that fits the pool alone
-eventually finishes.
+victim until it has sampled a token again (its recompute and the step that samples), and in the
+step after it resumed, unless every candidate is protected. Without it, two requests that each
+nearly fill the pool evict each other over and over and neither finishes its recompute (a
+recompute split into chunks needs several steps, so protecting a single step is not enough).
+With it, every resumption samples a token before it can lose its blocks again, so every request
+that fits the pool alone eventually finishes.
+
+The sampling step counts: it computes the last recomputed position, which may need a new block.
+Protecting only the chunks before it (`num_computed + 1 < num_tokens`) livelocked two requests
+that each need the whole pool (block size 8, 3 blocks, budget 2, long_prefill_token_threshold
+1): each reached its sampling step unprotected while the other, resumed later, was still
+recomputing and protected, so it preempted itself and threw its recompute away, forever
+(tests/test_scheduler_liveness.py keeps the case).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass, field
 from pagefleet.engine.config import CacheConfig, SchedulerConfig
 from pagefleet.engine.kv_cache.host_tier import TierLoad
 from pagefleet.engine.kv_cache.manager import KVCacheManager
+from pagefleet.engine.kv_cache.state_cache import StateStep
 from pagefleet.engine.request import Request, RequestStatus
 from pagefleet.engine.validation import RequestRules
 
@@ -46,6 +54,8 @@ class SchedulerOutput:
     # Speculative decoding: request id -> the drafts it verifies this step (its scheduled
     # count is 1 + len(drafts): the last token, then the drafts; see spec_decode/).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Hybrid models: state-slot moves and snapshots the runner makes in this step.
+    state: StateStep | None = None
     num_tokens: int = 0
 
     @property
@@ -98,6 +108,7 @@ class Scheduler:
             cache_config.enable_prefix_caching,
             listener,
             cache_config.num_host_blocks,
+            cache_config.state,
         )
         return cls(scheduler_config, kv, vocab_size)
 
@@ -120,7 +131,10 @@ class Scheduler:
                 f"request hashed with block_size={request.block_size}, "
                 f"engine uses {self.block_size} (--block-size)"
             )
-        self.rules.check(request.all_token_ids, request.sampling_params)
+        if request.prefill_only:
+            self.rules.check_prefill_only(request.all_token_ids)
+        else:
+            self.rules.check(request.all_token_ids, request.sampling_params)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request now and free its blocks; unknown or finished ids are ignored."""
@@ -164,6 +178,7 @@ class Scheduler:
         if req.status.finished:  # aborted while loading
             self.kv_cache.free(req)
             return req
+        self.kv_cache.state_arrived(req, ok)
         if ok:
             req.num_computed_tokens = max(req.num_computed_tokens, req.num_tokens - 1)
             if self.kv_cache.enable_prefix_caching:
@@ -183,7 +198,7 @@ class Scheduler:
             return req
         self.kv_cache.finish_tier_load(req)
         if req.num_preemptions:  # a resumption: protected from preemption (module docstring)
-            req.resumed_step = self.step_id
+            self._resumed(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return req
@@ -196,6 +211,7 @@ class Scheduler:
             return None
         self.requests.pop(request_id, None)
         req.status = RequestStatus.FINISHED_ABORTED
+        self.kv_cache.drop_state(req)  # NIXL writes blocks, never state slots
         self.quarantined.append(req)
         return req
 
@@ -209,7 +225,7 @@ class Scheduler:
 
     @property
     def num_held_blocks(self) -> int:
-        return sum(len(r.block_ids) for r in self.held.values())
+        return sum(len(r.block_ids) + len(r.state_block_ids) for r in self.held.values())
 
     @property
     def num_running(self) -> int:
@@ -247,7 +263,7 @@ class Scheduler:
                 # another request a preemption; without room the request decodes plainly.
                 k = self._num_drafts(req, budget)
                 if k and self.kv_cache.allocate_slots(req, 1 + k):
-                    n += k
+                    n += self.kv_cache.reserve_draft_states(req, k)
             # The inline test is the fast path: the last block has room (most decode steps).
             if computed + n > len(req.block_ids) * bs and not self._allocate_or_preempt(
                 req, i, n, out
@@ -265,6 +281,8 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit(out, budget, chunk_cap, num_partial)
         out.num_tokens = cfg.max_num_batched_tokens - budget
+        if scheduled:  # a step nothing runs in moves no state: its moves wait for one that does
+            out.state = self.kv_cache.take_state_step(scheduled)
         tier = self.kv_cache.host_tier
         if tier is not None:
             out.tier_stores = tier.take_stores()
@@ -321,7 +339,7 @@ class Scheduler:
                 break
             waiting.popleft()
             if req.status is RequestStatus.PREEMPTED:
-                req.resumed_step = self.step_id
+                self._resumed(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, n))
@@ -362,11 +380,15 @@ class Scheduler:
                 return running[j]
         return running[-1]
 
+    def _resumed(self, req: Request) -> None:
+        req.resumed_step, req.resumed_len = self.step_id, len(req.all_token_ids)
+
     def _protected(self, req: Request) -> bool:
         if req.resumed_step < 0:
             return False
-        recomputing = req.num_computed_tokens + 1 < len(req.all_token_ids)
-        return recomputing or req.resumed_step >= self.step_id - 1
+        # No token since it resumed: recomputing, or in the step that samples.
+        not_sampled = len(req.all_token_ids) <= req.resumed_len
+        return not_sampled or req.resumed_step >= self.step_id - 1
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -399,7 +421,7 @@ class Scheduler:
         for req, n in out.scheduled:
             computed = req.num_computed_tokens + n
             tokens = req.all_token_ids
-            samples = computed >= len(tokens)
+            samples = computed >= len(tokens) and not req.prefill_only
             if samples:
                 token = sampled_token_ids[next_token]
                 next_token += 1
@@ -413,14 +435,20 @@ class Scheduler:
             if caching and computed // bs > req.num_cached_blocks:
                 kv.cache_computed_blocks(req)
             if not samples:
+                if req.prefill_only and computed >= len(tokens):  # pooled: done with its prompt
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    finished.append(req)
                 continue  # a prompt chunk: no token yet
             tokens.append(token)
             if self._append_ends(req, token):
                 finished.append(req)
+        if out.state is not None:
+            kv.state_step_done()
         if finished:
             for req in finished:
                 if req.hold_blocks:
                     self.held[req.request_id] = req
+                    kv.drop_state(req)  # its state went into its transport blocks
                 else:
                     kv.free(req)
                 del self.requests[req.request_id]
@@ -448,6 +476,7 @@ class Scheduler:
         ended the request. KV is valid for every input row whose token was kept, so all
         tokens but the new last one count as computed; blocks past them are given back."""
         ended = False
+        start = req.num_computed_tokens
         for token in emitted:
             req.all_token_ids.append(token)
             if self._append_ends(req, token):
@@ -455,6 +484,7 @@ class Scheduler:
                 break
         req.num_computed_tokens = len(req.all_token_ids) - 1
         kv = self.kv_cache
+        kv.state_verified(req, req.num_computed_tokens - start - 1)
         if kv.enable_prefix_caching and req.num_computed_tokens // self.block_size > (
             req.num_cached_blocks
         ):

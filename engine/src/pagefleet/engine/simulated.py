@@ -107,6 +107,14 @@ class SimulatedRunner:
         self.sleep = sleep
         self.simulated_seconds = 0.0
 
+    def state_config(self) -> None:
+        """No recurrent state: a simulated hybrid runs its scheduler as a dense model's."""
+        return None
+
+    def expert_load(self) -> None:
+        """No router runs here (ModelRunner.expert_load)."""
+        return None
+
     def execute(self, out: SchedulerOutput):
         """Sleep for the step's modelled time; returns (logits that make the stand-in token
         the only choice, the requests that sample, no prompt logprobs), as ModelRunner."""

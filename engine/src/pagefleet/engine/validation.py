@@ -62,6 +62,28 @@ class RequestRules:
                 "max_tokens",
             )
 
+    def check_prefill_only(self, prompt_token_ids: list[int]) -> None:
+        """A pooling request's rules: a prompt of at most max_model_len tokens (it needs no
+        room for output) whose blocks fit the pool."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequest("the input is empty: at least one token is required", "input")
+        if n > self.max_model_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens "
+                f"(max_model_len, --max-model-len); the input has {n} tokens.",
+                "input",
+            )
+        self.check_token_ids(prompt_token_ids, "input token ids", "input")
+        blocks = -(-n // self.block_size)
+        if blocks > self.num_gpu_blocks:
+            raise InvalidRequest(
+                f"the input needs {blocks} KV blocks ({n} tokens) but the pool has "
+                f"num_gpu_blocks={self.num_gpu_blocks} (raise --num-gpu-blocks-override or "
+                "--kv-cache-memory, or lower --max-model-len)",
+                "input",
+            )
+
     def check_token_ids(self, token_ids, what: str, param: str) -> None:
         """Every id must index the vocabulary (when the model is known)."""
         vocab = self.vocab_size

@@ -37,8 +37,10 @@ from pagefleet.common.capacity import (
     admit,
     gpu_key,
     gpu_memory_bytes,
+    num_state_slots,
     plan_on_gpu,
 )
+from pagefleet.common.weight_formats import online_weights_format
 from pagefleet.operator.spec import Adapter, CapacitySpec, Model, Pool, Spec, SpecError
 
 CONDITION = "CapacityAdmitted"
@@ -107,6 +109,12 @@ def _number_arg(spec: Spec, pool: Pool, name: str, kind: type, default: Any) -> 
         ) from None
 
 
+def _switch_arg(spec: Spec, pool: Pool, name: str) -> bool:
+    """An on/off engine arg: true (or "true") is the flag given."""
+    value = _engine_arg(spec, pool, name)
+    return value is True or str(value).lower() == "true"
+
+
 def max_model_len(spec: Spec, pool: Pool) -> int | None:
     length = _number_arg(spec, pool, "max-model-len", int, None)
     if length is not None and length < 1:
@@ -137,6 +145,21 @@ def gpu_budget(pool: Pool, capacity: CapacitySpec) -> GpuBudget:
     return GpuBudget(memory, overhead_bytes=int(capacity.overhead_gb * GB))
 
 
+def state_slots(spec: Spec, pool: Pool, shape: ModelShape) -> int:
+    """A hybrid model's state slots, paid before the KV pool, for a pool that sets
+    max-num-seqs (capacity.num_state_slots, as `pagefleet plan --max-num-seqs`); 0 otherwise:
+    the published figures leave the state apart, and so does a pool that does not say."""
+    seqs = _number_arg(spec, pool, "max-num-seqs", int, None)
+    if seqs is None or not shape.linear_state_bytes_per_sequence:
+        return 0
+    snapshots = _number_arg(spec, pool, "num-state-snapshots", int, None)
+    caching = _engine_arg(spec, pool, "enable-prefix-caching") not in (False, "false", "False")
+    try:
+        return num_state_slots(seqs, snapshots, caching)
+    except ValueError as e:
+        raise SpecError(f"spec.pools.{pool.name}: {e}") from None
+
+
 def check_pool(spec: Spec, pool: Pool, shape: ModelShape, budget: GpuBudget) -> Admission:
     """Does one engine of `pool` hold one request of its max-model-len? (Pure.)"""
     dtype = _engine_arg(spec, pool, "dtype")
@@ -149,15 +172,33 @@ def check_pool(spec: Spec, pool: Pool, shape: ModelShape, budget: GpuBudget) -> 
         plan = plan_on_gpu(
             shape,
             GpuBudget(budget.gpu_memory, utilization, budget.overhead_bytes),
-            weights_format=spec.capacity.weights_format or engine_dtype,
+            weights_format=weights_format(spec, pool, shape, engine_dtype),
             kv_format=str(kv) if kv not in (None, "auto") else engine_dtype,
             tensor_parallel_size=pool.tensor_parallel_size,
             block_size=_number_arg(spec, pool, "block-size", int, ENGINE_BLOCK_SIZE),
             num_parameters=spec.capacity.num_parameters,
+            state_slots=state_slots(spec, pool, shape),
+            expert_parallel=_switch_arg(spec, pool, "enable-expert-parallel"),
         )
     except ValueError as e:
         raise CapacityUnknown(f"the capacity cannot be computed: {e}") from e
     return admit(shape, plan, max_model_len(spec, pool))
+
+
+def weights_format(spec: Spec, pool: Pool, shape: ModelShape, engine_dtype: str) -> str:
+    """What the engine's weights will be: spec.capacity.weightsFormat, else what
+    engineArgs.quantization makes of a float checkpoint (fp8 quantizes at load), else the
+    checkpoint's own quantization (its config.json), else the engine's dtype."""
+    quantization = _engine_arg(spec, pool, "quantization")
+    try:
+        online = online_weights_format(None if quantization is None else str(quantization))
+    except ValueError as e:
+        raise CapacityUnknown(str(e)) from e
+    return (
+        spec.capacity.weights_format
+        or (shape.weights_format if shape.weights_format else online)
+        or engine_dtype
+    )
 
 
 # ---------------------------------------------------------------------------- every pool

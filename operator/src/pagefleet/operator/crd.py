@@ -15,6 +15,10 @@ MODEL_SOURCES = ("pvc", "image", "hostPath")
 # model.uri schemes: hf://org/name[@revision] (downloaded by an init container), pvc://claim[/path].
 MODEL_URI_PATTERN = "^(hf://[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+(@[-._/A-Za-z0-9]+)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?)$"
 DEPLOYMENT_MODES = ("colocated", "disaggregated")
+# The engines' model runner (vLLM's --runner): pooling serves embeddings, auto lets each engine
+# pick from the checkpoint. A pooling model has no decode phase to disaggregate.
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_MODE_MESSAGE = "runner pooling takes mode colocated (embeddings have no decode phase)"
 KV_CONNECTORS = ("nixl", "tcp")
 SCORERS = ("prefix", "queue", "kv-usage", "inflight", "lora-affinity")
 # LoRA adapters one ModelDeployment lists at most (each is an init container or a volume).
@@ -48,6 +52,8 @@ RESERVED_ENGINE_ARGS = {
     "offered (the engine builds tensor parallelism only)",
     "lora-modules": "engineArgs.lora-modules: list the adapters in spec.adapters instead (the "
     "operator puts them in the pods and sets the flag)",
+    "runner": "engineArgs.runner: set spec.runner instead (the operator checks the pools "
+    "against it)",
 }
 # The pool rules on parallelism (CEL here, the same words in operator/spec.py).
 TP_NODES_MESSAGE = (
@@ -644,6 +650,14 @@ def spec_schema() -> dict:
             "image": {"type": "string", "description": "engine/router image (operator default)"},
             "engineArgs": _engine_args(),
             "mode": {"type": "string", "enum": list(DEPLOYMENT_MODES), "default": "colocated"},
+            "runner": {
+                "type": "string",
+                "enum": list(RUNNERS),
+                "default": "auto",
+                "description": "the engines' model runner (--runner): pooling serves an "
+                "embedding model on /v1/embeddings and /pooling; auto lets each engine pick "
+                "from the checkpoint (pooling for a sentence-transformers or *Model one)",
+            },
             "pools": pools,
             "router": router_schema(),
             "inferencePool": inference_pool_schema(),
@@ -685,6 +699,11 @@ def spec_schema() -> dict:
                 {
                     "rule": f"self.mode != 'disaggregated' || ({disagg_ok})",
                     "message": "mode disaggregated takes exactly the pools prefill and decode",
+                },
+                {
+                    "rule": "!has(self.runner) || self.runner != 'pooling' || "
+                    "self.mode == 'colocated'",
+                    "message": POOLING_MODE_MESSAGE,
                 },
             ]
         },

@@ -311,7 +311,9 @@ def endpoint_address(endpoint: str) -> tuple[str, int, str]:
 
 async def serve_waiting_liveness(endpoint: str, elector: LeaseElector):
     """The liveness endpoint of a follower (200 while it waits: waiting is healthy); returns
-    the aiohttp runner to clean up before kopf serves the same endpoint."""
+    the aiohttp runner to clean up before kopf serves the same endpoint. It answers from
+    before the first read of the Lease (holder "" until then): liveness says the process
+    runs, and must not hang on, or fail with, an API server the kubelet cannot fix."""
     host, port, path = endpoint_address(endpoint)
 
     async def healthy(_: aiohttp.web.Request) -> aiohttp.web.Response:

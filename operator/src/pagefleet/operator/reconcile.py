@@ -387,6 +387,7 @@ def engine_command(spec: Spec, pool: Pool) -> list[str]:
         fleet_secret_file=FLEET_SECRET_FILE,
         json_args=json_engine_args(spec, pool),
         user_flags=[
+            *(["--runner", spec.runner] if spec.runner != "auto" else []),
             *parallel_flags(pool),
             *lora_flags(spec),
             *engine_flags({k: v for k, v in user.items() if k not in JSON_ENGINE_ARGS}),

@@ -35,6 +35,7 @@ from pagefleet.operator.crd import (
     OBJECT_NAME_MAX,
     OBJECT_NAME_PATTERN,
     POOL_NAMES,
+    POOLING_MODE_MESSAGE,
     PREFIX_INDEXES,
     RDMA_UCX_TLS,
     RESERVED_ENGINE_ARGS,
@@ -42,6 +43,7 @@ from pagefleet.operator.crd import (
     ROUTER_DEFAULTS,
     ROUTER_QUEUE_DEFAULTS,
     ROUTER_RESOURCES,
+    RUNNERS,
     SCORER_DEFAULTS,
     SCORERS,
     SECRET_KEY_PATTERN,
@@ -269,6 +271,7 @@ class Spec:
     capacity: CapacitySpec = field(default_factory=CapacitySpec)
     adapters: tuple[Adapter, ...] = ()
     inference_pool: InferencePoolSpec | None = None  # None: no InferencePool, no picker
+    runner: str = "auto"  # the engines' --runner (pooling: embeddings)
 
     def pool(self, name: str) -> Pool:
         return next(p for p in self.pools if p.name == name)
@@ -757,6 +760,7 @@ def parse_spec(raw: Any) -> Spec:
         "capacity",
         "adapters",
         "inferencePool",
+        "runner",
     }
     _reject_unknown(s, known, "spec")
     if "model" not in s:
@@ -794,7 +798,10 @@ def parse_spec(raw: Any) -> Spec:
         capacity=parse_capacity(s.get("capacity")),
         adapters=parse_adapters(s.get("adapters"), model.name),
         inference_pool=parse_inference_pool(s.get("inferencePool")),
+        runner=_choice(s.get("runner", "auto"), "spec.runner", RUNNERS),
     )
+    if spec.runner == "pooling" and mode != "colocated":
+        raise SpecError(POOLING_MODE_MESSAGE)
     if spec.rdma.enabled and (mode != "disaggregated" or spec.kv_connector != "nixl"):
         raise SpecError("spec.kvTransfer.rdma needs mode disaggregated and the nixl connector")
     if spec.placement is not None and mode != "disaggregated":

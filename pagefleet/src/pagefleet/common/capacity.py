@@ -4,7 +4,15 @@ local config.json or safetensors header is the only I/O).
 
 KV bytes per token = 2 (K and V) x attention layers x KV heads per GPU x head dim x bytes per
 value. Only layers that keep KV per token count; a hybrid model's linear-attention layers hold a
-fixed state per sequence, reported apart. GB is 10^9 bytes (GPU makers' unit), KiB 2^10.
+fixed state per sequence, reported apart. An engine keeps that state in slots (one per running
+sequence plus prefix snapshots, `num_state_slots`) carved out of the same memory before the KV
+pool: given the slots, a plan's pool is the engine's to the block. GB is 10^9 bytes (GPU
+makers' unit), KiB 2^10.
+
+Weights: every expert of a mixture-of-experts model counts (all are resident), and the
+parameters one token runs through (active: its top-k experts in each sparse layer) are reported
+beside them. Per GPU, tensor parallelism splits every expert; expert parallelism places whole
+experts, the fullest rank holding ceil(experts / ranks) of them.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from pagefleet.common.weight_formats import quantized_weights_format
 
 GB = 10**9
 GiB = 1 << 30
@@ -138,6 +148,23 @@ class ModelShape:
     num_parameters: int | None = None
     # Linear-attention layers: fixed state per sequence (conv + recurrent), at the model dtype.
     linear_state_bytes_per_sequence: int = 0
+    # Mixture of experts: routed experts per sparse layer (0: dense), experts each token uses,
+    # the parameters of all routed experts, and those one token runs through.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    num_expert_parameters: int = 0
+    num_active_parameters: int | None = None
+    # A quantized checkpoint's per-value format (int4, int8, fp8: its quantization_config);
+    # None for a float one (its dtype).
+    weights_format: str | None = None
+    # The checkpoint's weight bytes as stored (codes, scales and all), from its safetensors
+    # headers; None without them.
+    weight_bytes: int | None = None
+
+    @property
+    def own_weights_format(self) -> str:
+        """The format the engine loads this checkpoint's weights in, unless told otherwise."""
+        return self.weights_format or self.dtype
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
@@ -148,6 +175,8 @@ class ModelShape:
         heads = _shape_int(cfg, "num_attention_heads", required=True)
         kinds = _layer_kinds(cfg, layers)
         attention = sum(1 for k in kinds if k != "linear_attention")
+        params = _estimate_parameters(cfg, kinds)
+        experts = _experts(cfg, layers)
         return cls(
             num_layers=layers,
             num_attention_layers=attention,
@@ -156,10 +185,24 @@ class ModelShape:
             or _shape_int(cfg, "hidden_size", required=True) // heads,
             dtype=(dtype := _config_dtype(cfg, config)),
             max_position_embeddings=_shape_int(cfg, "max_position_embeddings"),
-            num_parameters=_estimate_parameters(cfg, kinds),
+            num_parameters=params.total if params else None,
             linear_state_bytes_per_sequence=int(
                 (layers - attention) * _linear_state_values(cfg) * FORMAT_BYTES.get(dtype, 2)
             ),
+            weights_format=quantized_weights_format(config),
+            num_experts=experts.num_experts if experts else 0,
+            experts_per_token=experts.top_k if experts else 0,
+            num_expert_parameters=params.experts if params else 0,
+            num_active_parameters=params.active if params else None,
+        )
+
+    def with_parameters(self, total: int) -> ModelShape:
+        """This shape with an exact parameter count (safetensors headers): the experts' and
+        the inactive ones' counts come from the config, exactly, so active = total - inactive."""
+        inactive = (self.num_parameters or 0) - (self.num_active_parameters or 0)
+        active = total - inactive if self.num_active_parameters is not None else None
+        return ModelShape(
+            **{**asdict(self), "num_parameters": total, "num_active_parameters": active}
         )
 
     def kv_bytes_per_token(self, kv_format: ValueFormat, tensor_parallel_size: int = 1) -> int:
@@ -176,6 +219,10 @@ class ModelShape:
     ) -> int:
         return block_size * self.kv_bytes_per_token(kv_format, tensor_parallel_size)
 
+    def state_bytes_per_slot(self, tensor_parallel_size: int = 1) -> int:
+        """One sequence's linear-attention state on each rank (its heads are split)."""
+        return self.linear_state_bytes_per_sequence // tensor_parallel_size
+
 
 # The largest value a config's shape field may take: far above any real model's, low enough
 # that the arithmetic stays small (a config of 10**12 layers would build a 10**12-entry list).
@@ -188,7 +235,11 @@ SHAPE_LIMITS: dict[str, int] = {
     "intermediate_size": 1 << 24,
     "moe_intermediate_size": 1 << 24,
     "num_experts": 1 << 16,
+    "num_local_experts": 1 << 16,
     "n_routed_experts": 1 << 16,
+    "num_experts_per_tok": 1 << 16,
+    "shared_expert_intermediate_size": 1 << 24,
+    "decoder_sparse_step": 10_000,
     "vocab_size": 1 << 27,
     "max_position_embeddings": 1 << 40,
     "full_attention_interval": 10_000,
@@ -269,7 +320,61 @@ def _linear_state_values(cfg: dict[str, Any]) -> int:
     return conv + v_heads * k_dim * v_dim
 
 
-def _estimate_parameters(cfg: dict[str, Any], kinds: list[str]) -> int | None:
+@dataclass(frozen=True)
+class ExpertLayers:
+    """The routed experts of a config: how many, how many a token uses, their MLP width,
+    which layers hold them, and a shared expert's width (0: none)."""
+
+    num_experts: int
+    top_k: int
+    intermediate: int
+    sparse_layers: frozenset[int]
+    shared_intermediate: int = 0
+
+
+def _experts(cfg: dict[str, Any], layers: int) -> ExpertLayers | None:
+    """Qwen3-MoE (num_experts; transformers 5 writes num_local_experts), Mixtral
+    (num_local_experts), Qwen3.5-MoE (+ a shared expert), DeepSeek (n_routed_experts);
+    None for a dense model."""
+    experts = (
+        _shape_int(cfg, "num_experts")
+        or _shape_int(cfg, "num_local_experts")
+        or _shape_int(cfg, "n_routed_experts")
+    )
+    if not experts:
+        return None
+    step = _shape_int(cfg, "decoder_sparse_step") or 1
+    dense = _layer_list(cfg, "mlp_only_layers", layers)
+    inter = _shape_int(cfg, "moe_intermediate_size") or _shape_int(cfg, "intermediate_size")
+    return ExpertLayers(
+        num_experts=experts,
+        top_k=min(_shape_int(cfg, "num_experts_per_tok") or 1, experts),
+        intermediate=inter or 4 * (_shape_int(cfg, "hidden_size") or 0),
+        sparse_layers=frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+        shared_intermediate=_shape_int(cfg, "shared_expert_intermediate_size") or 0,
+    )
+
+
+def _layer_list(cfg: dict[str, Any], key: str, layers: int) -> set[int]:
+    """A config's list of layer indices (e.g. mlp_only_layers): whole numbers below `layers`."""
+    value = cfg.get(key) or []
+    if (
+        not isinstance(value, list)
+        or len(value) > layers
+        or not all(type(i) is int and 0 <= i < layers for i in value)
+    ):
+        raise ValueError(f"config field {key} must be a list of layer indices below {layers}")
+    return set(value)
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    total: int
+    active: int  # what one token runs through: its top-k experts, not all
+    experts: int  # every routed expert's parameters
+
+
+def _estimate_parameters(cfg: dict[str, Any], kinds: list[str]) -> ParameterCount | None:
     """Parameters of a llama-style decoder from its config (norms and biases left out); None
     without hidden_size or vocab_size."""
     hidden = _shape_int(cfg, "hidden_size")
@@ -280,16 +385,45 @@ def _estimate_parameters(cfg: dict[str, Any], kinds: list[str]) -> int | None:
     head_dim = _shape_int(cfg, "head_dim") or hidden // heads
     kv_heads = _shape_int(cfg, "num_key_value_heads") or heads
     inter = _shape_int(cfg, "intermediate_size") or 4 * hidden
-    experts = _shape_int(cfg, "num_experts") or _shape_int(cfg, "n_routed_experts") or 0
-    if experts:
-        mlp = experts * 3 * hidden * (_shape_int(cfg, "moe_intermediate_size") or inter)
-    else:
-        mlp = 3 * hidden * inter
     attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
     k_heads, v_heads, k_dim, v_dim = _linear_dims(cfg)
     linear = hidden * (2 * k_heads * k_dim + 2 * v_heads * v_dim) + v_heads * v_dim * hidden
-    total = sum(mlp + (linear if kind == "linear_attention" else attention) for kind in kinds)
-    return total + vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    total = sum(linear if kind == "linear_attention" else attention for kind in kinds)
+    total += vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    moe = _experts(cfg, len(kinds))
+    sparse = moe.sparse_layers if moe else frozenset()
+    total += (len(kinds) - len(sparse)) * 3 * hidden * inter  # dense MLPs
+    active = total
+    if moe is None:
+        return ParameterCount(total, total, 0)
+    expert = 3 * hidden * moe.intermediate
+    # Per sparse layer: the router, a shared expert and its gate (Qwen3.5-MoE), the experts.
+    always = hidden * moe.num_experts
+    if moe.shared_intermediate:
+        always += 3 * hidden * moe.shared_intermediate + hidden
+    experts = len(sparse) * moe.num_experts * expert
+    total += len(sparse) * always + experts
+    active += len(sparse) * (always + moe.top_k * expert)
+    return ParameterCount(total, active, experts)
+
+
+def parameters_per_gpu(
+    num_parameters: int,
+    tensor_parallel_size: int = 1,
+    shape: ModelShape | None = None,
+    expert_parallel: bool = False,
+) -> float:
+    """Parameters the fullest rank holds: everything split over the ranks, except that under
+    expert parallelism a rank holds whole experts, ceil(experts / ranks) of them."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor parallel size must be >= 1, not {tensor_parallel_size}")
+    share = 1 / tensor_parallel_size
+    if shape is None or not shape.num_experts:
+        return num_parameters * share
+    experts = min(shape.num_expert_parameters, num_parameters)
+    if expert_parallel:
+        share = math.ceil(shape.num_experts / tensor_parallel_size) / shape.num_experts
+    return (num_parameters - experts) / tensor_parallel_size + experts * share
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -311,18 +445,39 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 # A safetensors header larger than this is not a header (the format caps it at 100 MB).
 MAX_SAFETENSORS_HEADER = 100 * 10**6
+# Tensors of a checkpoint the engine does not load (a multimodal checkpoint's vision tower, a
+# multi-token-prediction head): their weights take no GPU memory, so they are not counted.
+UNSERVED_PREFIXES = ("model.visual.", "mtp.")
+
+
+# Bytes per element of a safetensors dtype (packed int32 words count as their 4 bytes).
+SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+    "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
+}  # fmt: skip
 
 
 def safetensors_parameters(path: str | Path) -> int | None:
-    """Exact parameter count from a checkpoint dir's safetensors headers (None without any)."""
+    """Exact parameter count of the tensors the engine loads, from a checkpoint dir's
+    safetensors headers (None without any)."""
+    totals = safetensors_totals(path)
+    return None if totals is None else totals[0]
+
+
+def safetensors_totals(path: str | Path) -> tuple[int, int] | None:
+    """(elements, bytes) of the tensors the engine loads in a checkpoint dir's safetensors
+    files (None without any). For a quantized checkpoint the elements are packed words, not
+    parameters."""
     files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
     if not files:
         return None
-    return sum(_safetensors_file_parameters(file) for file in files)
+    totals = [_safetensors_file_totals(file) for file in files]
+    return sum(t[0] for t in totals), sum(t[1] for t in totals)
 
 
-def _safetensors_file_parameters(file: Path) -> int:
-    """Parameters one safetensors file holds, from its header (ValueError when it is not one)."""
+def _safetensors_file_totals(file: Path) -> tuple[int, int]:
+    """(elements, bytes) one safetensors file holds, from its header (ValueError when it is
+    not one)."""
     with file.open("rb") as f:
         head = f.read(8)
         (size,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
@@ -330,11 +485,14 @@ def _safetensors_file_parameters(file: Path) -> int:
             raise ValueError(f"{file}: not a safetensors file (header of {size} bytes)")
         try:
             header = json.loads(f.read(size))
-            return sum(
-                math.prod(int(d) for d in entry["shape"])
-                for name, entry in header.items()
-                if name != "__metadata__"
-            )
+            elements = bytes_ = 0
+            for name, entry in header.items():
+                if name == "__metadata__" or name.startswith(UNSERVED_PREFIXES):
+                    continue
+                count = math.prod(int(d) for d in entry["shape"])
+                elements += count
+                bytes_ += count * SAFETENSORS_DTYPE_BYTES.get(entry["dtype"], 4)
+            return elements, bytes_
         except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
             raise ValueError(f"{file}: not a safetensors header") from None
 
@@ -348,10 +506,29 @@ def model_shape(config: dict[str, Any] | str | Path) -> ModelShape:
         shape = ModelShape.from_hf_config(read_hf_config(config))
     except (KeyError, TypeError) as e:
         raise ValueError(f"{config}: the config lacks a shape field ({e})") from e
-    exact = safetensors_parameters(config)
-    if exact is not None:
-        shape = ModelShape(**{**asdict(shape), "num_parameters": exact})
-    return shape
+    totals = safetensors_totals(config)
+    if totals is None:
+        return shape
+    elements, stored = totals
+    # A quantized checkpoint's elements are packed words: its parameters stay estimated.
+    if not shape.weights_format:
+        shape = shape.with_parameters(elements)
+    return ModelShape(**{**asdict(shape), "weight_bytes": stored})
+
+
+def num_state_slots(
+    max_num_seqs: int, num_snapshots: int | None = None, prefix_caching: bool = True
+) -> int:
+    """A hybrid engine's state slots: one per running sequence, plus prefix-cache snapshots
+    (default: as many as sequences with prefix caching; without, one spare, the second slot a
+    prefill pod's request needs while it writes its state for the decode pod)."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, not {max_num_seqs}")
+    if num_snapshots is None:
+        num_snapshots = max_num_seqs if prefix_caching else 1
+    if num_snapshots < 0:
+        raise ValueError(f"state snapshots must be >= 0, not {num_snapshots}")
+    return max_num_seqs + num_snapshots
 
 
 # ---------------------------------------------------------------------------- pool capacity
@@ -371,6 +548,10 @@ class CapacityPlan:
     bytes_per_block: int
     kv_tokens: int  # whole tokens the pool's bytes hold
     kv_blocks: int
+    # A hybrid model's state slots beside the pool (per GPU), paid from the same memory.
+    state_slots: int = 0
+    state_bytes: int = 0
+    expert_parallel: bool = False
 
     @property
     def block_tokens(self) -> int:
@@ -397,8 +578,12 @@ def kv_pool_plan(
     tensor_parallel_size: int = 1,
     weights_format: str = "",
     weights_bytes: int = 0,
+    state_slots: int = 0,
+    state_bytes: int = 0,
+    expert_parallel: bool = False,
 ) -> CapacityPlan:
-    """The capacity of a KV pool of `kv_bytes` (per GPU) at `per_token` bytes per token."""
+    """The capacity of a KV pool of `kv_bytes` (per GPU) at `per_token` bytes per token;
+    `state_slots` taking `state_bytes` are reported beside it."""
     if block_size < 1:
         raise ValueError(f"block size must be >= 1, not {block_size}")
     if per_token < 1:
@@ -415,6 +600,39 @@ def kv_pool_plan(
         bytes_per_block=per_token * block_size,
         kv_tokens=kv_bytes // per_token,
         kv_blocks=kv_bytes // (per_token * block_size),
+        state_slots=state_slots,
+        state_bytes=state_bytes,
+        expert_parallel=expert_parallel,
+    )
+
+
+def cache_plan(
+    per_token: int,
+    cache_bytes: int,
+    *,
+    kv_format: ValueFormat,
+    block_size: int = 16,
+    tensor_parallel_size: int = 1,
+    state_slots: int = 0,
+    state_bytes_per_slot: int = 0,
+    weights_format: str = "",
+    weights_bytes: int = 0,
+    expert_parallel: bool = False,
+) -> CapacityPlan:
+    """`cache_bytes` (per GPU) for the whole cache: the state slots first, the rest the KV
+    pool. The engine sizes its pool with this, and `plan` plans with it."""
+    state = state_slots * state_bytes_per_slot
+    return kv_pool_plan(
+        per_token,
+        cache_bytes - state,
+        kv_format=kv_format,
+        block_size=block_size,
+        tensor_parallel_size=tensor_parallel_size,
+        weights_format=weights_format,
+        weights_bytes=weights_bytes,
+        state_slots=state_slots,
+        state_bytes=state,
+        expert_parallel=expert_parallel,
     )
 
 
@@ -426,8 +644,10 @@ def pool_of_blocks(
     block_size: int = 16,
     tensor_parallel_size: int = 1,
     weights_format: str = "",
+    state_slots: int = 0,
 ) -> CapacityPlan:
-    """A pool of a given number of blocks (the engine's --num-gpu-blocks-override)."""
+    """A pool of a given number of blocks (the engine's --num-gpu-blocks-override), and the
+    state slots beside it."""
     per_token = shape.kv_bytes_per_token(kv_format, tensor_parallel_size)
     return kv_pool_plan(
         per_token,
@@ -435,16 +655,46 @@ def pool_of_blocks(
         kv_format=kv_format,
         block_size=block_size,
         tensor_parallel_size=tensor_parallel_size,
-        weights_format=weights_format or shape.dtype,
+        weights_format=weights_format or shape.own_weights_format,
+        state_slots=state_slots,
+        state_bytes=state_slots * shape.state_bytes_per_slot(tensor_parallel_size),
+    )
+
+
+def plan_in_memory(
+    shape: ModelShape,
+    cache_bytes: int,
+    *,
+    kv_format: ValueFormat,
+    block_size: int = 16,
+    tensor_parallel_size: int = 1,
+    weights_format: str = "",
+    state_slots: int = 0,
+) -> CapacityPlan:
+    """A cache of `cache_bytes` per rank (the engine's --kv-cache-memory on CPU)."""
+    return cache_plan(
+        shape.kv_bytes_per_token(kv_format, tensor_parallel_size),
+        cache_bytes,
+        kv_format=kv_format,
+        block_size=block_size,
+        tensor_parallel_size=tensor_parallel_size,
+        state_slots=state_slots,
+        state_bytes_per_slot=shape.state_bytes_per_slot(tensor_parallel_size),
+        weights_format=weights_format or shape.own_weights_format,
     )
 
 
 def weights_bytes_per_gpu(
-    num_parameters: int, weights_format: ValueFormat, tensor_parallel_size: int = 1
+    num_parameters: int,
+    weights_format: ValueFormat,
+    tensor_parallel_size: int = 1,
+    *,
+    shape: ModelShape | None = None,
+    expert_parallel: bool = False,
 ) -> int:
-    if tensor_parallel_size < 1:
-        raise ValueError(f"tensor parallel size must be >= 1, not {tensor_parallel_size}")
-    return int(num_parameters * value_bytes(weights_format) / tensor_parallel_size)
+    """Weight bytes on the fullest GPU (`shape` tells a mixture of experts' experts apart)."""
+    params = parameters_per_gpu(num_parameters, tensor_parallel_size, shape, expert_parallel)
+    return int(params * value_bytes(weights_format))
 
 
 @dataclass(frozen=True)
@@ -472,22 +722,39 @@ def plan_on_gpu(
     tensor_parallel_size: int = 1,
     block_size: int = 16,
     num_parameters: int | None = None,
+    state_slots: int = 0,
+    expert_parallel: bool = False,
+    weights_bytes: int | None = None,
 ) -> CapacityPlan:
     """Capacity of one replica over `tensor_parallel_size` GPUs: memory x utilisation, less
-    this rank's weights and the overhead, goes to the KV pool."""
-    params = num_parameters if num_parameters is not None else shape.num_parameters
-    if params is None:
-        raise ValueError("the parameter count is unknown: give it (--params)")
-    weights = weights_bytes_per_gpu(params, weights_format, tensor_parallel_size)
-    kv = int(budget.gpu_memory * budget.gpu_memory_utilization) - weights - budget.overhead_bytes
-    return kv_pool_plan(
+    this rank's weights (its experts' under expert parallelism) and the overhead, goes to the
+    cache (state slots, then KV pool). `weights_bytes`: the replica's weights as stored (a
+    checkpoint's own format), instead of parameters x bytes."""
+    if weights_bytes is not None:
+        weights = weights_bytes // tensor_parallel_size
+    else:
+        params = num_parameters if num_parameters is not None else shape.num_parameters
+        if params is None:
+            raise ValueError("the parameter count is unknown: give it (--params)")
+        weights = weights_bytes_per_gpu(
+            params,
+            weights_format,
+            tensor_parallel_size,
+            shape=shape,
+            expert_parallel=expert_parallel,
+        )
+    cache = int(budget.gpu_memory * budget.gpu_memory_utilization) - weights
+    return cache_plan(
         shape.kv_bytes_per_token(kv_format, tensor_parallel_size),
-        kv,
+        cache - budget.overhead_bytes,
         kv_format=kv_format,
         block_size=block_size,
         tensor_parallel_size=tensor_parallel_size,
+        state_slots=state_slots,
+        state_bytes_per_slot=shape.state_bytes_per_slot(tensor_parallel_size),
         weights_format=weights_format,
         weights_bytes=weights,
+        expert_parallel=expert_parallel,
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from pagefleet.common.capacity import (
     GB,
     CapacityPlan,
+    GiB,
     GpuBudget,
     KiB,
     ModelShape,
@@ -22,6 +23,8 @@ from pagefleet.common.capacity import (
     fit_workload,
     gpu_memory_bytes,
     model_shape,
+    num_state_slots,
+    plan_in_memory,
     plan_on_gpu,
     pool_of_blocks,
 )
@@ -48,13 +51,22 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--gpu", default="H100-80GB", help="GPU type (H100-80GB); see --gpu-memory-gb")
     p.add_argument("--gpu-memory-gb", type=float, default=None, help="GPU memory in GB (10^9 B)")
     p.add_argument(
-        "--weights", type=_csv(str), default=None, help="weight formats: bf16,fp8,int4 (model's)"
+        "--weights",
+        type=_csv(str),
+        default=None,
+        help="weight formats: bf16,fp8,int4 (the checkpoint's: its dtype or quantization, "
+        "weighed as its files are)",
     )
     p.add_argument(
         "--kv-cache-dtype", type=_csv(str), default=None, help="KV formats: bf16,fp8 (model's)"
     )
     p.add_argument(
         "--tensor-parallel-size", "--tp", type=_csv(int), default=[1], help="TP sizes (1)"
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="mixture of experts: whole experts per GPU (the fullest holds ceil(experts / TP))",
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.92, help="(0.92)")
     p.add_argument("--overhead-gb", type=float, default=0.0, help="activations, graphs... (0)")
@@ -65,6 +77,24 @@ def add_plan_parser(sub) -> None:
         type=int,
         default=None,
         help="a pool of this many blocks instead of sizing it from GPU memory",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=None,
+        help="GiB of cache per rank instead of GPU memory (the engine's CPU flag)",
+    )
+    hybrid = p.add_argument_group(
+        "hybrid models: state slots paid from the same memory before the KV pool"
+    )
+    hybrid.add_argument(
+        "--max-num-seqs", type=int, default=None, help="running sequences (a state slot each)"
+    )
+    hybrid.add_argument(
+        "--num-state-snapshots",
+        type=int,
+        default=None,
+        help="prefix-cache state snapshots (default: --max-num-seqs)",
     )
     p.add_argument(
         "--contexts",
@@ -106,36 +136,48 @@ def build_plans(args: argparse.Namespace, shape: ModelShape) -> list[CapacityPla
         raise ValueError(f"--num-gpu-blocks {args.num_gpu_blocks} must be >= 1")
     if any(c < 1 for c in args.contexts):
         raise ValueError("--contexts must be >= 1 token each")
-    weights = [shape.dtype if w == "auto" else w for w in args.weights or ["auto"]]
+    weights = args.weights or ["auto"]
     kv_formats = [shape.dtype if k == "auto" else k for k in args.kv_cache_dtype or ["auto"]]
-    budget = None if args.num_gpu_blocks is not None else _budget(args)
-    params = int(_finite("--params", args.params, 1)) if args.params is not None else None
+    slots = _state_slots(args, shape)
     plans = []
     for w, kv, tp in itertools.product(weights, kv_formats, args.tensor_parallel_size):
-        if budget is None:
-            plans.append(
-                pool_of_blocks(
-                    shape,
-                    args.num_gpu_blocks,
-                    kv_format=kv,
-                    block_size=args.block_size,
-                    tensor_parallel_size=tp,
-                    weights_format=w,
-                )
-            )
+        # The checkpoint's own format (auto) weighs what its files hold, codes and scales.
+        own = w == "auto" or w == shape.weights_format
+        w = shape.own_weights_format if w == "auto" else w
+        common = {
+            "kv_format": kv,
+            "block_size": args.block_size,
+            "tensor_parallel_size": tp,
+            "state_slots": slots,
+        }
+        if args.num_gpu_blocks is not None:
+            plan = pool_of_blocks(shape, args.num_gpu_blocks, weights_format=w, **common)
+        elif args.kv_cache_memory is not None:
+            memory = int(_finite("--kv-cache-memory", args.kv_cache_memory, 0) * GiB)
+            plan = plan_in_memory(shape, memory, weights_format=w, **common)
         else:
-            plans.append(
-                plan_on_gpu(
-                    shape,
-                    budget,
-                    weights_format=w,
-                    kv_format=kv,
-                    tensor_parallel_size=tp,
-                    block_size=args.block_size,
-                    num_parameters=params,
-                )
+            params = int(_finite("--params", args.params, 1)) if args.params is not None else None
+            plan = plan_on_gpu(
+                shape,
+                _budget(args),
+                weights_format=w,
+                num_parameters=params,
+                expert_parallel=args.enable_expert_parallel,
+                weights_bytes=shape.weight_bytes if own and params is None else None,
+                **common,
             )
+        plans.append(plan)
     return plans
+
+
+def _state_slots(args: argparse.Namespace, shape: ModelShape) -> int:
+    """State slots a hybrid engine of --max-num-seqs keeps (0: not asked, or no state)."""
+    if args.max_num_seqs is None:
+        if args.num_state_snapshots is not None:
+            raise ValueError("--num-state-snapshots needs --max-num-seqs")
+        return 0
+    slots = num_state_slots(args.max_num_seqs, args.num_state_snapshots)
+    return slots if shape.linear_state_bytes_per_sequence else 0
 
 
 def _workload(args: argparse.Namespace) -> Workload | None:
@@ -174,6 +216,14 @@ def _shape_line(shape: dict[str, Any]) -> str:
         f"{shape['num_attention_layers']} attention layers of {shape['num_layers']} x "
         f"{shape['num_kv_heads']} KV heads x head dim {shape['head_dim']}"
     )
+    if shape["num_experts"]:
+        line += (
+            f"; mixture of experts: {shape['num_experts']} experts, "
+            f"{shape['experts_per_token']} per token"
+        )
+        total, active = shape["num_parameters"], shape["num_active_parameters"]
+        if total is not None and active is not None:
+            line += f", {total / 1e9:.2f}B parameters ({active / 1e9:.2f}B active per token)"
     if shape["linear_state_bytes_per_sequence"]:
         line += (
             f"; linear-attention state {shape['linear_state_bytes_per_sequence'] / 2**20:.1f} MiB"
@@ -209,6 +259,13 @@ def format_table(report: dict[str, Any], contexts: list[int]) -> str:
         f"{'B/block':>11} {'KV tokens':>12} {'blocks':>10}  {seq_head}"
     )
     lines = [_shape_line(report["model"]), "", head, "-" * len(head)]
+    first = report["plans"][0] if report["plans"] else {}
+    if first.get("state_slots"):
+        lines.insert(
+            1,
+            f"{first['state_slots']} state slots (running sequences + prefix snapshots) take "
+            f"{first['state_bytes'] / GiB:.2f} GiB per GPU before the KV pool",
+        )
     for r in report["plans"]:
         seqs = " / ".join(str(r["sequences"][str(c)]) for c in contexts)
         lines.append(

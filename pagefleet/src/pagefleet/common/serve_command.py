@@ -14,7 +14,7 @@ EngineArg = str | int | float | bool
 JsonConfig = dict[str, Any]
 # Engine flags whose value is a JSON object: a launcher sets some of their keys, and a user's
 # keys merge over them (rather than replacing the whole object).
-JSON_ENGINE_ARGS = ("kv-events-config", "kv-transfer-config")
+JSON_ENGINE_ARGS = ("kv-events-config", "kv-transfer-config", "pooler-config")
 # vLLM's NixlConnector roles: prefill produces KV blocks, decode consumes them.
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 

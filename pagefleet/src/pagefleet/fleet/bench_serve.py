@@ -1,4 +1,5 @@
-"""`pagefleet bench serve`: a serving benchmark client for any OpenAI-compatible server.
+"""`pagefleet bench serve`: a serving benchmark client for any OpenAI-compatible server
+(completions, chat, or embeddings in batches: bench_embeddings.py).
 
 Synthetic, seeded datasets (random, shared-prefix, multi-turn); Poisson arrivals or all at
 once; a concurrency cap. Reports completed/failed requests, request and output-token
@@ -31,11 +32,12 @@ class RequestResult:
     prompt_tokens: int = 0
     error: str = ""
     reply: str = ""
+    embeddings: int = 0  # --endpoint embeddings: vectors the request returned
 
 
 @dataclass
 class Conversation:
-    turns: list[str]  # user messages; later turns resend the growing history
+    turns: list  # user messages (later turns resend the growing history); embeddings: batches
 
 
 def add_bench_parser(sub) -> None:
@@ -44,7 +46,15 @@ def add_bench_parser(sub) -> None:
     p = bench_sub.add_parser("serve", help="load an OpenAI-compatible server and measure it")
     p.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model name to send")
-    p.add_argument("--endpoint", choices=["chat", "completions"], default="completions")
+    p.add_argument(
+        "--endpoint", choices=["chat", "completions", "embeddings"], default="completions"
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="embeddings: inputs per request (--num-prompts counts inputs) (1)",
+    )
     p.add_argument("--dataset", choices=["random", "shared-prefix", "multi-turn"], default="random")
     p.add_argument(
         "--num-prompts",
@@ -155,6 +165,12 @@ async def run_bench(args) -> int:
     import httpx
 
     conversations = build_dataset(args)
+    embeddings = args.endpoint == "embeddings"
+    if embeddings:  # one request per batch of inputs (the batch is its one "turn")
+        from pagefleet.fleet.bench_embeddings import embed_request, embedding_batches
+
+        batches = embedding_batches(conversations, args.batch_size)
+        conversations = [Conversation([batch]) for batch in batches]
     limit = asyncio.Semaphore(args.max_concurrency or len(conversations) * args.num_turns)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     results: list[RequestResult] = []
@@ -176,7 +192,10 @@ async def run_bench(args) -> int:
             for turn in conv.turns:
                 history.append({"role": "user", "content": turn})
                 async with limit:
-                    result = await one_request(client, args, history)
+                    if embeddings:
+                        result = await embed_request(client, args, turn)
+                    else:
+                        result = await one_request(client, args, history)
                 results.append(result)
                 if bar is not None:
                     bar.update(1)
@@ -232,6 +251,9 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         "output_token_throughput": output / duration if duration else 0.0,
         "total_output_tokens": output,
         "total_prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "input_token_throughput": sum(r.prompt_tokens for r in ok) / duration if duration else 0.0,
+        "total_embeddings": sum(r.embeddings for r in ok),
+        "embedding_throughput": sum(r.embeddings for r in ok) / duration if duration else 0.0,
         "ttft_s": _stats([r.ttft for r in ok]),
         "tpot_s": _stats(tpot),
         "itl_s": _stats([x for r in ok for x in r.itl]),
@@ -248,13 +270,13 @@ def format_summary(s: dict) -> str:
         f"{'Total output tokens:':<40}{s['total_output_tokens']}",
         f"{'Request throughput (req/s):':<40}{s['request_throughput']:.2f}",
         f"{'Output token throughput (tok/s):':<40}{s['output_token_throughput']:.2f}",
+        f"{'Input token throughput (tok/s):':<40}{s['input_token_throughput']:.2f}",
     ]
-    for key, title in (
-        ("ttft_s", "TTFT"),
-        ("tpot_s", "TPOT"),
-        ("itl_s", "ITL"),
-        ("e2e_s", "E2E latency"),
-    ):
+    latencies = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL")]
+    if s["total_embeddings"]:  # one answer per request: no token latencies
+        lines.append(f"{'Embedding throughput (emb/s):':<40}{s['embedding_throughput']:.2f}")
+        latencies = []
+    for key, title in (*latencies, ("e2e_s", "E2E latency")):
         st = s[key]
         lines.append(
             f"{title + ' (ms) mean / median / p90 / p99:':<40}"

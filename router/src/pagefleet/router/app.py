@@ -5,7 +5,9 @@ while no engine can take it, P/D), then forward, and stream the answer back unto
 request sent to a pod runs the router's hooks (`routed.py`) before it leaves and once its
 outcome is known: they keep the in-flight counts, the speculative prefix entries and the
 metrics. A connect error or a 5xx before the first byte is retried on the next
-candidate; after the first byte the client gets an SSE error event.
+candidate; after the first byte the client gets an SSE error event. A pod whose connection is
+refused or reset before the first byte is ejected at once; when every pod tried was gone, the
+request goes back to the core, held as for an empty pool until its deadline.
 
 The handlers are module-level functions over one `AppState` (on `app.state.router`).
 
@@ -43,18 +45,21 @@ from pagefleet.common.http_errors import (
     wait_disconnect,
 )
 from pagefleet.router.core import (
+    RETRY_AFTER_S,
     Router,
     RouterConfig,
     admit,
     disaggregate,
     engine_headers,
+    readmit,
     release_loop,
     wants_prefill,
 )
 from pagefleet.router.flow_control import tenant_of
+from pagefleet.router.openapi import declare_bodies
 from pagefleet.router.pd import release_prefill_soon
 from pagefleet.router.routed import Attempt, Hooks, Outcome, RoutedRequest
-from pagefleet.router.upstream import AiohttpTransport
+from pagefleet.router.upstream import AiohttpTransport, engine_gone
 
 logger = logging.getLogger("pagefleet.router")
 
@@ -67,6 +72,7 @@ class AppState:
     client: httpx.AsyncClient
     # Parsing and tokenizing: one thread (the tokenizer and prompt cache are its alone).
     tokenizing: ThreadPoolExecutor
+    models_seen: dict | None = None  # the last /v1/models an engine answered
 
     @property
     def config(self) -> RouterConfig:
@@ -96,6 +102,9 @@ def build_router_app(router: Router, client: httpx.AsyncClient | None = None) ->
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
+    app.add_api_route("/pooling", pooling, methods=["POST"])
+    declare_bodies(app)
     return app
 
 
@@ -172,18 +181,26 @@ async def metrics(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
+    """An engine's own answer (a ready one first, else one not scraped yet); else the last
+    one seen, else --model's card: the router knows its models at zero engines too (clients
+    list them first)."""
     state = _state(request)
-    for pod in state.router.registry.pods(state.router.clock()):
-        if pod.healthy:
-            try:
-                r = await state.client.get(
-                    f"{pod.url}/v1/models",
-                    headers=engine_headers({}, state.config.upstream_api_key),
-                )
-                return JSONResponse(r.json(), r.status_code)
-            except (httpx.HTTPError, ValueError):
-                continue
-    return error_response(503, "no healthy engine", "service_unavailable")
+    for pod in state.router.registry.reachable():
+        try:
+            r = await state.client.get(
+                f"{pod.url}/v1/models", headers=engine_headers({}, state.config.upstream_api_key)
+            )
+            answer = r.json()
+        except (httpx.HTTPError, ValueError):
+            continue
+        if r.status_code == 200:
+            state.models_seen = answer
+        return JSONResponse(answer, r.status_code)
+    if state.models_seen is not None:
+        return JSONResponse(state.models_seen)
+    model = state.config.model
+    cards = [{"id": model, "object": "model", "owned_by": "pagefleet"}] if model else []
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def completions(request: Request) -> Response:
@@ -194,43 +211,62 @@ async def chat_completions(request: Request) -> Response:
     return await proxy(_state(request), "/v1/chat/completions", request)
 
 
+async def embeddings(request: Request) -> Response:
+    return await proxy(_state(request), "/v1/embeddings", request)  # see pooling.py
+
+
+async def pooling(request: Request) -> Response:
+    return await proxy(_state(request), "/pooling", request)
+
+
 async def _on_tokenizing_thread(state: AppState, fn, *args):
     return await asyncio.get_running_loop().run_in_executor(state.tokenizing, fn, *args)
 
 
 async def proxy(state: AppState, path: str, request: Request) -> Response:
-    """Admit (parse, decide, hold), maybe disaggregate, forward."""
+    """Admit (parse, decide, hold), maybe disaggregate, forward; when every engine tried was
+    gone (now ejected), admit again: held as for an empty pool until the request's deadline."""
     router, config = state.router, state.config
     raw = await request.body()
     tenant = tenant_of(
         request.headers.get(router.flow.config.tenant_header),
         request.headers.get("authorization"),
     )
-    routed = await admit(
-        router,
-        path,
-        raw,
-        tenant,
-        functools.partial(wait_disconnect, request),
-        functools.partial(_on_tokenizing_thread, state),
-    )
-    routed.headers = engine_headers(dict(request.headers), config.upstream_api_key)
-    if wants_prefill(router, routed):
-        left = functools.partial(wait_disconnect, request)
-        await disaggregate(router, state.client, routed, left)
-        if routed.outcome is Outcome.CLIENT_LEFT:
-            return Response(status_code=499)
-    response = await forward(state, routed, request)
-    if routed.kv_transfer_params is not None and response.status_code != 200:
-        # No decode pod took the blocks (a 200 means one did, and it releases them).
-        await release_prefill_soon(routed.kv_transfer_params, config.fleet_secret)
-    return response
+    left = functools.partial(wait_disconnect, request)
+    deadline = router.clock() + router.flow.config.queue_timeout
+    on_thread = functools.partial(_on_tokenizing_thread, state)
+    routed = await admit(router, path, raw, tenant, left, on_thread, None, deadline)
+    while True:
+        routed.headers = engine_headers(dict(request.headers), config.upstream_api_key)
+        if wants_prefill(router, routed):
+            await disaggregate(router, state.client, routed, left)
+            if routed.outcome is Outcome.CLIENT_LEFT:
+                return Response(status_code=499)
+        response = await forward(state, routed, request)
+        if routed.kv_transfer_params is not None and (
+            response is None or response.status_code != 200
+        ):
+            # No decode pod took the blocks (a 200 means one did, and it releases them).
+            await release_prefill_soon(routed.kv_transfer_params, config.fleet_secret)
+        if response is not None:
+            return response
+        if not router.flow.enabled:  # no engine saw the request: safe to send again
+            return error_response(
+                503,
+                "no engine could be reached",
+                "service_unavailable",
+                None,
+                {"Retry-After": str(RETRY_AFTER_S)},
+            )
+        routed = await readmit(router, routed, raw, tenant, left, deadline)
 
 
-async def forward(state: AppState, routed: RoutedRequest, request: Request) -> Response:
-    """Send to the first candidate, the next on a failure before the first byte."""
+async def forward(state: AppState, routed: RoutedRequest, request: Request) -> Response | None:
+    """Send to the first candidate, the next on a failure before the first byte. A pod whose
+    connection fails (refused, reset) is ejected at once; None when every pod tried was gone
+    (no engine saw the request: the caller may hold it)."""
     router, client = state.router, state.client
-    last_error = "no attempt"
+    last_error, reached = "no attempt", False
     for candidate in routed.candidates[: state.config.max_attempts]:
         attempt = router.hooks.dispatch(routed, candidate)
         pod = candidate.pod
@@ -241,15 +277,22 @@ async def forward(state: AppState, routed: RoutedRequest, request: Request) -> R
             response = await _send_unless_client_leaves(client, upstream, request)
         except httpx.HTTPError as e:
             response, last_error = None, f"{pod.name}: {e!r}"
+            if engine_gone(e):
+                router.registry.eject(pod.name, f"{type(e).__name__} before the first byte")
+            else:
+                reached = True
         except _ClientLeft:  # closing the upstream connection aborts it on the engine
             router.hooks.finish(routed, attempt, Outcome.CLIENT_LEFT)
             return Response(status_code=499)
         if response is not None and response.status_code < 500:
             return _relay(response, router.hooks, routed, attempt)
         if response is not None:
+            reached = True
             await response.aclose()
             last_error = f"{pod.name}: HTTP {response.status_code}"
         router.hooks.finish(routed, attempt, Outcome.REFUSED)
+    if not reached:
+        return None
     return error_response(502, f"no engine answered ({last_error})", "bad_gateway")
 
 

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from pagefleet.common.block_hash import hash_blocks, lora_extra_keys
 from pagefleet.common.fleet_auth import FieldSigner, FleetSecret
 from pagefleet.common.http_errors import APIError
+from pagefleet.common.names import TENANT_HEADER
 from pagefleet.router.flow_control import FlowConfig, FlowControl, Held
 from pagefleet.router.pd import (
     decode_body,
@@ -37,6 +38,7 @@ from pagefleet.router.pd import (
     signed_headers,
 )
 from pagefleet.router.pods import PodRegistry
+from pagefleet.router.pooling import routed_prompt
 from pagefleet.router.prefix_index import PrefixIndex
 from pagefleet.router.prompt_cache import PromptCache
 from pagefleet.router.routed import (
@@ -218,7 +220,7 @@ class Router:
                 return self._cached_hashes(_routed_part(text), False, block_size, keys)
             text = "".join(f"{m.get('role')}:{_text(m.get('content'))}\n" for m in messages)
         else:
-            prompt = body.get("prompt", "")
+            prompt = routed_prompt(path, body)
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
                 return hash_blocks(prompt[:ROUTING_PREFIX_TOKENS], block_size, extra_keys=keys)
             text = prompt if isinstance(prompt, str) else "".join(map(str, prompt))
@@ -405,9 +407,10 @@ def read_request(
 
 
 def engine_headers(request_headers: dict, api_key: str | None) -> dict:
-    """The headers a request carries to an engine: the client's content type, request id and
-    accept, and the router's own key (never the client's)."""
-    keep = {"content-type", "x-request-id", "accept"}
+    """The headers a request carries to an engine: the client's content type, request id,
+    accept and tenant (an engine's grammar compiles take turns by it), and the router's own
+    key (never the client's)."""
+    keep = {"content-type", "x-request-id", "accept", TENANT_HEADER}
     headers = {k: v for k, v in request_headers.items() if k.lower() in keep}
     headers.setdefault("content-type", "application/json")
     if api_key:
@@ -434,23 +437,60 @@ async def admit(
     left: Left,
     on_thread: OnThread,
     within: Collection[str] | None = None,
+    deadline: float | None = None,
 ) -> RoutedRequest:
-    """Parse, decide, and hold while no engine of the model can take the request: the
-    request with its candidates. Every refusal is an APIError: 400/403 for a bad body, 404
-    for a model this router does not serve, 503 (with Retry-After when held) when no engine
-    can serve it, CLIENT_LEFT when the client went away while held."""
+    """Parse, decide, and hold while no engine of the model can take the request (until
+    `deadline`, default the queue timeout from now): the request with its candidates. Every
+    refusal is an APIError: 400/403 for a bad body, 404 for a model this router does not
+    serve, 503 (with Retry-After when held) when no engine can serve it, CLIENT_LEFT when the
+    client went away while held."""
     try:
         # One trip to the tokenizing thread: each trip is a wake-up of the loop.
         body, hashes = await on_thread(read_request, router, path, raw, router.block_sizes())
-        if hashes is None:
-            raise APIError(404, f"model {body.get('model')!r} does not exist", "not_found_error")
+    except (TypeError, AttributeError, ValueError, KeyError) as e:
+        # The engine would refuse it too; say so here rather than with a 500.
+        raise APIError(400, f"invalid request body: {e}") from None
+    if hashes is None:
+        raise APIError(404, f"model {body.get('model')!r} does not exist", "not_found_error")
+    return await _route(router, path, body, hashes, raw, tenant, left, within, deadline)
+
+
+async def readmit(
+    router: Router,
+    routed: RoutedRequest,
+    raw: bytes,
+    tenant: str,
+    left: Left,
+    deadline: float,
+) -> RoutedRequest:
+    """A request none of whose engines could be reached (they are ejected now): decided
+    again over the fleet as it is, held as for an empty pool until `deadline` (its first
+    one: engines that come and go cannot keep it forever)."""
+    if router.clock() >= deadline:
+        raise refusal(router, router.flow.label(model_of(router.config, routed.body)), "deadline")
+    return await _route(
+        router, routed.path, routed.body, routed.hashes, raw, tenant, left, None, deadline
+    )
+
+
+async def _route(
+    router: Router,
+    path: str,
+    body: dict,
+    hashes: dict,
+    raw: bytes,
+    tenant: str,
+    left: Left,
+    within: Collection[str] | None,
+    deadline: float | None,
+) -> RoutedRequest:
+    try:
         routed = router.decide(path, body, router.serving_role(), hashes, within)
         model = model_of(router.config, body)
         if router.flow.must_hold(model, routed.candidates):
-            await hold(router, model, tenant, left)
+            await hold(router, model, tenant, left, deadline)
             routed = router.decide(path, body, router.serving_role(), hashes, within)
     except (TypeError, AttributeError, ValueError, KeyError) as e:
-        # The engine would refuse it too; say so here rather than with a 500.
         raise APIError(400, f"invalid request body: {e}") from None
     if not routed.candidates:
         raise APIError(503, "no engine can serve this request", "service_unavailable")
@@ -461,20 +501,27 @@ async def admit(
 CLIENT_LEFT = 499  # nginx's status for a client that closed its request: nobody reads it
 
 
-async def hold(router: Router, model: str, tenant: str, left: Left) -> None:
-    """Hold a request until the release loop finds an engine for it. Raises APIError: 503 when
-    the queue is full or the deadline passes, CLIENT_LEFT when the client went away (which
-    takes it out of the queue at once)."""
+async def hold(
+    router: Router, model: str, tenant: str, left: Left, deadline: float | None = None
+) -> None:
+    """Hold a request until the release loop finds an engine for it, at most until `deadline`
+    (default: the queue timeout from now). Raises APIError: 503 when the queue is full or the
+    deadline passes, CLIENT_LEFT when the client went away (which takes it out of the queue
+    at once)."""
     flow = router.flow
+    now = router.clock()
+    deadline = now + flow.config.queue_timeout if deadline is None else deadline
+    if now >= deadline:
+        raise refusal(router, flow.label(model), "deadline")
     waiter = asyncio.get_running_loop().create_future()
-    held = flow.hold(model, tenant, waiter, router.clock())
+    held = flow.hold(model, tenant, waiter, now, deadline)
     if held is None:
         raise refusal(router, flow.label(model), "full")
     gone = asyncio.ensure_future(left())
     try:
         await asyncio.wait(
             {waiter, gone},
-            timeout=flow.config.queue_timeout + HOLD_BACKSTOP_S,
+            timeout=deadline - now + HOLD_BACKSTOP_S,
             return_when=asyncio.FIRST_COMPLETED,
         )
         client_left = gone.done()
@@ -591,6 +638,8 @@ async def _prefill(
         return None
     result = task.result()
     if result.kv_transfer_params is None:
+        if result.gone:
+            router.registry.eject(attempt.pod_name, "its connection failed")
         logger.warning("%s; the decode pod prefills locally", result.error)
         return "prefill_failed"
     routed.kv_transfer_params = result.kv_transfer_params

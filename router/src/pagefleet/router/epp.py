@@ -287,7 +287,10 @@ class Exchange:
 
     def _settle_served(self, served: str | None) -> None:
         """The proxy retried on a fallback: the first pick never took the request, the pod that
-        served it did (its books, not the first's)."""
+        served it did (its books, not the first's). The proxy retries only on a connection that
+        failed before the request went out (the Envoy a Gateway makes: connect-failure,
+        refused-stream, reset-before-request), so the first pick is ejected at once, as the
+        router ejects a pod that refused it."""
         routed, attempt = self.routed, self.attempt
         if served is None or routed is None or attempt is None:
             return
@@ -296,6 +299,7 @@ class Exchange:
         candidate = next((c for c in routed.candidates if c.pod.endpoint == served), None)
         if candidate is None:
             return  # not one of ours: the proxy's own fallback
+        self.router.registry.eject(attempt.pod_name, "the proxy could not reach it")
         self.router.hooks.finish(routed, attempt, Outcome.REFUSED)
         self.attempt = self.router.hooks.dispatch(routed, candidate)
 

@@ -20,6 +20,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from pagefleet.common.names import TENANT_HEADER
 from pagefleet.router.scoring import Candidate, Pod
 
 OVERFLOW_TENANT = "~overflow"  # the tenants beyond max_tenants share this one
@@ -37,7 +38,7 @@ class FlowConfig:
     queue_timeout: float = 120.0  # seconds a request may be held
     saturation_waiting: float | None = None  # vllm:num_requests_waiting >= this: saturated
     saturation_kv: float | None = None  # vllm:kv_cache_usage_perc >= this: saturated
-    tenant_header: str = "x-tenant-id"
+    tenant_header: str = TENANT_HEADER
     max_tenants: int = 64  # per model
     max_models: int = 32
 
@@ -128,13 +129,14 @@ class FairQueue:
         return True
 
     def expire(self, now: float) -> list[Held]:
-        """Take out the requests whose deadline has passed (a tenant's line is in deadline
-        order: one timeout for all)."""
+        """Take out the requests whose deadline has passed (anywhere in a line: a request held
+        again after its engine refused it keeps its first deadline)."""
         expired = []
         for tenant in list(self._tenants):
             line = self._tenants[tenant]
-            while line and line[0].deadline <= now:
-                expired.append(line.popleft())
+            if any(item.deadline <= now for item in line):
+                expired += [item for item in line if item.deadline <= now]
+                line = self._tenants[tenant] = deque(i for i in line if i.deadline > now)
             if not line:
                 del self._tenants[tenant]
         self._size -= len(expired)
@@ -212,10 +214,14 @@ class FlowControl:
             return KV_RELEASE_BURST * len(free)
         return sum(max(1, math.ceil(waiting - p.waiting)) for p in free)
 
-    def hold(self, model: str, tenant: str, waiter: object, now: float) -> Held | None:
-        """Hold a request; None when its model's queue is full."""
+    def hold(
+        self, model: str, tenant: str, waiter: object, now: float, deadline: float | None = None
+    ) -> Held | None:
+        """Hold a request until `deadline` (default: queue_timeout from now); None when its
+        model's queue is full."""
         label = self.label(model)
-        item = Held(label, tenant, now, now + self.config.queue_timeout, waiter)
+        deadline = now + self.config.queue_timeout if deadline is None else deadline
+        item = Held(label, tenant, now, deadline, waiter)
         if not self.queue_of(label).push(item):
             return None
         self.held += 1

@@ -27,6 +27,7 @@ from pagefleet.common.fleet_auth import SIGNATURE_HEADER, FieldSigner, FleetSecr
 from pagefleet.common.http_errors import APIError
 from pagefleet.common.kv_errors import TransferError
 from pagefleet.common.kv_peer import PeerSession
+from pagefleet.router.upstream import engine_gone
 
 logger = logging.getLogger("pagefleet.router")
 FLEET_FIELDS = ("kv_transfer_params",)
@@ -78,6 +79,7 @@ def decode_body(body: dict, kv_transfer_params: dict) -> dict:
 class PrefillResult:
     kv_transfer_params: dict | None
     error: str | None = None
+    gone: bool = False  # the prefill pod's connection failed (see upstream.engine_gone)
 
 
 async def run_prefill(
@@ -99,7 +101,7 @@ async def run_prefill(
             timeout=timeout,
         )
     except httpx.HTTPError as e:
-        return PrefillResult(None, f"prefill at {url} failed: {e!r}")
+        return PrefillResult(None, f"prefill at {url} failed: {e!r}", engine_gone(e))
     if r.status_code != 200:
         return PrefillResult(None, f"prefill at {url}: HTTP {r.status_code}: {r.text[:200]}")
     try:

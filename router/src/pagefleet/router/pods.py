@@ -6,6 +6,12 @@ failures eject a pod until its `/health` passes again. A changed `process_start_
 means the pod restarted: its prefix-index entries are dropped at once. Every `models_interval`
 the pod's `/v1/models` says which LoRA adapters it serves (entries with a `parent`, as vLLM
 lists them), which change when adapters load at run time.
+
+A pod is ready (routed to) only after a good scrape: one just discovered, or listed with
+--endpoints, may still be loading its weights, and a request sent there would be refused. The
+proxy ejects a pod at once when a connection to it is refused or reset before the first byte
+(`eject`), rather than after `eject_after` scrapes: a dead pod then costs one attempt, not
+every request routed to it until the scrapes notice.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ class PodStatus:
     pod: Pod
     scraped_at: float = 0.0
     failures: int = 0
+    ready: bool = False  # a good scrape since the pod appeared or was ejected
     ejected: bool = False
     block_size: int = 16
     started: float | None = None  # the engine process's start time, to notice restarts
@@ -83,9 +90,27 @@ class PodRegistry:
         st = self.status.get(name)
         return st.block_size if st is not None else 16
 
+    def eject(self, name: str, why: str) -> None:
+        """Stop routing to the pod until its `/health` passes again (a scrape re-admits it)."""
+        st = self.status.get(name)
+        if st is None or st.ejected:
+            return
+        logger.warning("pod %s ejected: %s", name, why)
+        st.ejected, st.ready = True, False
+        self.ejections += 1
+        if self.on_lost:
+            self.on_lost(name)
+
+    def reachable(self) -> list[Pod]:
+        """Pods worth asking a question routing does not hang on (their /v1/models): ready
+        ones first, then those not scraped yet; ejected ones not at all."""
+        live = [st for st in self.status.values() if not st.ejected]
+        return [st.pod for st in sorted(live, key=lambda st: not st.ready)]
+
     def pods(self, now: float) -> list[Pod]:
         """Pods with their freshest load. A pod whose data is stale reads as the fleet's mean
-        load (unknown, neither idle nor busy); an ejected pod reads as unhealthy."""
+        load (unknown, neither idle nor busy); one not ready (never scraped, or ejected) reads
+        as unhealthy."""
         fresh = [st.pod for st in self.status.values() if now - st.scraped_at <= self.stale_after]
         mean = {
             key: (sum(getattr(p, key) for p in fresh) / len(fresh)) if fresh else 0.0
@@ -94,7 +119,7 @@ class PodRegistry:
         result = []
         for st in self.status.values():
             pod = st.pod
-            pod.healthy = not st.ejected
+            pod.healthy = st.ready
             if now - st.scraped_at > self.stale_after:
                 pod.waiting, pod.kv_usage = mean["waiting"], mean["kv_usage"]
             result.append(pod)
@@ -120,14 +145,12 @@ class PodRegistry:
             values = parse_metrics(r.text)
         except (httpx.HTTPError, ValueError):
             st.failures += 1
-            if st.failures >= self.eject_after and not st.ejected:
-                logger.warning("pod %s failed %d scrapes; ejected", pod.name, st.failures)
-                st.ejected = True
-                self.ejections += 1
-                if self.on_lost:
-                    self.on_lost(pod.name)
+            if st.failures >= self.eject_after:
+                self.eject(pod.name, f"{st.failures} failed scrapes")
             return
-        st.failures = 0
+        if not st.ready:
+            logger.info("pod %s is ready", pod.name)
+        st.failures, st.ready = 0, True
         st.scraped_at = time.monotonic()
         started = values.get("started")
         if started is not None and st.started is not None and started != st.started:
@@ -146,6 +169,7 @@ class PodRegistry:
         if cache:
             blocks = int(float(cache.get("num_gpu_blocks", 0) or 0))
             st.block_size = int(float(cache.get("block_size", 16) or 16))
+            pod.caches_prefixes = cache.get("enable_prefix_caching", "True") != "False"
             if blocks and blocks != pod.num_gpu_blocks:
                 pod.num_gpu_blocks = blocks
                 if self.on_capacity:

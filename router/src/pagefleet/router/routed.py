@@ -128,8 +128,11 @@ class PrefixRecording:
         if now - self._expired_at > self.EXPIRE_EVERY:
             self.index.expire(now)
             self._expired_at = now
-        # A pod whose block size changed since the decision has no hashes to predict.
+        # A pod whose block size changed since the decision has no hashes to predict; one
+        # that caches no prefixes (a mean-pooling embedding engine) will hold none of them.
         hashes = routed.hashes.get(self.block_size(attempt.pod_name), ())
+        if not attempt.candidate.pod.caches_prefixes:
+            hashes = ()
         attempt.recorded = self.index.record(attempt.pod_name, hashes, now)
 
     def after(self, routed: RoutedRequest, attempt: Attempt) -> None:

@@ -47,6 +47,7 @@ class Pod:
     active_adapters: frozenset[str] = frozenset()
     max_lora: int = 0
     recent_adapters: list[str] = field(default_factory=list)
+    caches_prefixes: bool = True  # False: its /metrics say enable_prefix_caching False
 
     @property
     def endpoint(self) -> str:

@@ -105,3 +105,14 @@ def _as_httpx(error: Exception, request: httpx.Request) -> Exception:
     if isinstance(error, aiohttp.ClientError | OSError):
         return httpx.ReadError(message, request=request)
     return error
+
+
+def engine_gone(error: httpx.HTTPError) -> bool:
+    """Whether a request that failed before the first byte of its answer found no engine
+    there: its connection was refused, timed out or was reset (an engine that is starting,
+    has died or was deleted). A read timeout is not one: the engine took the request and is
+    slow, or frozen."""
+    return isinstance(
+        error,
+        httpx.ConnectError | httpx.ConnectTimeout | httpx.RemoteProtocolError | httpx.ReadError,
+    )

@@ -64,6 +64,9 @@ class AttentionMetadata:
     # Set by whoever already has the batch in flat form (CUDA-graph decode); otherwise the
     # Triton backend derives it from the fields above once per step.
     paged: PagedBatch | None = None
+    # A hybrid model's linear-attention layers: each sequence's state slot and the step's
+    # state moves (linear_attn.state.StepStates); None for a model with attention only.
+    states: object | None = None
 
 
 class KVCache(Protocol):

@@ -1,5 +1,6 @@
 """The tensor-parallel rank group: joining it through rank 0's TCP store, and the collectives
-the model and the step protocol use (all-reduce, gather to rank 0, broadcast from rank 0).
+the model and the step protocol use (all-reduce, gather to rank 0, broadcast from rank 0, and
+for expert parallelism all-to-all and all-gather).
 
 The group is a process-group object of its own (not torch.distributed's global default), so
 an engine process can hold several engines, and closing one leaves nothing behind. Gloo on CPU,
@@ -155,6 +156,27 @@ class RankGroup:
         if self.timer:
             self._note("gather", start, x)
         return parts if self.rank == 0 else None
+
+    def all_to_all(
+        self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+    ) -> torch.Tensor:
+        """Rows send_counts[r] of `x` (in rank order) go to rank r; returns the rows every
+        rank sent here, in rank order (recv_counts[r] from rank r)."""
+        start = time.perf_counter() if self.timer else 0.0
+        out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+        self.pg.alltoall_base(out, x.contiguous(), recv_counts, send_counts).wait()
+        if self.timer:
+            self._note("all_to_all", start, out)
+        return out
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` (same shape everywhere), concatenated along dim 0 in rank order."""
+        start = time.perf_counter() if self.timer else 0.0
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.pg.allgather([parts], [x.contiguous()]).wait()
+        if self.timer:
+            self._note("all_gather", start, x)
+        return torch.cat(parts)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` into every rank's `x` (same shape and dtype on every rank)."""

@@ -6,16 +6,25 @@ A worker dies with the engine, even when the engine is SIGKILLed: a thread in th
 on multiprocessing's parent sentinel (a pipe the parent holds open until it exits) and ends
 the worker when it fires. PR_SET_PDEATHSIG is not used: it fires when the *thread* that
 spawned the worker exits, which kills workers started from a short-lived thread.
+
+Workers never run the user's script: multiprocessing's spawn would import the parent's
+`__main__` again in each child (to unpickle what it defines), so a script that builds
+`LLM(tensor_parallel_size=2)` without an `if __name__ == "__main__":` guard would build it again
+in rank 1 and die in multiprocessing's bootstrap check. A worker needs nothing from it (its
+entry and arguments are pagefleet's own), so the children are started with `__main__` hidden.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import traceback
+import types
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 
@@ -70,6 +79,18 @@ def _exit_when_ready(sentinel: int) -> None:
     os._exit(ORPHANED_EXIT_CODE)
 
 
+@contextlib.contextmanager
+def _main_module_hidden():
+    """While a worker is spawned: a `__main__` with no file or spec, so the child does not
+    import the user's script (see the module docstring)."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 class MpExecutor:
     """Worker ranks as daemon processes of the spawn context (no forked CUDA state)."""
 
@@ -95,7 +116,8 @@ class MpExecutor:
                 name=f"pagefleet-tp-rank-{rank}",
                 daemon=True,
             )
-            process.start()
+            with _main_module_hidden():
+                process.start()
             self._processes.append(process)
         log.info(
             "started %d tensor-parallel worker ranks (pids %s)",

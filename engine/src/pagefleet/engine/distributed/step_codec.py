@@ -6,7 +6,8 @@ Body: descriptors (counts, then (start, end, width) per single-row group and (st
 computed, blocks) per prompt chunk), then the data: input ids, positions, slots, write rows,
 each group's block tables and context lengths (workers rebuild its mask from them and keep
 them as the group's seq_lens, the in-place kernel's bound), each chunk's block
-ids, and the rows whose logits are computed (sampled rows, then prompt-logprob rows).
+ids, and the rows whose logits are computed (sampled rows, then prompt-logprob rows); for a hybrid
+model, last, the step's state metadata (linear_attn/state.py's encode_states).
 A request verifying k drafts is already 1 + k single rows and 1 + k logit rows here: the
 workers run rank 0's rows as given and never need the drafts themselves.
 """
@@ -16,12 +17,14 @@ from __future__ import annotations
 import torch
 
 from pagefleet.engine.attention.backend import AttentionMetadata, PrefillChunk, SingleGroup
+from pagefleet.engine.linear_attn.state import decode_states, encode_states
 
 OP_STOP = 0
 OP_STEP = 1
 OP_KV = 2  # a KV-transfer command for the ranks' NIXL agents: a uint8 body (kv_ranks.py)
 HEAD_LEN = 3  # (op, body length, descriptor length)
-_COUNTS = 7  # rows, slots, write rows (-1: all), num_single, groups, chunks, logit rows
+# rows, slots, write rows (-1: all), num_single, groups, chunks, logit rows, state ints (-1: none)
+_COUNTS = 8
 
 
 def encode_step(
@@ -35,6 +38,7 @@ def encode_step(
     device = input_ids.device
     groups, chunks = meta.single_groups, meta.prefills
     writes = -1 if meta.write_rows is None else len(meta.write_rows)
+    states = [] if meta.states is None else encode_states(meta.states)
     desc = [
         len(input_ids),
         len(meta.slot_mapping),
@@ -43,6 +47,7 @@ def encode_step(
         len(groups),
         len(chunks),
         len(logit_rows),
+        -1 if meta.states is None else len(states),
     ]
     for g in groups:
         desc += [g.start, g.end, g.block_tables.shape[1]]
@@ -61,6 +66,7 @@ def encode_step(
         pieces += [g.block_tables.flatten(), lens.to(device)]
     pieces += [c.block_ids for c in chunks]
     pieces.append(torch.tensor(logit_rows, dtype=torch.int64, device=device))
+    pieces.append(torch.tensor(states, dtype=torch.int64, device=device))
     body = torch.cat(pieces)
     head = torch.tensor([OP_STEP, len(body), len(desc)], dtype=torch.int64, device=device)
     return head, body
@@ -79,7 +85,9 @@ def decode_step(
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
     """(input_ids, positions, meta, logit_rows) from a body, on the body's device."""
     desc = body[:desc_len].tolist()
-    rows, num_slots, writes, num_single, num_groups, num_chunks, num_logits = desc[:_COUNTS]
+    rows, num_slots, writes, num_single, num_groups, num_chunks, num_logits, num_state = desc[
+        :_COUNTS
+    ]
     at = _COUNTS
     group_desc = [desc[at + 3 * i : at + 3 * i + 3] for i in range(num_groups)]
     at += 3 * num_groups
@@ -107,6 +115,8 @@ def decode_step(
         single_groups=groups,
         prefills=chunks,
     )
+    if num_state >= 0:
+        meta.states = decode_states(data.take(num_state).tolist(), body.device)
     return input_ids, positions, meta, logit_rows
 
 

@@ -45,7 +45,7 @@ from pagefleet.engine.distributed.step_codec import (
     encode_step,
     stop_head,
 )
-from pagefleet.engine.kv_sizing import kv_pool_blocks
+from pagefleet.engine.kv_sizing import kv_pool_blocks, state_slots_of
 from pagefleet.engine.lora.manager import LoRAManager, setup_lora
 from pagefleet.engine.lora.ops import LoRABatch
 from pagefleet.engine.lora.request import LoRARequest
@@ -107,7 +107,7 @@ def check_tensor_parallel(args: EngineArgs, hf_config: dict) -> None:
                 f'--tensor-parallel-size > 1 moves KV over NIXL only: "kv_connector": '
                 f'"nixl" in --kv-transfer-config, not {connector!r}'
             )
-    TPLayout.of(model_config(hf_config), 0, args.tensor_parallel_size)
+    TPLayout.of(model_config(hf_config), 0, args.tensor_parallel_size, args.enable_expert_parallel)
 
 
 def start_rank_zero(
@@ -136,9 +136,32 @@ def start_rank_zero(
 def load_shard(job: ShardJob, group: RankGroup) -> CausalLM:
     """This rank's shard of the model, on its device."""
     cfg = model_config(read_config(job.args.model))
-    tp = TPParts(TPLayout.of(cfg, group.rank, group.size), group)
+    layout = TPLayout.of(cfg, group.rank, group.size, job.args.enable_expert_parallel)
+    tp = TPParts(layout, group, job.args.all2all_backend)
+    if layout.experts is not None:
+        _log_experts(cfg, layout, job.args.all2all_backend)
     dtype = resolve_dtype(job.args.dtype, group.device)
-    return load_model(job.args.model, dtype, group.device, job.max_model_len, tp)
+    args = job.args
+    return load_model(
+        args.model, dtype, group.device, job.max_model_len, tp, quantization=args.quantization
+    )
+
+
+def _log_experts(cfg, layout: TPLayout, backend: str) -> None:
+    shard, spec = layout.experts, cfg.moe
+    if layout.expert_parallel:
+        logger.info(
+            "rank %d: whole experts per rank (expert parallel, --all2all-backend %s): experts "
+            "%d-%d of %d",
+            *(layout.rank, backend, shard.first, shard.end - 1, spec.num_experts),
+        )
+    else:
+        logger.info(
+            "rank %d: every expert split over the ranks: columns %d-%d of %d of each of %d "
+            "experts (--enable-expert-parallel places whole experts instead)",
+            *(layout.rank, shard.column_start, shard.column_start + shard.columns - 1),
+            *(spec.intermediate_size, spec.num_experts),
+        )
 
 
 class ParallelModelRunner(ModelRunner):
@@ -155,8 +178,12 @@ class ParallelModelRunner(ModelRunner):
         group: RankGroup,
         executor: Executor,
         kv_scales: list[tuple[float, float]] | None = None,
+        num_state_slots: int = 1,
     ) -> None:
-        super().__init__(model, block_size, num_blocks, backend, group.device, kv_dtype, kv_scales)
+        super().__init__(
+            *(model, block_size, num_blocks, backend, group.device, kv_dtype, kv_scales),
+            num_state_slots,
+        )
         self.group = group
         self.executor = executor
         self.closed = False
@@ -194,9 +221,7 @@ class ParallelModelRunner(ModelRunner):
             self.group.broadcast(
                 lora_rows if lora_rows is not None else torch.full((rows,), -1, device=self.device)
             )
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.backend, self.kv_caches, inputs.meta
-        )
+        hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
         if not logit_rows:
             return hidden[:0], inputs.sample_requests, {}
         rows = torch.tensor(logit_rows, device=self.device)
@@ -258,7 +283,7 @@ def serve_steps(runner: ModelRunner, group: RankGroup, kv: WorkerKV | None = Non
             group.broadcast(lora_rows)
             runner.lora.state.batch = LoRABatch.build(lora_rows.tolist(), group.device)
         with torch.inference_mode():
-            hidden = runner.model(input_ids, positions, runner.backend, runner.kv_caches, meta)
+            hidden = runner.forward(input_ids, positions, meta)
             if len(logit_rows):
                 runner.model.compute_logits(hidden[logit_rows])
         steps += 1
@@ -285,7 +310,8 @@ def build_worker(job: ShardJob, group: RankGroup) -> ModelRunner:
     blocks = kv_pool_blocks(job.args, model, kv_dtype, group.device, job.max_model_len, group)
     backend = select_backend(job.args.attention_backend, group.device)
     runner = ModelRunner(
-        model, job.args.block_size, blocks, backend, group.device, kv_dtype, kv_scales
+        *(model, job.args.block_size, blocks, backend, group.device, kv_dtype, kv_scales),
+        state_slots_of(job.args, model),
     )
     runner.lora = lora
     logger.info(

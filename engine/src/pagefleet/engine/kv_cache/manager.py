@@ -1,7 +1,9 @@
-"""KV-cache manager: per-request block tables over the block pool, with automatic prefix caching.
+"""KV-cache manager: per-request block tables over the block pool, with automatic prefix caching,
+and for hybrid models each sequence's recurrent-state slot beside its blocks (state_cache.py).
 
 The scheduler calls it; it never calls the scheduler. All-or-nothing allocation means a step
-that cannot get its blocks changes nothing, so the scheduler can preempt and retry.
+that cannot get its blocks (and, at admission, its state slot) changes nothing, so the
+scheduler can preempt and retry.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pagefleet.common.block_hash import BlockHash
 from pagefleet.common.kv_events import KVEventListener
 from pagefleet.engine.kv_cache.block_pool import Block, BlockPool, mirror_runs
 from pagefleet.engine.kv_cache.host_tier import HostTier, TierLoad
+from pagefleet.engine.kv_cache.state_cache import StateCache, StateConfig, StateStep
 from pagefleet.engine.request import Request
 
 
@@ -23,11 +26,21 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         listener: KVEventListener | None = None,
         num_host_blocks: int = 0,
+        state: StateConfig | None = None,
     ) -> None:
-        """`num_host_blocks`: the CPU offload tier's size (0: no tier)."""
+        """`num_host_blocks`: the CPU offload tier's size (0: no tier). `state`: a hybrid
+        model's state slots (None: the model keeps only KV)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, listener)
+        self.state: StateCache | None = None
+        if state is not None:
+            if num_host_blocks:
+                raise ValueError(
+                    "--kv-offloading-size: the CPU offload tier keeps KV blocks, not a hybrid "
+                    "model's linear-attention state; serve this model without it"
+                )
+            self.state = StateCache(state, block_size, enable_prefix_caching)
         self.host_tier: HostTier | None = None
         if num_host_blocks and enable_prefix_caching:
             self.host_tier = HostTier(num_host_blocks, block_size, listener)
@@ -42,8 +55,13 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by live requests (0..1); cached-but-free blocks don't count."""
-        return self.pool.usage()
+        """Fraction of the cache held by live requests (0..1): blocks, and for a hybrid model
+        state slots weighted by their bytes; cached-but-free blocks and snapshots don't count."""
+        if self.state is None:
+            return self.pool.usage()
+        used = self.num_blocks - self.pool.num_free_blocks + self.state.usage_blocks
+        total = self.num_blocks + self.state.config.num_slots * self.state.config.slot_blocks
+        return used / total
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -65,7 +83,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits
+        return hits if self.state is None else self.state.usable_hits(request, hits)
 
     def find_host_prefix(self, request: Request, num_device_hits: int) -> list[BlockHash]:
         """Hashes of the blocks after the device hits that the offload tier holds."""
@@ -134,15 +152,20 @@ class KVCacheManager:
         """
         bs = self.block_size
         table = request.block_ids
+        admits_state = self.state is not None and request.state_slot < 0
         if not hits:
             # The common decode case: the current last block has room.
             num_needed = request.num_computed_tokens + num_new_tokens
-            if num_needed <= len(table) * bs:
+            if num_needed <= len(table) * bs and not admits_state:
                 return True
-            num_new_blocks = (num_needed + bs - 1) // bs - len(table)
+            num_new_blocks = max((num_needed + bs - 1) // bs - len(table), 0)
+            if admits_state and not self._admit_state(request, [], num_new_blocks):
+                return False
             if num_new_blocks > self.pool.free_queue.num_free:
                 return False
             table.extend(self._take(num_new_blocks, request, transfer_source))
+            if admits_state:
+                self._take_state(request, [], transfer_source)
             if hits is not None:  # admission without a hit still counts as a query
                 self._count_query(request, 0)
                 self._count_tier_lookup(request, 0, 0)
@@ -152,17 +175,82 @@ class KVCacheManager:
         num_computed = self.num_computed_after_hit(request, hits)
         num_new_blocks = (num_computed + num_new_tokens + bs - 1) // bs - len(hits)
         num_revived = sum(1 for b in hits if b.ref_cnt == 0)
+        extra = max(num_new_blocks, 0) + num_revived
+        if admits_state and not self._admit_state(request, hits, extra):
+            return False
         if num_new_blocks > self.pool.free_queue.num_free - num_revived:
             return False
         self.pool.touch(hits)
         table.extend(b.block_id for b in hits)
         table.extend(self._take(max(num_new_blocks, 0), request, transfer_source))
+        if admits_state:
+            self._take_state(request, hits, transfer_source)
         request.num_cached_blocks = len(hits)
         request.num_cached_tokens = len(hits) * bs
         request.num_computed_tokens = num_computed
         self._count_query(request, request.num_cached_tokens)
         self._count_tier_lookup(request, len(hits), 0)
         return True
+
+    def _admit_state(self, request: Request, hits: list[Block], num_blocks: int) -> bool:
+        """Whether a hybrid request can be admitted: a state slot (two for a prefill pod's:
+        the hand-off) and room for its transport blocks beside `num_blocks` others."""
+        transport = self._transport_blocks(request)
+        if num_blocks + transport > self.pool.free_queue.num_free:
+            return False
+        return self.state.can_admit(request, hits)
+
+    def _transport_blocks(self, request: Request) -> int:
+        """KV blocks a P/D request's state travels in (a prefill pod's, or a decode pod's)."""
+        moves = request.hold_blocks or request.remote_source is not None
+        return self.state.config.transfer_blocks if moves else 0
+
+    def _take_state(
+        self, request: Request, hits: list[Block], source: Sequence[int] | None
+    ) -> None:
+        self.state.admit(request, hits)
+        n = self._transport_blocks(request)
+        if source is not None:  # mirror the prefill pod's transport blocks, after the prompt's
+            first = request.num_prompt_blocks
+            ids = mirror_runs(self.pool.allocate_runs(n), source[first : first + n])
+        else:
+            ids = self.pool.allocate_runs(n) if n else []
+        request.state_block_ids = ids
+
+    def take_state_step(self, scheduled: list[tuple[Request, int]]) -> StateStep | None:
+        """A hybrid model's slot moves and snapshots for the step that runs `scheduled`
+        (None for a model without state)."""
+        return None if self.state is None else self.state.step(scheduled)
+
+    def state_step_done(self) -> None:
+        """The step that carried take_state_step's moves ran (frees loaded transport blocks)."""
+        if self.state is not None:
+            self.pool.free(self.state.step_done())
+
+    def state_arrived(self, request: Request, ok: bool) -> None:
+        """A decode pod's pull ended: load the state that came with the blocks, or (failed)
+        give its transport blocks back."""
+        if self.state is not None:
+            self.pool.free(self.state.remote_arrived(request, ok))
+
+    def reserve_draft_states(self, request: Request, num_drafts: int) -> int:
+        """Drafts a decoding request may verify: all of them for a model without state; for a
+        hybrid, as many as spare slots can hold the state after each (rejected drafts are
+        rolled back to one of them)."""
+        if self.state is None:
+            return num_drafts
+        return self.state.reserve_drafts(request, num_drafts)
+
+    def state_verified(self, request: Request, num_accepted: int) -> None:
+        """A verification kept `num_accepted` drafts: the state rolls back to the last kept."""
+        if self.state is not None:
+            self.state.verified(request, num_accepted)
+
+    def drop_state(self, request: Request) -> None:
+        """Give back the request's state slot, keeping its blocks (handed over to a decode
+        pod, or quarantined)."""
+        if self.state is not None:
+            self.state.drop(request)
 
     def _take(self, n: int, request: Request, source: Sequence[int] | None) -> list[int]:
         """`n` new blocks for positions len(request.block_ids).. of the request's table."""
@@ -208,15 +296,22 @@ class KVCacheManager:
         request.num_cached_blocks = num_full
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks (tail first); cached ones stay reusable until evicted."""
+        """Release the request's blocks (tail first) and state slot; cached blocks stay
+        reusable until evicted."""
         self.pool.free(request.block_ids)
         request.block_ids.clear()
         request.num_cached_blocks = 0
         request.num_cached_tokens = 0
+        if self.state is not None:
+            self.pool.free(request.state_block_ids)
+            request.state_block_ids = []
+            self.state.drop(request)
 
     def reset_prefix_cache(self) -> int:
-        """Drop every cached hash, the offload tier's too (emits AllBlocksCleared); returns how
-        many the device pool dropped."""
+        """Drop every cached hash, the offload tier's and the state snapshots too (emits
+        AllBlocksCleared); returns how many the device pool dropped."""
         if self.host_tier is not None:
             self.host_tier.clear()
+        if self.state is not None:
+            self.state.slots.clear_snapshots()
         return self.pool.reset_prefix_cache()

@@ -18,6 +18,7 @@ from pagefleet.engine.attention.backend import AttentionBackend, AttentionMetada
 from pagefleet.engine.model.config import ModelConfig
 from pagefleet.engine.model.layers import RMSNorm, TPParts, embedding, lm_head
 from pagefleet.engine.model.linear import process_weights
+from pagefleet.engine.model.packed import prepack_supported
 from pagefleet.engine.model.rope import RotaryEmbedding
 
 # Checkpoint projections that load into one fused parameter: (ours, part).
@@ -52,6 +53,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
+        # The weights' format as capacity names it (float32, int4, fp8...; set by the loader).
+        self.weights_format = ""
         self.max_positions = max_positions
         self.embed_tokens = embedding(cfg, tp)
         self.layers = nn.ModuleList(make_layer(cfg, i, tp) for i in range(cfg.num_layers))
@@ -69,6 +72,11 @@ class CausalLM(nn.Module):
         its own)."""
         if self.config.tie_word_embeddings and hasattr(self.lm_head, "weight"):
             self.lm_head.weight = self.embed_tokens.weight
+
+    def drop_lm_head(self) -> None:
+        """A pooling model (pooling/) reads the final hidden states: it has no LM head to hold,
+        and skips one its checkpoint carries."""
+        self.lm_head = None
 
     def materialize(self, device: torch.device) -> None:
         """After the parameters left the meta device: re-tie the embeddings and compute the
@@ -96,9 +104,11 @@ class CausalLM(nn.Module):
     def process_weights(self, prepack: bool = True) -> None:
         """Once, after the weights are loaded: every linear layer's weights into the form its
         method's kernel reads (model/linear.py). `prepack` lets float32 CPU weights move onto
-        oneDNN-packed ones (model/packed.py) and layers pack what else they hold (`prepack()`);
-        False keeps the plain float reference (tests and benchmarks)."""
-        if prepack:
+        oneDNN-packed ones (model/packed.py) and layers pack what else they hold (`prepack()`,
+        float32 on CPU only: a MoE's or a linear-attention layer's plain linears); False keeps
+        the plain float reference (tests and benchmarks)."""
+        weight = self.embed_tokens.weight
+        if prepack and prepack_supported(weight.device, weight.dtype):
             for layer in self.layers:
                 hook = getattr(layer, "prepack", None)
                 if hook is not None:
@@ -114,12 +124,25 @@ class CausalLM(nn.Module):
         if name.endswith("rotary_emb.inv_freq"):
             return None
         name = name.removeprefix("model.")
-        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+        if name == "lm_head.weight" and (self.config.tie_word_embeddings or self.lm_head is None):
             return None
         for theirs, (ours, part) in self.fused_projections.items():
             if f".{theirs}." in name:
                 return name.replace(theirs, ours), part
         return name, None
+
+    def checkpoint_modules(self, name: str, parts: list[Hashable]) -> list[str]:
+        """The checkpoint's module names (HF's: `model.layers.0.self_attn.q_proj`) whose
+        weights load into our module `name`, one per fused part (the inverse of
+        `checkpoint_target`; quantization configs name layers so)."""
+        found = []
+        for part in parts:
+            theirs = name
+            for checkpoint, (ours, ours_part) in self.fused_projections.items():
+                if ours_part == part and name.endswith("." + ours):
+                    theirs = name[: -len(ours)] + checkpoint
+            found.append(theirs if theirs == "lm_head" else "model." + theirs)
+        return found
 
     @property
     def num_kv_heads(self) -> int:

@@ -233,6 +233,12 @@ def undo_rotary_interleave(rows: torch.Tensor, heads: int) -> torch.Tensor:
     return paired.transpose(1, 2).reshape(rows.shape).contiguous()
 
 
+def tensor_types(path: str | Path) -> dict[str, GGMLQuantizationType]:
+    """Every tensor's ggml type under its HF name (the quantized method chooses by them)."""
+    header, _ = _checked(path)
+    return {hf_name(info.name): info.ggml_type for info in header.tensors.values()}
+
+
 def tensor_sources(path: str | Path) -> Iterator[GGUFTensorSource]:
     """Every tensor of the file under its HF name (after `read_config`'s checks)."""
     path = Path(path)

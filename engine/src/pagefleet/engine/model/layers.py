@@ -36,6 +36,8 @@ class TPParts:
 
     layout: TPLayout
     group: Collectives
+    # How MoE tokens meet experts placed on ranks (--all2all-backend; model/expert_parallel.py).
+    all2all_backend: str = "allgather_reducescatter"
 
 
 class RMSNorm(nn.Module):
@@ -73,7 +75,8 @@ def output_linear(
     if tp is None:
         return Linear(LinearSpec(in_features, {None: out_features}, bias=bias), method)
     cols = Slice(1, tp.layout.rank * in_features, in_features)
-    spec = LinearSpec(in_features, {None: out_features}, cols=cols, bias=bias)
+    full = in_features * tp.layout.size
+    spec = LinearSpec(in_features, {None: out_features}, cols=cols, bias=bias, in_full=full)
     return RowParallelLinear(spec, tp.group, method)
 
 
@@ -105,6 +108,10 @@ class Attention(nn.Module):
     """Self-attention over the paged KV pool: q/k/v in one matmul (loaded from the checkpoint's
     three projections), optional per-head q/k RMSNorm (Qwen3), rotary positions."""
 
+    # Rows of q_proj per query head, in head dims: 1, or 2 where each head's query is followed
+    # by its output gate (model/hybrid.py's GatedAttention).
+    q_rows_per_head = 1
+
     def __init__(self, cfg: ModelConfig, layer_index: int, tp: TPParts | None = None) -> None:
         super().__init__()
         self.kv_slot = cfg.kv_slot(layer_index)
@@ -114,13 +121,14 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * hd
         self.kv_size = self.num_kv_heads * hd
         self.scale = hd**-0.5
+        q_rows = self.q_size * self.q_rows_per_head
         pieces: dict[str, Slice | None] = {"q": None, "k": None, "v": None}
         if tp is not None:
             layout = tp.layout
             kv_piece = Slice(0, layout.first_kv_head * hd, self.kv_size)
-            pieces = {"q": Slice(0, layout.rank * self.q_size, self.q_size), "k": kv_piece}
+            pieces = {"q": Slice(0, layout.rank * q_rows, q_rows), "k": kv_piece}
             pieces["v"] = kv_piece
-        sizes = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
+        sizes = {"q": q_rows, "k": self.kv_size, "v": self.kv_size}
         self.qkv_proj = column_linear(cfg.hidden_size, sizes, pieces, cfg.qkv_bias)
         self.o_proj = output_linear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None

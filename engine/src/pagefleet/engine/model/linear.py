@@ -60,13 +60,19 @@ class LinearSpec:
     (a plain linear has one part, None). `rows[part]`: the slice of that projection's
     checkpoint rows this rank reads (None: all of them); a slice shorter than the part's rows
     leaves the rest zero (the padding of the last vocabulary shard). `cols`: the slice of the
-    checkpoint's input columns this rank reads (a row-parallel shard), or None."""
+    checkpoint's input columns this rank reads (a row-parallel shard), or None; `in_full`: the
+    checkpoint's input columns (None: `in_features`, the layer is not split by columns)."""
 
     in_features: int
     parts: dict[Hashable, int]
     rows: dict[Hashable, Slice | None] = field(default_factory=dict)
     cols: Slice | None = None
     bias: bool = False
+    in_full: int | None = None
+
+    @property
+    def full_in_features(self) -> int:
+        return self.in_features if self.in_full is None else self.in_full
 
     @property
     def out_features(self) -> int:
@@ -98,14 +104,13 @@ def rows_loader(spec: LinearSpec, read: PartReader) -> WeightLoader:
         if part not in offsets:
             raise ValueError(f"{source.name}: no part {part!r} in this layer")
         dest = param.data.narrow(0, offsets[part], spec.parts[part])
-        tensor = read(source, part)
-        rows = tensor.shape[0]
-        if rows < dest.shape[0]:
+        piece = spec.part_rows(part)
+        if piece is not None and piece.length < dest.shape[0]:  # the vocabulary's padding
             with torch.no_grad():
-                dest[rows:].zero_()
-            dest = dest[:rows]
+                dest[piece.length :].zero_()
+            dest = dest[: piece.length]
         what = source.name if part is None else f"{source.name} (part {part})"
-        copy_checked(dest, tensor, what)
+        copy_checked(dest, read(source, part), what)
 
     return load
 
@@ -212,7 +217,7 @@ class Linear(nn.Module):
         for name in list(self._buffers):
             delattr(self, name)
         loaders = self.__dict__.setdefault("weight_loaders", {})
-        for name in [n for n in loaders if n != "bias"]:
+        for name in [n for n in loaders if n != "bias" or self.bias is None]:
             del loaders[name]
         self.method = method
         method.create_weights(self, dtype)
@@ -287,8 +292,12 @@ def set_methods(model: nn.Module, choose: MethodChooser, dtype: torch.dtype) -> 
     for name, module in model.named_modules():
         if isinstance(module, Linear):
             method = choose(name, module)
-            if method is not None and method is not module.method:
+            if method is None or method is module.method:
+                continue
+            try:
                 module.use_method(method, dtype)
+            except ValueError as e:
+                raise ValueError(f"{name} ({method.name}): {e}") from e
 
 
 def process_weights(model: nn.Module, prepack: bool) -> None:

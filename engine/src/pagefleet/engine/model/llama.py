@@ -13,15 +13,19 @@ from pagefleet.engine.model.config import ModelConfig
 from pagefleet.engine.model.layers import MLP, Attention, RMSNorm, TPParts
 from pagefleet.engine.model.rope import rope_params
 
-ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+# Base models (no LM head: embedding checkpoints such as e5-mistral or gte-Qwen2 save these)
+# are the same decoders; the pooling runner serves them (pooling/config.py).
+BASE_MODELS = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+ARCHITECTURES = (*BASE_MODELS.values(), *BASE_MODELS)
 
 
 def config_from_hf(cfg: dict, arch: str) -> ModelConfig:
+    arch = BASE_MODELS.get(arch, arch)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
     heads = cfg["num_attention_heads"]

@@ -16,6 +16,12 @@ from pagefleet.engine.kv_cache.fp8 import FP8_KV_DTYPE, LayerScales, is_fp8, is_
 from pagefleet.engine.model.causal_lm import CausalLM
 from pagefleet.engine.model.checkpoint import kv_scales, read_config, tensor_sources, weight_files
 from pagefleet.engine.model.layers import TPParts
+from pagefleet.engine.model.quant.config import (
+    QuantFormat,
+    choose_methods,
+    resolve_quantization,
+    weights_label,
+)
 from pagefleet.engine.model.registry import family_of, model_config
 from pagefleet.engine.model.weights import param_loaders
 
@@ -51,13 +57,25 @@ def kv_cache_format(
 
 
 def build_model(
-    hf_config: dict, dtype: torch.dtype, device: torch.device, max_positions: int, tp=None
+    hf_config: dict,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    tp=None,
+    quant: QuantFormat | None = None,
+    lm_head: bool = True,
 ) -> CausalLM:
-    """The family's model for this config, materialised (uninitialised) on `device`."""
+    """The family's model for this config, its linear layers on the methods `quant` chooses
+    (model/quant/), materialised (uninitialised) on `device`; without its LM head for a
+    pooling engine (`lm_head` False)."""
     family, arch = family_of(hf_config)
     cfg = family.config_from_hf(hf_config, arch)
     with torch.device("meta"):
         model = family.build(cfg, max_positions, tp).to(dtype)
+        if not lm_head:
+            model.drop_lm_head()
+        if quant is not None:  # after the cast: a method's fp8 or int codes keep their dtype
+            choose_methods(model, quant, dtype)
     model = model.to_empty(device=device)
     model.materialize(device)
     return model
@@ -70,12 +88,18 @@ def load_model(
     max_positions: int,
     tp: TPParts | None = None,
     prepack: bool = True,
+    quantization: str | None = None,
+    lm_head: bool = True,
 ) -> CausalLM:
     """The model (or with `tp`, this rank's shard of it) on `device`, in `dtype`; each linear
     layer's weights are then processed for its kernel (model/linear.py): on a float32 CPU
     model oneDNN-prepacked (model/packed.py) unless `prepack` is False (the benchmarks' and
-    tests' unpacked reference)."""
-    model = build_model(read_config(path), dtype, device, max_positions, tp)
+    tests' unpacked reference). `quantization` is --quantization (None: the checkpoint's own,
+    model/quant/config.py). A pooling engine loads it without the LM head (`lm_head` False)."""
+    hf_config = read_config(path)
+    quant = resolve_quantization(quantization, hf_config, path)
+    model = build_model(hf_config, dtype, device, max_positions, tp, quant, lm_head)
+    model.weights_format = weights_label(quant, hf_config, quantization, dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaders = param_loaders(model)
     arrived: dict[str, set] = {}
@@ -88,8 +112,8 @@ def load_model(
         name, part = target
         if name not in loaders:
             raise ValueError(f"unexpected weight {source.name!r} in checkpoint {path}")
-        loaders[name].load(params[name], source, part)
-        arrived.setdefault(name, set()).add(part)
+        filled = loaders[name].load(params.get(name), source, part)
+        arrived.setdefault(name, set()).update({part} if filled is None else filled)
     _check_complete(model, loaders, arrived, path)
     model.process_weights(prepack)
     return model.eval()

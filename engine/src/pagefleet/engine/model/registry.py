@@ -15,7 +15,13 @@ from pagefleet.engine.model.config import ModelConfig
 
 # Family modules, tried in order (imported on first use, so a family's optional dependencies
 # cost nothing to engines that serve another).
-FAMILIES = ("pagefleet.engine.model.llama",)
+FAMILIES = (
+    "pagefleet.engine.model.llama",
+    "pagefleet.engine.model.qwen3_5",
+    "pagefleet.engine.model.qwen3_moe",
+    "pagefleet.engine.model.mixtral",
+    "pagefleet.engine.model.qwen3_5_moe",
+)
 
 
 def _families() -> list[ModuleType]:

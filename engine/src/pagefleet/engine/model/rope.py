@@ -1,4 +1,5 @@
-"""Rotary position embeddings (half-rotation layout, as HF's Llama/Qwen), with llama3 scaling."""
+"""Rotary position embeddings (half-rotation layout, as HF's Llama/Qwen), with llama3 scaling and
+partial rotation (`partial_rotary_factor`: only a head's leading dims rotate, as in Qwen3.5)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def rope_params(config: dict) -> dict:
         params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    params.setdefault("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"rope type {params['rope_type']!r} is not supported; one of {SUPPORTED_ROPE_TYPES}"
@@ -51,12 +53,19 @@ def _llama3_scale(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
     return torch.where(~long_wave & ~short_wave, blended, scaled)
 
 
+def rotary_dim(head_dim: int, params: dict) -> int:
+    """Leading dims of a head that rotate (the rest pass through), as HF rounds it."""
+    return int(head_dim * params.get("partial_rotary_factor", 1.0))
+
+
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin per position; applied to flattened [tokens, heads, head_dim]."""
 
     def __init__(self, head_dim: int, max_positions: int, params: dict) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, params)
+        self.rotary_dim = rotary_dim(head_dim, params)
+        self.head_dim = head_dim
+        inv_freq = inverse_frequencies(self.rotary_dim, params)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
@@ -67,7 +76,13 @@ class RotaryEmbedding(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.rotary_dim == self.head_dim:
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self._rotate_part(q, cos, sin), self._rotate_part(k, cos, sin)
+
+    def _rotate_part(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rotated, passed = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        return torch.cat((_rotate(rotated, cos, sin), passed), dim=-1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,28 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+}
+# Multimodal architectures: the language model's config is their text_config, beside a vision
+# tower made as small as the config allows (its weights are written, never served).
+MULTIMODAL = {
+    "Qwen3_5ForConditionalGeneration": "qwen3_5_text",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_text",
+}
+TINY_VISION = {
+    "depth": 1,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_heads": 2,
+    "patch_size": 2,
+    "temporal_patch_size": 1,
+    "spatial_merge_size": 1,
+    "num_position_embeddings": 4,
 }
 
 
@@ -107,12 +129,16 @@ def write_tiny_checkpoint(
     if vocab < len(tokenizer):
         raise ValueError(f"vocab_size={vocab} is smaller than the tokenizer ({len(tokenizer)})")
     model_type = ARCHITECTURES[architecture]
-    config_cls = transformers.AutoConfig.for_model(model_type).__class__
+    config_cls = transformers.AutoConfig.for_model(MULTIMODAL.get(architecture, model_type))
+    config_cls = config_cls.__class__
     rope = {"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})}
+    # A config without a dense MLP (Qwen3.5-MoE's: experts in every layer) is not given one.
+    fields = getattr(config_cls, "__dataclass_fields__", None)
+    if fields is None or "intermediate_size" in fields:
+        extra_config["intermediate_size"] = intermediate_size
     config = config_cls(
         vocab_size=vocab,
         hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
@@ -126,6 +152,14 @@ def write_tiny_checkpoint(
         pad_token_id=tokenizer.pad_token_id,
         **extra_config,
     )
+    if architecture in MULTIMODAL:
+        vision = {**TINY_VISION, "out_hidden_size": hidden_size}
+        outer = transformers.AutoConfig.for_model(model_type).__class__
+        config = outer(
+            text_config=config.to_dict(),
+            vision_config=vision,
+            tie_word_embeddings=tie_word_embeddings,
+        )
     torch.manual_seed(seed)
     model_cls = getattr(transformers, architecture)
     model = model_cls(config).to(torch.float32)
@@ -139,6 +173,14 @@ def write_tiny_checkpoint(
                     layer.self_attn.v_proj,
                 ):
                     proj.bias.normal_(0.0, initializer_range)
+    if model_type.startswith("qwen3_5"):
+        # Norms start at 0 (zero-centred: applied as 1 + w) or 1 (the gated norm), and dt_bias
+        # at 1: random values, so a norm loaded without its offset, or swapped with another,
+        # fails the equality tests.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("norm.weight", "dt_bias")):
+                    param.add_(torch.randn(param.shape) * 0.2)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     tokenizer.save_pretrained(path)

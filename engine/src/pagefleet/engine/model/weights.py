@@ -44,7 +44,9 @@ class Slice:
 
 # loader(param, source, part): copy `source` (or this rank's slice of it) into `param` (or
 # the part of it that `part` names: a q/k/v piece of a fused projection, an expert, ...).
-WeightLoader = Callable[[nn.Parameter, TensorSource, Hashable], None]
+# It may return the parts it filled (a tensor of every expert fills many; one of another
+# rank's expert none); None means `part`.
+WeightLoader = Callable[[nn.Parameter, TensorSource, Hashable], set | None]
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,13 @@ def set_weight_loader(module: nn.Module, param: str, loader: WeightLoader, parts
         return
     loaders = module.__dict__.setdefault("weight_loaders", {})
     loaders[param] = ParamLoader(loader, frozenset(parts))
+
+
+def set_check_loader(module: nn.Module, name: str, loader: WeightLoader) -> None:
+    """Attach a loader for a checkpoint tensor `module` reads and checks but keeps no
+    parameter for (a quantized weight's stored shape): it gets None for the parameter, and
+    the tensor is never required."""
+    module.__dict__.setdefault("weight_loaders", {})[name] = ParamLoader(loader, frozenset())
 
 
 def param_loaders(model: nn.Module) -> dict[str, ParamLoader]:
@@ -107,6 +116,55 @@ def fused_loader(sizes: dict[Hashable, int], pieces: dict[Hashable, Slice | None
     def load(param: nn.Parameter, source: TensorSource, part: Hashable) -> None:
         dest = param.data.narrow(0, offsets[part], sizes[part])
         copy_checked(dest, read_piece(source, pieces.get(part)), f"{source.name} (part {part})")
+
+    return load
+
+
+def _cut(tensor: torch.Tensor, piece: Slice | None, shift: int) -> torch.Tensor:
+    """`piece` of a tensor already read, its dims moved by `shift` (1 past an expert axis)."""
+    if piece is None:
+        return tensor
+    return tensor.narrow(piece.dim + shift, piece.start, piece.length)
+
+
+def expert_loader(
+    experts: range,
+    sizes: dict[str, int],
+    pieces: dict[str, Slice | None],
+    full_sizes: dict[str, int],
+) -> WeightLoader:
+    """Experts stacked along dim 0 of a parameter [len(experts), rows, cols] (this rank's
+    experts, global ids `experts`), each expert's projections stacked along its rows in the
+    order of `sizes` (rows of each on this rank; `pieces[proj]` says which of the
+    checkpoint's, None: all).
+
+    Part (expert id, projection): one expert's 2-D tensor (Qwen3-MoE's
+    `experts.{e}.gate_proj`, Mixtral's `w1`); another rank's expert is skipped unread.
+    Part (None, projections): a 3-D tensor of every expert (Qwen3.5-MoE's
+    `experts.gate_up_proj`), the projections stacked along its dim 1 at their checkpoint
+    sizes (`full_sizes`); only this rank's experts are read."""
+    offsets, start = {}, 0
+    for proj, size in sizes.items():
+        offsets[proj] = start
+        start += size
+
+    def load(param: nn.Parameter, source: TensorSource, part: Hashable) -> set:
+        expert, projections = part
+        if expert is None:
+            block = source.read_slice(0, experts.start, len(experts))
+            at = 0
+            for proj in projections:
+                tensor = _cut(block.narrow(1, at, full_sizes[proj]), pieces[proj], 1)
+                at += full_sizes[proj]
+                dest = param.data.narrow(1, offsets[proj], sizes[proj])
+                copy_checked(dest, tensor, f"{source.name} (part {proj})")
+            return {(e, proj) for e in experts for proj in projections}
+        if expert not in experts:
+            return set()
+        proj = projections
+        dest = param.data[expert - experts.start].narrow(0, offsets[proj], sizes[proj])
+        copy_checked(dest, read_piece(source, pieces[proj]), f"{source.name} (expert {expert})")
+        return {part}
 
     return load
 

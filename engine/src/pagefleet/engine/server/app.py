@@ -8,6 +8,7 @@ request (its blocks are freed at the next step).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 import uuid
@@ -34,6 +35,7 @@ from pagefleet.common.http_errors import (
     error_response,
     wait_disconnect,
 )
+from pagefleet.common.names import TENANT_HEADER
 from pagefleet.engine.client import EngineClient
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.outputs import RequestOutput, TokenLogprobs
@@ -43,6 +45,7 @@ from pagefleet.engine.server.limits import RequestLimits, Tokenization, max_toke
 from pagefleet.engine.server.lora_routes import LORA_ROUTES, LoRAUpdates, adapter_cards, adapter_of
 from pagefleet.engine.server.metrics import EngineMetrics
 from pagefleet.engine.server.protocol import (
+    MAX_EMBEDDING_INPUTS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -103,7 +106,9 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     for exc_class, handler in _EXCEPTION_HANDLERS:
         app.add_exception_handler(exc_class, handler)
     app.middleware("http")(_auth_and_ids)
-    for method, path, endpoint in _ROUTES:
+    from pagefleet.engine.server.embeddings import serving_routes  # it imports this module
+
+    for method, path, endpoint in serving_routes(_ROUTES, engine.limits.runner):
         app.add_api_route(path, endpoint, methods=[method])
     return app
 
@@ -113,7 +118,7 @@ def server_state(engine: EngineClient, config: ServerConfig) -> ServerState:
     request_limits = RequestLimits(
         limits.max_model_len,
         max_token_bytes(engine.tokenizer),
-        config.max_sequences_per_request or limits.max_num_seqs,
+        config.max_sequences_per_request or _default_max_sequences(limits),
         config.max_waiting_requests,
     )
     return ServerState(
@@ -124,6 +129,12 @@ def server_state(engine: EngineClient, config: ServerConfig) -> ServerState:
         limits=request_limits,
         metrics=EngineMetrics(engine, config.served_model_name),
     )
+
+
+def _default_max_sequences(limits) -> int:
+    """Per request: as many sequences as run at once; a pooling engine queues its inputs, up
+    to OpenAI's limit on one embeddings request."""
+    return MAX_EMBEDDING_INPUTS if limits.pooling is not None else limits.max_num_seqs
 
 
 def _state(request: Request) -> ServerState:
@@ -379,7 +390,7 @@ async def completions(req: CompletionRequest, request: Request):
     ]
     for prompt, sp in zip(prompts, params, strict=True):  # every one before any is submitted
         state.engine.check_request(prompt, sp)
-    await _check_fields(state, req, params[0])
+    await _check_fields(state, req, params[0], request)
     rid = _request_id(request, "cmpl")
     _check_capacity(state, sequences)  # and submit at once, with no await in between
     gens = [
@@ -430,7 +441,7 @@ async def chat(req: ChatCompletionRequest, request: Request):
     top = req.top_logprobs or 0
     params = _params(req, max_tokens, top if req.logprobs else None)
     state.engine.check_request(prompt, params)
-    await _check_fields(state, req, params)
+    await _check_fields(state, req, params, request)
     rid = _request_id(request, "chatcmpl")
     _check_capacity(state, sequences)  # and submit at once, with no await in between
     gen = _submit(state, rid, prompt, params, lora)
@@ -509,7 +520,7 @@ def _kv_transfer_params(finals) -> dict:
     return {"kv_transfer_params": params} if params else {}
 
 
-async def _check_fields(state: ServerState, req, params: SamplingParams) -> None:
+async def _check_fields(state: ServerState, req, params: SamplingParams, request: Request) -> None:
     """Count (and log) fields the server ignores; compile the request's grammar now (cached
     for the engine), so a constraint that cannot compile is a 400 before any response."""
     ignored = req.ignored_fields()
@@ -517,9 +528,19 @@ async def _check_fields(state: ServerState, req, params: SamplingParams) -> None
         state.metrics.count_ignored(ignored)
     if params.structured_outputs is not None:
         try:
-            await state.engine.check_structured_outputs(params.structured_outputs)
+            tenant = _tenant(request.headers.get(TENANT_HEADER), req.user)
+            await state.engine.check_structured_outputs(params.structured_outputs, tenant)
         except ValueError as e:
             raise APIError(400, str(e), param=_constraint_field(req)) from None
+
+
+def _tenant(header: str | None, user: str | None) -> str:
+    """Whose turn a grammar compile waits in: the tenant header (the router forwards it),
+    else OpenAI's `user` field, else everyone's shared turn. Hashed: a fixed-size key."""
+    name = header or user
+    if not name:
+        return ""
+    return hashlib.blake2b(name.encode("utf-8", "replace"), digest_size=8).hexdigest()
 
 
 def _constraint_field(req) -> str | None:

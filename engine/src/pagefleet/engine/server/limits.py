@@ -53,8 +53,9 @@ class RequestLimits:
                 param=param,
             )
 
-    def check_sequences(self, num_prompts: int, n: int) -> int:
-        """The request's sequences (prompts x n); 400 if one request could never be queued."""
+    def check_sequences(self, num_prompts: int, n: int, param: str | None = None) -> int:
+        """The request's sequences (prompts x n); 400 if one request could never be queued
+        (`param`: the field to name, by default the prompt or n)."""
         sequences = num_prompts * n
         cap = min(self.max_sequences, self.max_waiting or self.max_sequences)
         if sequences > cap:
@@ -62,7 +63,7 @@ class RequestLimits:
                 400,
                 f"{num_prompts} prompt(s) x n={n} is {sequences} sequences; this server takes at "
                 f"most {cap} per request (--max-sequences-per-request, --max-waiting-requests)",
-                param="prompt" if num_prompts > 1 else "n",
+                param=param or ("prompt" if num_prompts > 1 else "n"),
             )
         return sequences
 
@@ -94,6 +95,17 @@ class Tokenization:
     async def encode(self, text: str, add_special_tokens: bool = True, param="prompt"):
         self.limits.check_text(text, param)
         return await self._run(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    async def encode_many(
+        self, texts: list[str], add_special_tokens: bool, param: str, check: bool = True
+    ) -> list[list[int]]:
+        """Several texts in one trip to the thread (one batched tokenizer call); each checked
+        first unless `check` is False (the caller bounds their size another way)."""
+        if check:
+            for i, text in enumerate(texts):
+                self.limits.check_text(text, f"{param}[{i}]" if len(texts) > 1 else param)
+        encoded = await self._run(self.tokenizer, texts, add_special_tokens=add_special_tokens)
+        return encoded["input_ids"]
 
     async def chat(
         self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None

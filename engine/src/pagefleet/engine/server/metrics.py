@@ -20,7 +20,8 @@ from pagefleet.engine.client import (
     LoRAStats,
     StepStats,
 )
-from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.model.expert_load import ExpertLoadStats
+from pagefleet.engine.outputs import PoolingRequestOutput, RequestOutput
 from pagefleet.engine.server.protocol import KNOWN_IGNORED_FIELDS
 from pagefleet.engine.spec_decode.stats import SpecDecodeStats
 
@@ -106,7 +107,8 @@ class _EngineCollector:
         )
         yield gauge(
             "vllm:kv_cache_usage_perc",
-            "Fraction of KV blocks held by live requests (1 = full).",
+            "Fraction of KV blocks (and a hybrid model's state slots) held by live requests "
+            "(1 = full).",
             stats.kv_cache_usage,
         )
         yield gauge(
@@ -171,6 +173,8 @@ class _EngineCollector:
             yield from _spec_decode_metrics(stats.spec_decode, counter, name)
         if stats.lora is not None:
             yield from _lora_metrics(stats.lora, counter)
+        if stats.expert_load is not None:
+            yield from _expert_load_metrics(stats.expert_load, name)
 
 
 # Adapters named in one label of vllm:lora_requests_info at most (running ones are at most
@@ -207,6 +211,50 @@ def _lora_metrics(lora: LoRAStats, counter: Callable):
         "LoRA adapters read from disk into the host-memory cache.",
         lora.disk_loads,
     )
+
+
+def _expert_load_metrics(load: ExpertLoadStats, name: list[str]):
+    """A mixture-of-experts model's routing, one series per sparse layer (bounded by the
+    model's depth, not by its experts): assignments routed, and the busiest expert's against
+    the mean expert's; under expert parallelism the same for ranks (the step waits for the
+    busiest rank)."""
+    families = {
+        "routed": CounterMetricFamily(
+            "pagefleet:moe_routed_tokens",
+            "Tokens routed to experts, counted once per expert each goes to (tokens x "
+            "num_experts_per_tok), by sparse layer.",
+            labels=["model_name", "layer"],
+        ),
+        "max_expert": GaugeMetricFamily(
+            "pagefleet:moe_expert_load_max",
+            "Tokens the busiest expert of the layer was routed since start.",
+            labels=["model_name", "layer"],
+        ),
+        "mean_expert": GaugeMetricFamily(
+            "pagefleet:moe_expert_load_mean",
+            "Tokens an expert of the layer was routed since start, on average (max / mean is "
+            "the layer's imbalance).",
+            labels=["model_name", "layer"],
+        ),
+        "max_rank": GaugeMetricFamily(
+            "pagefleet:moe_rank_load_max",
+            "Expert parallelism: tokens routed to the experts of the busiest rank since start.",
+            labels=["model_name", "layer"],
+        ),
+        "mean_rank": GaugeMetricFamily(
+            "pagefleet:moe_rank_load_mean",
+            "Expert parallelism: tokens routed to a rank's experts since start, on average.",
+            labels=["model_name", "layer"],
+        ),
+    }
+    for layer in load.layers:
+        for field, family in families.items():
+            value = getattr(layer, field)
+            if value is not None:
+                family.add_metric([*name, str(layer.layer)], value)
+    for family in families.values():
+        if family.samples:
+            yield family
 
 
 def _spec_decode_metrics(spec: SpecDecodeStats, counter: Callable, name: list[str]):
@@ -385,6 +433,17 @@ class EngineMetrics(EngineObserver):
                     self.decode.observe(end - m.first_token_time)
             for c in output.outputs:
                 self.success.labels(self.model_name, c.finish_reason or "abort").inc()
+
+    def observe_pooled(self, output: PoolingRequestOutput) -> None:
+        """A pooling request's end: its latency end to end, queued and computing its prompt
+        (vLLM's prefill time), and its finish reason."""
+        m = output.metrics
+        end = m.finished_time or time.time()
+        self.e2e.observe(end - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            self.prefill.observe(end - m.first_scheduled_time)
+        self.success.labels(self.model_name, output.finish_reason).inc()
 
     def count_abort(self, n: int) -> None:
         """A request that ended without finishing (the client left)."""

@@ -12,9 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from pagefleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from pagefleet.engine.server.tools import (
@@ -98,10 +106,12 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 }
 
 
-def refuse_unsupported(data: Any, extra: dict[str, tuple] | None = None) -> Any:
+def refuse_unsupported(
+    data: Any, extra: dict[str, tuple] | None = None, base: dict[str, tuple] = UNSUPPORTED_FIELDS
+) -> Any:
     """A 400 (via ValueError) naming the first unsupported field set to a non-default value."""
     if isinstance(data, dict):
-        for name, off in (UNSUPPORTED_FIELDS | (extra or {})).items():
+        for name, off in (base | (extra or {})).items():
             if name in data and not any(_same(data[name], v) for v in off):
                 raise ValueError(f"{name} is not supported by this server")
     return data
@@ -504,3 +514,98 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+# OpenAI's limit on the inputs of one embeddings request (the pydantic bound stops a longer list
+# before any work; the server's --max-sequences-per-request can lower it).
+MAX_EMBEDDING_INPUTS = 2048
+TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+# vLLM's embedding fields we do not implement, with their "not used" values: chat-shaped input,
+# unnormalised output of a normalising model, other output dtypes and byte orders.
+EMBEDDING_UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "messages": _OFF,
+    "normalize": (None, True),
+    "use_activation": (None, True),
+    "embed_dtype": (None, "float32"),
+    "endianness": (None, "native", "little"),
+    "priority": (None, 0),
+    "mm_processor_kwargs": _OFF,
+}
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's /v1/embeddings body (and vLLM's /pooling, which adds `task`): one input or a
+    list of them, as text or token ids."""
+
+    model_config = ConfigDict(extra="allow")  # counted and logged, as for completions
+
+    model: str | None = None
+    input: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]  # see _check_input_shape
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)  # Matryoshka width, where the model declares it
+    user: str | None = None  # OpenAI's end-user id: no effect on the vectors
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM: keep the last k tokens
+    add_special_tokens: bool = True  # vLLM: the tokenizer's specials around a text input
+    task: Literal["embed"] | None = None  # /pooling only (vLLM): the one task served
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data, base=EMBEDDING_UNSUPPORTED_FIELDS)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, value: Any) -> Any:
+        _check_input_shape(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check_truncation(self):
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
+        return self
+
+    def ignored_fields(self) -> list[str]:
+        return sorted(set(self.model_extra or ()) - set(EMBEDDING_UNSUPPORTED_FIELDS))
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input: a text, or token ids."""
+        given = self.input
+        if isinstance(given, str):
+            return [given]
+        if all(isinstance(x, int) for x in given):
+            return [list(given)]
+        return list(given)
+
+
+def _check_input_shape(value: Any) -> None:
+    """One of the four shapes, and at most MAX_EMBEDDING_INPUTS inputs, checked in one pass
+    before pydantic's (whose union errors would name its branches, not the problem)."""
+    if isinstance(value, str):
+        return
+    if not isinstance(value, list) or not value:
+        raise ValueError("input must be a string or a non-empty list")
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise ValueError(
+            f"input has {len(value)} items; at most {MAX_EMBEDDING_INPUTS} per request"
+        )
+    shapes = {_item_shape(item) for item in value}
+    if len(shapes) != 1 or None in shapes:
+        raise ValueError(
+            "input must be a string, a list of strings, a list of token ids or a list of "
+            "non-empty lists of token ids (one kind per request)"
+        )
+
+
+def _item_shape(item: Any) -> str | None:
+    if isinstance(item, str):
+        return "text"
+    if _is_token_id(item):
+        return "id"
+    if isinstance(item, list) and item and all(_is_token_id(t) for t in item):
+        return "ids"
+    return None
+
+
+def _is_token_id(value: Any) -> bool:
+    return type(value) is int and value >= 0  # bool is an int subclass: not an id

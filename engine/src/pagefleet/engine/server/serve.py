@@ -237,6 +237,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
     )
     flag(
+        "quantization",
+        "weight format: fp8, compressed-tensors, awq, gptq, gguf (default: the checkpoint's "
+        "quantization_config; fp8 on a float checkpoint quantizes it at load)",
+    )
+    flag(
         "kv_cache_dtype",
         "KV cache dtype (auto: the model's; fp8 = fp8_e4m3: half the bytes of a 16-bit cache, "
         "per-layer scales from the checkpoint's k_scale/v_scale, else 1.0)",
@@ -278,6 +283,17 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "while the ranks fit this node's GPUs, else ray",
         choices=["mp", "ray"],
     )
+    switch(
+        "enable_expert_parallel",
+        "mixture-of-experts models: place whole experts on the tensor-parallel ranks instead "
+        "of a slice of every expert on each",
+    )
+    flag(
+        "all2all_backend",
+        "with --enable-expert-parallel, how tokens meet their experts: allgather_reducescatter "
+        "(one all-reduce, tokens are on every rank already) or alltoall (routed rows sent to "
+        "the ranks holding their experts and back)",
+    )
     flag(
         "kv_offloading_size",
         "GiB of host memory (pinned on CUDA) for a CPU tier of blocks evicted from the KV pool; "
@@ -290,6 +306,31 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} '
         "(method ngram; num_speculative_tokens 1..16; prompt_lookup_min (1) and "
         "prompt_lookup_max (4): n-gram lengths looked up in the request's tokens)",
+    )
+    flag(
+        "num_state_snapshots",
+        "hybrid models: linear-attention states kept for prefix-cache hits (default: "
+        "--max-num-seqs with prefix caching, else 1)",
+        type=int,
+    )
+    flag(
+        "runner",
+        "generate, or pooling (embeddings: /v1/embeddings and /pooling); auto picks pooling for "
+        "a checkpoint that declares it (sentence-transformers modules.json, or a *Model "
+        "architecture without an LM head)",
+        choices=["auto", "generate", "pooling"],
+    )
+    flag(
+        "convert",
+        "embed: pool a *ForCausalLM checkpoint's hidden states (auto: embed under --runner "
+        "pooling)",
+        choices=["auto", "none", "embed"],
+    )
+    flag(
+        "pooler_config",
+        "how a pooling model pools, over its sentence-transformers files; vLLM's JSON, e.g. "
+        '{"pooling_type": "MEAN", "normalize": false} (pooling_type LAST, MEAN or CLS; '
+        "normalize (or use_activation); dimensions: a default Matryoshka width)",
     )
     flag(
         "kv_offloading_backend",

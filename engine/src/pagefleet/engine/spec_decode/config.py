@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pagefleet.engine.json_flag import parse_json_object
+from pagefleet.engine.model.config import ModelConfig
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -90,3 +91,15 @@ def _int(raw: dict[str, Any], key: str, default: int | None) -> int:
 
 def _error(what: str) -> ValueError:
     return ValueError(f"--speculative-config {what}")
+
+
+def refuse_recurrent_state(cfg: ModelConfig, path: str) -> None:
+    """A draft model proposes from its own KV, rolled back by forgetting it; a draft with
+    recurrent state (a hybrid's linear-attention layers) would need its state rolled back too,
+    which is not built (a hybrid target is: kv_cache/state_cache.py)."""
+    if cfg.state_shape() is not None:
+        raise ValueError(
+            f"--speculative-config model {path!r} ({cfg.architecture}) has linear-attention "
+            "layers: a hybrid draft model is not supported (its state cannot roll back "
+            "rejected drafts); use a draft without them, or method ngram"
+        )

@@ -13,7 +13,16 @@ validates token lists, which speculative decoding uses.
 """
 
 from pagefleet.engine.structured.compiler import GrammarCompiler, GrammarError
+from pagefleet.engine.structured.gate import GrammarGate, advance_grammar, trim_drafts
 from pagefleet.engine.structured.logits import constrain_logits
 from pagefleet.engine.structured.matcher import SequenceGrammar
 
-__all__ = ["GrammarCompiler", "GrammarError", "SequenceGrammar", "constrain_logits"]
+__all__ = [
+    "GrammarCompiler",
+    "GrammarError",
+    "GrammarGate",
+    "SequenceGrammar",
+    "advance_grammar",
+    "constrain_logits",
+    "trim_drafts",
+]

@@ -1,7 +1,11 @@
-"""Compile a request's `StructuredOutputsParams` into an llguidance matcher on a small thread
-pool, off the engine thread, with a bounded LRU cache keyed by the params (plain, hashable data).
+"""Compile a request's `StructuredOutputsParams` into an llguidance matcher on a few threads,
+off the engine thread, with a bounded LRU cache keyed by the params (plain, hashable data).
 
 A compiled grammar is a pristine matcher; each sequence gets a cheap deep copy of it.
+
+Compiles wait their turn per tenant (`fair_pool.FairPool`): a client that sends many distinct
+slow grammars queues behind itself, while another tenant's compile waits for at most one
+compile of each tenant ahead of it, not for the whole flood (whose own compiles may time out).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +22,7 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from pagefleet.engine.sampling_params import StructuredOutputsParams
+from pagefleet.engine.structured.fair_pool import FairPool
 
 # Every grammar's work is bounded by fuel (llguidance's limits, well under its defaults): a
 # hostile regex or schema fails with an error instead of holding a compile thread for long.
@@ -104,20 +109,23 @@ class GrammarCompiler:
         self._hf_tokenizer, self._vocab_size, self._eos_ids = hf_tokenizer, vocab_size, eos_ids
         self._tokenizer = None
         self._tokenizer_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="pagefleet-grammar")
+        self._pool = FairPool(max_workers, "pagefleet-grammar")
         self._cache: OrderedDict[StructuredOutputsParams, Compilation] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.compiles = 0  # compiles started (cache misses)
 
-    def compile(self, params: StructuredOutputsParams) -> Compilation:
-        """The compilation of `params`: cached, or started now on the pool."""
+    def compile(self, params: StructuredOutputsParams, tenant: str = "") -> Compilation:
+        """The compilation of `params` for `tenant`: cached (and queued in this tenant's turn
+        too while it has not started), or queued now in the tenant's turn."""
         with self._lock:
             entry = self._cache.get(params)
             if entry is not None:
                 self._cache.move_to_end(params)
+                self._pool.submit(tenant, entry.future, self._compile, params)  # no-op if begun
                 return entry
-            entry = Compilation(self._pool.submit(self._compile, params))
+            entry = Compilation()
+            self._pool.submit(tenant, entry.future, self._compile, params)
             self.compiles += 1
             self._cache[params] = entry
             while len(self._cache) > self._cache_size:
@@ -147,7 +155,7 @@ class GrammarCompiler:
             raise
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
 
     def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         return compile_matcher(self._llg_tokenizer(), grammar_source(params))

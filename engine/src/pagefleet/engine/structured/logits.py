@@ -41,10 +41,8 @@ def constrain_logits(
     bitmask = None
     for req, first, req_drafts in groups:
         rows = logits[first : first + 1 + len(req_drafts)]  # a view: no advanced indexing
-        bias = req.sampling_params.logit_bias
-        if bias:
-            ids = torch.tensor([t for t, _ in bias], device=logits.device)
-            values = torch.tensor([b for _, b in bias], device=logits.device)
+        if req.sampling_params.logit_bias:
+            ids, values = bias_tensors(req, logits.device)
             rows.index_add_(1, ids, values.expand(rows.shape[0], -1))
         if req.grammar is not None:
             if bitmask is None:  # rows without a grammar keep every bit set
@@ -53,6 +51,16 @@ def constrain_logits(
     if bitmask is not None:
         apply_bitmask(logits, bitmask)
     return logits
+
+
+def bias_tensors(req: Request, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The request's logit_bias as (token ids, biases) on `device`: built once, at its first
+    sampled step, and kept on the request (its bias never changes)."""
+    if req.logit_bias is None or req.logit_bias[0].device != device:
+        pairs = req.sampling_params.logit_bias
+        ids = torch.tensor([t for t, _ in pairs], device=device)
+        req.logit_bias = (ids, torch.tensor([b for _, b in pairs], device=device))
+    return req.logit_bias
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
