@@ -24,7 +24,10 @@ from pagefleet.engine.lora.adapter import (
     check_adapter,
     resolve_under_root,
 )
+from pagefleet.engine.lora.layers import lora_targets
 from pagefleet.engine.lora.ops import GatheredKernels, LoRABatch, SegmentKernels
+from pagefleet.engine.model.checkpoint import read_config
+from pagefleet.engine.model.registry import family_of
 
 MAX_TOKENS = 10
 PROMPTS = {  # per model: lengths off and on block edges (16), one chunked over several steps
@@ -264,6 +267,66 @@ def test_adapters_that_cannot_run_are_refused_with_the_reason(
         },
     )
     refused(lonely, "has lora_A only")
+
+
+def _targets_of(path: str):
+    """The LoRA targets of a checkpoint's model, built on the meta device (no weights)."""
+    hf_config = read_config(path)
+    family, arch = family_of(hf_config)
+    cfg = family.config_from_hf(hf_config, arch)
+    with torch.device("meta"):
+        model = family.build(cfg, 64, None)
+    return cfg, lora_targets(model, cfg)
+
+
+def test_projections_outside_the_linear_seam_take_no_adapter(
+    moe_checkpoints, hybrid_checkpoints, tmp_path
+):
+    """A MoE layer's experts and router, a linear-attention layer and a gated attention's
+    query (its rows interleave each head's gate) are not LoRA targets; an adapter naming one
+    is refused with the reason, as vLLM refuses modules a model does not support."""
+    _, moe = _targets_of(moe_checkpoints["qwen3_moe"])  # layer 1 is dense (mlp_only_layers)
+    assert {k for k in moe if ".mlp." in k} == {
+        f"model.layers.1.mlp.{p}_proj" for p in ("gate", "up", "down")
+    }
+    assert {f"model.layers.{i}.self_attn.{p}_proj" for i in range(3) for p in "qkvo"} <= set(moe)
+    cfg, hybrid = _targets_of(hybrid_checkpoints["qwen3_5"])
+    attention = {int(k.split(".")[2]) for k in hybrid if ".self_attn." in k}
+    assert attention == set(cfg.kv_layer_indices) != set(range(cfg.num_layers))
+    assert not [k for k in hybrid if k.endswith("q_proj")]
+    assert {k.rsplit(".", 1)[1] for k in hybrid} == {"k_proj", "v_proj", "o_proj"} | {
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
+
+    expert = tmp_path / "expert"
+    expert.mkdir()
+    (expert / "adapter_config.json").write_text(
+        json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["gate_proj"]})
+    )
+    module = "base_model.model.model.layers.0.mlp.experts.0.gate_proj"
+    save_file(
+        {
+            f"{module}.lora_A.weight": torch.zeros(4, 64),
+            f"{module}.lora_B.weight": torch.zeros(24, 4),
+        },
+        expert / "adapter_model.safetensors",
+    )
+    with pytest.raises(AdapterError, match=r"experts\.0\.gate_proj.* not a projection .*experts"):
+        check_adapter(expert, moe, max_rank=8)
+
+
+def test_lora_over_a_quantized_base_is_refused_at_start(tiny_checkpoints):
+    with pytest.raises(ValueError, match="LoRA over a quantized base model is not supported"):
+        LLM(
+            tiny_checkpoints["llama"],
+            quantization="fp8",
+            enable_lora=True,
+            max_lora_rank=8,
+            num_gpu_blocks_override=16,
+            max_model_len=64,
+        )
 
 
 def test_run_time_paths_stay_under_the_root(adapters, tmp_path):

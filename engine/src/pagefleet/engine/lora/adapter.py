@@ -209,7 +209,8 @@ def _check_tensors(shapes: dict, targets: Mapping[str, Target], rank: int) -> No
         if target is None:
             raise AdapterError(
                 f"{ADAPTER_WEIGHTS}: {module!r} is not a projection of this model that LoRA "
-                f"applies to ({', '.join(TARGETS)})"
+                f"applies to ({', '.join(TARGETS)} of its attention and dense MLP layers; not "
+                "mixture-of-experts experts, linear-attention layers or a gated query)"
             )
         if dtype not in _DTYPES:
             raise AdapterError(f"{ADAPTER_WEIGHTS}: {key} has dtype {dtype} (F32/F16/BF16 only)")

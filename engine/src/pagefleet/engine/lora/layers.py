@@ -19,7 +19,12 @@ from torch import nn
 from pagefleet.engine.lora.adapter import TARGETS, LoRAWeight, Target
 from pagefleet.engine.lora.ops import LoRABatch
 from pagefleet.engine.model.config import ModelConfig
-from pagefleet.engine.model.linear import Linear, RowParallelLinear, linear_add
+from pagefleet.engine.model.linear import (
+    FloatLinearMethod,
+    Linear,
+    RowParallelLinear,
+    linear_add,
+)
 
 
 @dataclass
@@ -104,21 +109,24 @@ class LoRALinear(nn.Module):
         return f"slots={self.state.max_loras}, max_rank={self.state.max_rank}"
 
 
-def wrap_linears(model: nn.Module, state: LoRAState, dtype: torch.dtype, device) -> None:
-    """Wrap every linear layer of the decoder layers (the LM head and embeddings stay as they
-    are) in a `LoRALinear`; `state.wrappers` lists them by name."""
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            full = f"{name}.{child_name}" if name else child_name
-            if isinstance(child, Linear) and full.startswith("layers."):
-                wrapper = LoRALinear(child, state, dtype, device)
-                setattr(module, child_name, wrapper)
-                state.wrappers[full] = wrapper
+def wrap_linears(model: nn.Module, names: set[str], state: LoRAState, dtype, device) -> None:
+    """Wrap the model's linear layers `names` (those adapters may target, see lora_targets)
+    in a `LoRALinear`; `state.wrappers` lists them by name."""
+    for full in sorted(names):
+        parent, _, child_name = full.rpartition(".")
+        module = model.get_submodule(parent)
+        wrapper = LoRALinear(getattr(module, child_name), state, dtype, device)
+        setattr(module, child_name, wrapper)
+        state.wrappers[full] = wrapper
 
 
-def lora_targets(model, cfg: ModelConfig, wrapped: set[str]) -> dict[str, Target]:
+def lora_targets(model, cfg: ModelConfig) -> dict[str, Target]:
     """The projections an adapter may target, by their checkpoint name (PEFT's module names
-    less `base_model.model.`): where the model's name map puts each, and its full shape."""
+    less `base_model.model.`): the linear layer (model/linear.py) that computes each, its part
+    and its full shape. Projections outside that seam are not targets, so an adapter naming
+    one is refused (adapter.check_adapter): a mixture-of-experts layer's experts and router,
+    linear-attention layers, and a gated attention's query (its rows interleave each head's
+    gate: PEFT's delta would not be the query's)."""
     hidden, hd = cfg.hidden_size, cfg.head_dim
     shapes = {
         "self_attn.q_proj": (cfg.num_heads * hd, hidden),
@@ -137,7 +145,34 @@ def lora_targets(model, cfg: ModelConfig, wrapped: set[str]) -> dict[str, Target
             found = model.checkpoint_target(f"{checkpoint}.weight")
             if found is None:
                 continue
-            module = found[0].rsplit(".", 1)[0]
-            if module in wrapped:
-                targets[checkpoint] = Target(module, found[1], out_features, in_features)
+            module, part = found[0].rsplit(".", 1)[0], found[1]
+            if _seam_linear(model, module, part):
+                targets[checkpoint] = Target(module, part, out_features, in_features)
     return targets
+
+
+def _seam_linear(model: nn.Module, module: str, part) -> bool:
+    """Whether `module` is a linear layer of the seam (not a MoE block's plain router or
+    experts, nor missing: a sparse layer has no gate_up_proj) whose `part` is the plain
+    projection."""
+    try:
+        layer = model.get_submodule(module)
+    except AttributeError:
+        return False
+    if not isinstance(layer, Linear):
+        return False
+    owner = model.get_submodule(module.rpartition(".")[0])
+    return not (part == "q" and getattr(owner, "q_rows_per_head", 1) != 1)
+
+
+def refuse_quantized(model: nn.Module, targets: dict[str, Target]) -> None:
+    """LoRA runs over float weights only: a layer whose method is quantized (model/quant/) is
+    refused at start-up, naming it, rather than computed untested against PEFT."""
+    for target in targets.values():
+        method = model.get_submodule(target.module).method
+        if not isinstance(method, FloatLinearMethod):
+            raise ValueError(
+                f"--enable-lora: LoRA over a quantized base model is not supported "
+                f"({target.module} stores {method.name} weights); serve the float checkpoint "
+                f"(or merge the adapter into it) instead"
+            )

@@ -27,7 +27,7 @@ from pagefleet.engine.lora.adapter import (
     load_adapter,
 )
 from pagefleet.engine.lora.config import LoRAConfig
-from pagefleet.engine.lora.layers import LoRAState, lora_targets, wrap_linears
+from pagefleet.engine.lora.layers import LoRAState, lora_targets, refuse_quantized, wrap_linears
 from pagefleet.engine.lora.ops import LoRABatch, kernels_for
 from pagefleet.engine.lora.request import LoRARequest, check_name
 
@@ -210,11 +210,13 @@ def attach_lora(
     base_model_name: str,
     kernels: str | None = None,
 ) -> LoRAManager:
-    """Wrap the model's linear layers for `config.max_loras` adapters and return the manager
-    of their slots (`kernels`: ops.KERNELS' name, or triton; default: by device)."""
+    """Wrap the model's targetable linear layers for `config.max_loras` adapters (a quantized
+    one refused) and return the manager of their slots (`kernels`: ops.KERNELS' name, or
+    triton; default: by device)."""
     state = LoRAState(config.max_loras, config.max_lora_rank, kernels_for(device, kernels))
-    wrap_linears(model, state, dtype, device)
-    targets = lora_targets(model, model.config, set(state.wrappers))
+    targets = lora_targets(model, model.config)
+    refuse_quantized(model, targets)
+    wrap_linears(model, {t.module for t in targets.values()}, state, dtype, device)
     return LoRAManager(config, state, targets, dtype, base_model_name)
 
 
