@@ -317,16 +317,12 @@ def test_projections_outside_the_linear_seam_take_no_adapter(
         check_adapter(expert, moe, max_rank=8)
 
 
-def test_lora_over_a_quantized_base_is_refused_at_start(tiny_checkpoints):
+def test_lora_over_a_quantized_base_or_the_pooling_runner_is_refused_at_start(tiny_checkpoints):
+    args = {"enable_lora": True, "num_gpu_blocks_override": 16, "max_model_len": 64}
     with pytest.raises(ValueError, match="LoRA over a quantized base model is not supported"):
-        LLM(
-            tiny_checkpoints["llama"],
-            quantization="fp8",
-            enable_lora=True,
-            max_lora_rank=8,
-            num_gpu_blocks_override=16,
-            max_model_len=64,
-        )
+        LLM(tiny_checkpoints["llama"], quantization="fp8", **args)
+    with pytest.raises(ValueError, match="generate runner only"):
+        LLM(tiny_checkpoints["llama"], runner="pooling", convert="embed", **args)
 
 
 def test_run_time_paths_stay_under_the_root(adapters, tmp_path):
