@@ -42,7 +42,7 @@ from pagefleet.engine.kv_sizing import (
     kv_pool_plan_of,
     state_slots_of,
 )
-from pagefleet.engine.lora.manager import remove_adapter, setup_lora
+from pagefleet.engine.lora.manager import remove_adapter, serving_lora, setup_lora
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.model.causal_lm import CausalLM
 from pagefleet.engine.model.linear import weight_bytes as model_weight_bytes
@@ -662,7 +662,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups or request_id in self._group_of:
             raise ValueError(f"duplicate request id {request_id!r}")
-        lora = self._resolve_lora(lora_request)
+        lora = serving_lora(self.lora).resolve(lora_request) if lora_request is not None else None
         hold, source = self._kv_transfer_role(params, lora)
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
@@ -723,26 +723,14 @@ class LLMEngine:
             self._group_of[seq.request.request_id] = request_id
         return request_id
 
-    def _resolve_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
-        if lora_request is None:
-            return None
-        if self.lora is None:
-            raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
-        return self.lora.resolve(lora_request)
-
     def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
         """Make an adapter nameable by requests (vLLM's add_lora); ValueError if it cannot
         run here (engine thread)."""
-        if self.lora is None:
-            raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
         r = lora_request
-        return self.lora.register(r.lora_name, r.lora_path, r.base_model_name)
+        return serving_lora(self.lora).register(r.lora_name, r.lora_path, r.base_model_name)
 
     def remove_lora(self, name: str) -> None:
-        """Unload an adapter no request runs with (KeyError: unknown; ValueError: in use);
-        engine thread. See lora.manager.remove_adapter."""
-        if self.lora is None:
-            raise KeyError(name)
+        """Unload an adapter no request runs with (engine thread; lora.manager.remove_adapter)."""
         requests = (s.request for g in self.groups.values() for s in g.sequences)
         remove_adapter(self.lora, self.scheduler.kv_cache, requests, name)
 

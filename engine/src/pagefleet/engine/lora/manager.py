@@ -245,11 +245,18 @@ def setup_lora(args, model, dtype: torch.dtype, device: torch.device) -> LoRAMan
     return manager
 
 
-def remove_adapter(manager: LoRAManager, kv_cache, requests: Iterable, name: str) -> None:
-    """Unload an adapter (KeyError if unknown; ValueError while a request runs with it). The
-    prefix cache is dropped with it: its blocks are keyed by its name, which a later adapter
-    may take (vLLM keeps them, and serves the old adapter's KV to the new one)."""
-    if name not in manager.adapters:
+def serving_lora(manager: LoRAManager | None) -> LoRAManager:
+    """The engine's manager, or ValueError for an engine started without --enable-lora."""
+    if manager is None:
+        raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
+    return manager
+
+
+def remove_adapter(manager: LoRAManager | None, kv_cache, requests: Iterable, name: str) -> None:
+    """Unload an adapter (KeyError if unknown, or LoRA is off; ValueError while a request runs
+    with it). The prefix cache is dropped with it: its blocks are keyed by its name, which a
+    later adapter may take (vLLM keeps them, and serves the old adapter's KV to the new one)."""
+    if manager is None or name not in manager.adapters:
         raise KeyError(name)
     users = sum(1 for r in requests if r.lora_name == name and not r.status.finished)
     if users:
