@@ -125,8 +125,15 @@ def test_every_valid_example_serves_on_cpu(tmp_path, model_store, offline):
     # Not here: one needs GPUs and RDMA devices (its objects are validated strictly in
     # tests/test_operator_pods.py); one downloads from huggingface.co (the same hf:// path runs
     # against a stand-in Hub in test_overrides.py); one runs tensor parallel 8 over two pods of
-    # GPUs (a CPU multi-node pool, TP 2 over two pods, serves in test_multinode.py).
-    elsewhere = ["gpu-disaggregated-rdma.yaml", "hf-colocated.yaml", "multinode.yaml"]
+    # GPUs (a CPU multi-node pool, TP 2 over two pods, serves in test_multinode.py); one
+    # downloads an embedding model (its --runner pooling reaching the engines is
+    # test_operator_reconcile.py's; a pooling engine serves in test_server_embeddings.py).
+    elsewhere = [
+        "embeddings.yaml",
+        "gpu-disaggregated-rdma.yaml",
+        "hf-colocated.yaml",
+        "multinode.yaml",
+    ]
     valid = [name for name in every if name not in elsewhere]
     assert set(elsewhere) <= set(every)
     assert valid == ["colocated.yaml", "disaggregated.yaml", "hostpath-minimal.yaml", "keda.yaml"]
