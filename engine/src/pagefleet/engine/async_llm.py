@@ -13,6 +13,7 @@ than `client_stall_timeout` has its request aborted (its blocks freed).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -28,6 +29,7 @@ from pagefleet.engine.client import EngineLimits, EngineObserver, EngineStats
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.engines import make_engine
 from pagefleet.engine.llm_engine import LLMEngine
+from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.pooling.params import PoolingParams
 from pagefleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -154,14 +156,19 @@ class AsyncLLM:
     # ------------------------------------------------------------------ asyncio side
 
     def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Submit now (synchronously: the request counts as unfinished from this call on) and
         return its stream: the cumulative output after every step that advances it. Closing
-        the stream early, or dropping it unread, aborts the request."""
+        the stream early, or dropping it unread, aborts the request. `lora_request`: a
+        registered adapter (list_loras), or None for the base model."""
         if self.engine.limits.pooling is not None:
             raise ValueError("this engine runs the pooling runner: it does not generate")
-        return self._submit(prompt, params, request_id)
+        return self._submit(prompt, params, request_id, lora_request)
 
     def encode(
         self, prompt: str | list[int], params: PoolingParams, request_id: str
@@ -173,7 +180,11 @@ class AsyncLLM:
         return self._submit(prompt, params, request_id)
 
     def _submit(
-        self, prompt: str | list[int], params: SamplingParams | PoolingParams, request_id: str
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | PoolingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         if self._error is not None:
             raise RuntimeError("the engine loop has died") from self._error
@@ -185,8 +196,27 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = (loop, slot, params.n)
-        self._commands.put(("add", request_id, prompt, params))
+        self._commands.put(("add", request_id, prompt, params, lora_request))
         return RequestStream(self, request_id, slot)
+
+    async def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Register an adapter on the engine thread (ValueError if it cannot run here)."""
+        return await self._on_engine_thread(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, name: str) -> None:
+        """Unload an adapter on the engine thread (KeyError: unknown; ValueError: in use)."""
+        await self._on_engine_thread(self.engine.remove_lora, name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters requests may name (a copy: safe from any thread)."""
+        return self.engine.list_loras()
+
+    async def _on_engine_thread(self, fn, *args):
+        if not self._thread.is_alive():
+            raise RuntimeError("the engine is shut down")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, args, future))
+        return await asyncio.wrap_future(future)
 
     @property
     def num_unfinished(self) -> int:
@@ -313,9 +343,16 @@ class AsyncLLM:
             if output is not None:  # a consumer still reading gets the final, aborted output
                 self._deliver(command[1], output)
             return
-        _, request_id, prompt, params = command
+        if command[0] == "call":
+            _, fn, args, future = command
+            try:
+                future.set_result(fn(*args))
+            except Exception as e:  # the caller's error, never the loop's
+                future.set_exception(e)
+            return
+        _, request_id, prompt, params, lora_request = command
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, lora_request=lora_request)
         except Exception as e:  # a bad request fails alone, never the engine loop
             error = e if isinstance(e, ValueError) else ValueError(f"invalid request: {e!r}")
             self._deliver(request_id, error)

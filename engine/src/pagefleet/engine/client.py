@@ -30,6 +30,7 @@ class EngineLimits:
     max_num_seqs: int
     enable_prefix_caching: bool
     kv_cache_dtype: str
+    max_loras: int = 0  # LoRA adapters one step runs; 0: LoRA is off
     pooling: PoolingModel | None = None  # set on a pooling engine (--runner pooling)
 
     @property
@@ -79,6 +80,18 @@ class KVOffloadStats:
 
 
 @dataclass(frozen=True)
+class LoRAStats:
+    """The LoRA adapters of the requests running and waiting (names, sorted), the adapters
+    one step can run (--max-loras), and cumulative adapter loads into slots and from disk."""
+
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    max_loras: int
+    slot_loads: int = 0
+    disk_loads: int = 0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's live state, read at scrape time (ints and lengths read
     off the engine thread's objects: each is exact, together they are near-simultaneous)."""
@@ -94,6 +107,7 @@ class EngineStats:
     kv_transfer: KVTransferStats | None  # None without --kv-transfer-config
     kv_offload: KVOffloadStats | None = None  # None without --kv-offloading-size
     spec_decode: SpecDecodeStats | None = None  # None without --speculative-config
+    lora: LoRAStats | None = None  # None without --enable-lora
     expert_load: ExpertLoadStats | None = None  # None for a dense model
 
 

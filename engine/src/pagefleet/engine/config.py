@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagefleet.common.weight_formats import ALIASES, QUANTIZATION_METHODS
 from pagefleet.engine.kv_cache.state_cache import StateConfig
+from pagefleet.engine.lora.config import LoRAConfig, LoRAModulePath, parse_lora_modules
 from pagefleet.engine.pooling.config import CONVERTS, RUNNERS
 from pagefleet.engine.spec_decode.config import SpeculativeConfig
 
@@ -92,6 +93,13 @@ class EngineArgs:
     # Speculative decoding: vLLM's --speculative-config JSON (or its dict, or the parsed
     # config, which it becomes here); see spec_decode/.
     speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None
+    # Multi-LoRA (engine/lora/): adapters by name (`name=path` or JSON, parsed into
+    # LoRAModulePath), slots per step, their largest rank, adapters kept in host memory.
+    enable_lora: bool = False
+    lora_modules: list[str | dict] | tuple[LoRAModulePath, ...] | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # Hybrid models: prefix-cache state snapshots kept beside the running sequences' state
     # (None: max_num_seqs with prefix caching, else 1); see capacity.num_state_slots.
     num_state_snapshots: int | None = None
@@ -112,6 +120,8 @@ class EngineArgs:
             )
         _require(self.runner in RUNNERS, "runner", self.runner, f"one of {', '.join(RUNNERS)}")
         _require(self.convert in CONVERTS, "convert", self.convert, f"one of {', '.join(CONVERTS)}")
+        self.lora_modules = parse_lora_modules(self.lora_modules)
+        self.lora_config()  # checks the LoRA flags
         self._check_offloading()
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None:
@@ -231,6 +241,17 @@ class EngineArgs:
                 "the CPU offload tier needs real weights (not --simulate)",
             )
 
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA settings with --enable-lora, else None (ValueError for flags that need
+        it, or values out of range)."""
+        if not self.enable_lora:
+            _require(
+                not self.lora_modules, "lora_modules", self.lora_modules, "needs --enable-lora"
+            )
+            return None
+        _require(self.simulate is None, "enable_lora", True, "LoRA needs real weights")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's limits, with max_model_len resolved against the checkpoint."""
         return SchedulerConfig(
@@ -240,6 +261,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_loras=self.max_loras if self.enable_lora else 0,
         )
 
     def cache_config(
@@ -274,6 +296,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill
     max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills
     long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold
+    max_loras: int = 0  # distinct LoRA adapters in one step; 0: LoRA is off
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")

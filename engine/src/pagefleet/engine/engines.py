@@ -18,6 +18,8 @@ def make_engine(
 ) -> LLMEngine:
     runner = resolve_runner(args.runner, args.convert, args.model, read_config(args.model))
     if runner == "pooling":
+        if args.enable_lora:
+            raise ValueError("--enable-lora: LoRA adapters run with the generate runner only")
         from pagefleet.engine.pooling.engine import PoolingEngine
 
         return PoolingEngine(args, kv_event_listener, fleet_secret)

@@ -9,6 +9,7 @@ from pagefleet.common.kv_events import KVEventListener
 from pagefleet.engine.chat_template import render_chat
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.engines import make_engine
+from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.outputs import PoolingRequestOutput, RequestOutput
 from pagefleet.engine.pooling.params import PoolingParams
 from pagefleet.engine.sampling_params import SamplingParams
@@ -30,11 +31,16 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order. `lora_request`:
+        the LoRA adapter of every prompt, or one per prompt (None: the base model), as vLLM's
+        (an adapter not loaded yet is loaded from its path)."""
         if self.engine.limits.pooling is not None:
             raise ValueError("this model runs the pooling runner: use LLM.embed, not generate")
-        return self._submit_all(prompts, sampling_params or SamplingParams(), use_tqdm)
+        return self._submit_all(
+            prompts, sampling_params or SamplingParams(), use_tqdm, lora_request
+        )
 
     def embed(
         self,
@@ -48,7 +54,7 @@ class LLM:
             raise ValueError("this model runs the generate runner: embed needs runner='pooling'")
         return self._submit_all(prompts, pooling_params or PoolingParams(), use_tqdm)
 
-    def _submit_all(self, prompts, each, use_tqdm: bool) -> list:
+    def _submit_all(self, prompts, each, use_tqdm: bool, lora_request=None) -> list:
         batch = _as_batch(prompts)
         if isinstance(each, SamplingParams | PoolingParams):
             params = [each] * len(batch)
@@ -56,10 +62,11 @@ class LLM:
             params = list(each)
             if len(params) != len(batch):
                 raise ValueError(f"{len(params)} sets of params for {len(batch)} prompts")
+        loras = _per_prompt(lora_request, len(batch))
         ids: list[str] = []
         try:
-            for prompt, sp in zip(batch, params, strict=True):
-                ids.append(self.engine.add_request(None, _unwrap(prompt), sp))
+            for prompt, sp, lora in zip(batch, params, loras, strict=True):
+                ids.append(self.engine.add_request(None, _unwrap(prompt), sp, lora_request=lora))
         except Exception:
             for rid in ids:  # all or nothing: drop what this call queued
                 self.engine.abort_request(rid)
@@ -74,6 +81,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (with `tools`, OpenAI-shaped, if given) to each
         conversation, then generate."""
@@ -83,7 +91,7 @@ class LLM:
             render_chat(tokenizer, conv, add_generation_prompt, tools, chat_template)
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
@@ -109,6 +117,15 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[rid] for rid in request_ids]
+
+
+def _per_prompt(lora_request, count: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"{len(loras)} LoRA requests for {count} prompts")
+    return loras
 
 
 def _as_batch(prompts) -> list[Prompt]:

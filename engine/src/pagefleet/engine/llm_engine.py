@@ -42,6 +42,8 @@ from pagefleet.engine.kv_sizing import (
     kv_pool_plan_of,
     state_slots_of,
 )
+from pagefleet.engine.lora.manager import remove_adapter, serving_lora, setup_lora
+from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.model.causal_lm import CausalLM
 from pagefleet.engine.model.linear import weight_bytes as model_weight_bytes
 from pagefleet.engine.model.loader import (
@@ -146,6 +148,7 @@ class LLMEngine:
                 f"does not implement; set --max-model-len {window} or less"
             )
         self.draft_model: CausalLM | None = None
+        self.lora = None  # the LoRAManager with --enable-lora (lora/manager.py)
         if args.simulate is not None:
             self.model_config = model_config(hf_config)
             num_blocks = args.num_gpu_blocks_override or args.simulate.num_gpu_blocks
@@ -188,6 +191,7 @@ class LLMEngine:
             args.max_num_seqs,
             args.enable_prefix_caching,
             self.runner.kv_cache_dtype,
+            args.max_loras if self.lora is not None else 0,
         )
 
     def subscribe(self, observer: EngineObserver) -> None:
@@ -212,6 +216,7 @@ class LLMEngine:
             kv_transfer=transfer,
             kv_offload=self._offload_stats(),
             spec_decode=self.spec_counters.snapshot() if self.spec_counters else None,
+            lora=self.lora.stats(sched) if self.lora is not None else None,
             expert_load=self.runner.expert_load(),
         )
 
@@ -463,6 +468,7 @@ class LLMEngine:
         )
         self._log_weights(model, start)
         self.model_config = model.config
+        self.lora = setup_lora(args, model, self.dtype, self.device)
         kv_dtype, kv_scales = self._kv_format()
         num_blocks = self._size_kv_pool(model, kv_dtype)
         backend = select_backend(args.attention_backend, self.device)
@@ -470,7 +476,9 @@ class LLMEngine:
         runner = ModelRunner(
             model, args.block_size, num_blocks, backend, self.device, kv_dtype, kv_scales, slots
         )
-        if self.device.type == "cuda" and not args.enforce_eager:
+        runner.lora = self.lora
+        # A captured decode step would not see the step's adapter slots: LoRA runs eagerly.
+        if self.device.type == "cuda" and not args.enforce_eager and self.lora is None:
             runner.capture_decode_graphs(self._max_decode_rows(), self.max_model_len)
         return runner, num_blocks
 
@@ -519,6 +527,7 @@ class LLMEngine:
             model = tp_runner.load_shard(job, group)
             self._log_weights(model, start)
             self.model_config = model.config
+            self.lora = setup_lora(args, model, self.dtype, self.device)
             kv_dtype, kv_scales = self._kv_format()
             num_blocks = self._size_kv_pool(model, kv_dtype, group)
             backend = select_backend(args.attention_backend, self.device)
@@ -526,6 +535,7 @@ class LLMEngine:
                 *(model, args.block_size, num_blocks, backend, kv_dtype, group, executor),
                 *(kv_scales, state_slots_of(args, model)),
             )
+            runner.attach_lora(self.lora)
         except BaseException:
             self._stop_supervision()
             executor.shutdown(timeout_s=0.0)
@@ -643,14 +653,17 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        """Queue a request (text or token ids); returns its id. Raises ValueError if it cannot
-        run (the scheduler's rules, see validation.py; a duplicate id; kv_transfer_params this
-        engine cannot act on)."""
+        """Queue a request (text or token ids), for the base model or `lora_request`'s
+        adapter; returns its id. Raises ValueError if it cannot run (the scheduler's rules,
+        see validation.py; a duplicate id; kv_transfer_params this engine cannot act on; an
+        adapter this engine cannot load)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups or request_id in self._group_of:
             raise ValueError(f"duplicate request id {request_id!r}")
-        hold, source = self._kv_transfer_role(params)
+        lora = serving_lora(self.lora).resolve(lora_request) if lora_request is not None else None
+        hold, source = self._kv_transfer_role(params, lora)
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -675,6 +688,7 @@ class LLMEngine:
                 eos_token_id=self.eos_token_ids,
                 block_size=self.args.block_size,
                 arrival_time=group.arrival_time,
+                lora_request=lora,
             )
             req.hold_blocks, req.remote_source = hold, source
             detok = Detokenizer(
@@ -709,6 +723,20 @@ class LLMEngine:
             self._group_of[seq.request.request_id] = request_id
         return request_id
 
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Make an adapter nameable by requests (vLLM's add_lora); ValueError if it cannot
+        run here (engine thread)."""
+        r = lora_request
+        return serving_lora(self.lora).register(r.lora_name, r.lora_path, r.base_model_name)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter no request runs with (engine thread; lora.manager.remove_adapter)."""
+        requests = (s.request for g in self.groups.values() for s in g.sequences)
+        remove_adapter(self.lora, self.scheduler.kv_cache, requests, name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.lora.adapters.values()) if self.lora is not None else []
+
     def _admit_compiled(self) -> None:
         """Queue the groups whose grammar is now ready; fail the ones whose compile failed."""
         ready, failed = self.grammars.take_ready()
@@ -731,7 +759,7 @@ class LLMEngine:
             if ended is RequestStatus.FINISHED_STOPPED and seq.detok:
                 seq.detok.flush()
 
-    def _kv_transfer_role(self, params: SamplingParams):
+    def _kv_transfer_role(self, params: SamplingParams, lora: LoRARequest | None = None):
         """(hold blocks when done?, remote source to pull from) for this request."""
         kv = params.kv_transfer_params
         if not kv or not (kv.get("do_remote_decode") or kv.get("do_remote_prefill")):
@@ -753,7 +781,7 @@ class LLMEngine:
             )
         from pagefleet.engine.kv_transfer.connector import RemoteSource
 
-        return False, RemoteSource.from_params(kv)
+        return False, RemoteSource.from_params(kv).checked_for(lora)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         group = self.groups.pop(request_id, None)
@@ -863,7 +891,7 @@ class LLMEngine:
                 self._advance_grammar(next(s for s in group.sequences if s.request is req), start)
             if req.hold_blocks and req.request_id in self.scheduler.held:
                 group.kv_transfer_params = self.connector.hold(
-                    req.request_id, req.transfer_block_ids, time.monotonic()
+                    req.request_id, req.transfer_block_ids, time.monotonic(), req.lora_name
                 )
             touched[group.request_id] = group
         now = time.time()

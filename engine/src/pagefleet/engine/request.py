@@ -6,11 +6,12 @@ import enum
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-from pagefleet.common.block_hash import BlockHash, hash_block, hash_blocks
+from pagefleet.common.block_hash import BlockHash, hash_block, hash_blocks, lora_extra_keys
 from pagefleet.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the connector imports torch and the transfer service; requests need neither
     from pagefleet.engine.kv_transfer.connector import RemoteSource
+    from pagefleet.engine.lora.request import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +47,7 @@ class Request:
         "grammar",
         "hold_blocks",
         "logit_bias",
+        "lora_request",
         "max_len",
         "num_cached_blocks",
         "num_cached_tokens",
@@ -78,11 +80,17 @@ class Request:
         block_size: int = 16,
         extra_keys: bytes = b"",
         arrival_time: float = 0.0,
+        lora_request: LoRARequest | None = None,
         prefill_only: bool = False,
     ) -> None:
+        """`lora_request`: the LoRA adapter the request runs with (None: the base model); it
+        keys the request's blocks (common/block_hash.lora_extra_keys)."""
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
+        self.lora_request = lora_request
+        if lora_request is not None:
+            extra_keys = lora_extra_keys(lora_request.lora_name) + extra_keys
         self.extra_keys = extra_keys
         self.block_size = block_size
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -133,6 +141,10 @@ class Request:
         if eos_token_id is not None and not sampling_params.ignore_eos:
             stop.update([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
         self.stop_ids = frozenset(stop)
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.lora_request.lora_name if self.lora_request is not None else None
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,7 @@ from pagefleet.engine.kv_cache.fp8 import check_fp8_backend
 from pagefleet.engine.kv_cache.state_cache import StateConfig
 from pagefleet.engine.linear_attn.kernels import select_kernels
 from pagefleet.engine.linear_attn.state import StatePool, blocks_for_state, step_states
+from pagefleet.engine.lora.ops import LoRABatch
 from pagefleet.engine.model.causal_lm import CausalLM
 from pagefleet.engine.model.expert_load import ExpertLoadStats
 from pagefleet.engine.outputs import TokenLogprobs
@@ -51,6 +52,8 @@ class StepInputs:
     sample_requests: list[Request]
     # Requests asking for prompt logprobs: (request, first row, first position, rows).
     prompt_logprob_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
+    # Each row's LoRA adapter slot (None: no row runs an adapter, or LoRA is off).
+    lora: LoRABatch | None = None
     # Each scheduled request's first row, in batch order: its n rows follow it (all but a
     # verification's, whose 1 + k single rows may be apart); the pooling runner reads these.
     first_rows: list[int] = field(default_factory=list)
@@ -124,6 +127,7 @@ class ModelRunner:
         ]
         self.kv_cache_dtype = str(dtype).removeprefix("torch.")
         self.decode_graphs: DecodeGraphs | None = None  # see capture_decode_graphs
+        self.lora = None  # the LoRAManager of a model with LoRA layers (lora/manager.py)
         self.state_pool: StatePool | None = None
         shape = cfg.state_shape(model.tp.layout.size if model.tp else 1)
         if shape is not None:
@@ -197,6 +201,8 @@ class ModelRunner:
     @torch.inference_mode()
     def hidden_states(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass: final hidden states, one row per input row."""
+        if self.lora is not None:
+            self.lora.state.batch = inputs.lora
         hidden = None
         if self.decode_graphs is not None:
             hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
@@ -299,6 +305,7 @@ class ModelRunner:
             single_groups=self._single_groups(tables, single_lens),
             prefills=prefills,
         )
+        lora = self._lora_rows(out, singles, chunks) if self.lora is not None else None
         if self.state_pool is not None:
             single_reqs = [req for _, req, _, _ in singles]
             meta.states = step_states(out.state, single_reqs, chunk_rows, dev)
@@ -311,8 +318,21 @@ class ModelRunner:
             sample_rows=sample_rows,
             sample_requests=sample_requests,
             prompt_logprob_rows=prompt_rows,
+            lora=lora,
             first_rows=first_rows,
         )
+
+    def _lora_rows(self, out: SchedulerOutput, singles, chunks) -> LoRABatch | None:
+        """Slots for the step's adapters (installed now if not resident) and each row's slot,
+        in the rows' order: the single rows, then each chunk's."""
+        names = {r.lora_name for r, _ in out.scheduled if r.lora_name is not None}
+        if not names:
+            return None
+        slots = self.lora.activate(names)
+        row_slots = [slots.get(req.lora_name, -1) for _, req, _, _ in singles]
+        for _, req, n in chunks:
+            row_slots += [slots.get(req.lora_name, -1)] * n
+        return LoRABatch.build(row_slots, self.device)
 
     # A group of single rows holds at most this many padded context tokens (about 2.5 MB of
     # keys and values for a 57M model's layer) or this many rows.

@@ -298,8 +298,17 @@ class Scheduler:
         cfg = self.config
         kv = self.kv_cache
         waiting = self.waiting
+        # LoRA: admitted requests run at most max_loras distinct adapters; a request whose
+        # adapter would be one too many waits, and those behind it may go (as vLLM skips).
+        adapters = self._admitted_adapters() if cfg.max_loras else None
+        skipped: list[Request] = []
         while waiting and budget > 0 and self._num_admitted() < cfg.max_num_seqs:
             req = waiting[0]
+            if adapters is not None and req.lora_name is not None:
+                if req.lora_name not in adapters and len(adapters) >= cfg.max_loras:
+                    skipped.append(waiting.popleft())
+                    continue
+                adapters.add(req.lora_name)
             hits = kv.find_cached_prefix(req)
             # The tier is left out when the KV comes over the wire: the pull skips only
             # blocks the device pool holds.
@@ -335,7 +344,12 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n
+        waiting.extendleft(reversed(skipped))
         return budget
+
+    def _admitted_adapters(self) -> set[str]:
+        admitted = (*self.running, *self.loading.values(), *self.tier_loading.values())
+        return {r.lora_name for r in admitted if r.lora_name is not None}
 
     def _park(self, req: Request, status: RequestStatus, parked: dict[str, Request]) -> None:
         """Admit the head of the queue with its blocks, computing nothing until its KV

@@ -1,6 +1,9 @@
 """Capacity admission: before any object is applied, a GPU pool whose engine's KV pool cannot
 hold one request of its max-model-len on its GPUs (or that sets no max-model-len) is refused,
-with the numbers and the knobs that fix it; spec.capacity.admitAnyway deploys it anyway.
+with the numbers and the knobs that fix it; spec.capacity.admitAnyway deploys it anyway. A LoRA
+adapter (spec.adapters) whose rank is above a pool's max-lora-rank is refused too, whatever
+the pool's devices (its engines would refuse it at start): the rank comes from an hf://
+adapter's adapter_config.json (fetched as a model's config.json is) or the spec's `rank`.
 
 The sums are pagefleet.common.capacity's (the engine and `pagefleet plan` use the same). The
 GPU type comes from spec.capacity or the pool's nodeSelector (GPU feature discovery's
@@ -38,7 +41,7 @@ from pagefleet.common.capacity import (
     plan_on_gpu,
 )
 from pagefleet.common.weight_formats import online_weights_format
-from pagefleet.operator.spec import CapacitySpec, Model, Pool, Spec, SpecError
+from pagefleet.operator.spec import Adapter, CapacitySpec, Model, Pool, Spec, SpecError
 
 CONDITION = "CapacityAdmitted"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
@@ -48,6 +51,7 @@ DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 ENGINE_GPU_MEMORY_UTILIZATION = 0.92
 ENGINE_BLOCK_SIZE = 16
 ENGINE_CUDA_DTYPE = "bfloat16"  # --dtype auto on a GPU
+ENGINE_MAX_LORA_RANK = 16
 # Fetching an hf:// model's config.json: a small file, a short wait, and a failure retried
 # after a while rather than on every pass.
 CONFIG_TIMEOUT_S = 5.0
@@ -286,14 +290,68 @@ def model_shape(
         raise CapacityUnknown(f"the model's config.json has no usable shape ({e})") from e
 
 
+# ---------------------------------------------------------------------------- LoRA adapters
+
+
+class AdapterRefused(SpecError):
+    """An adapter's rank is above a pool's max-lora-rank: nothing is applied."""
+
+    reason = "AdapterRankTooHigh"
+
+
+def max_lora_rank(spec: Spec, pool: Pool) -> int:
+    return _number_arg(spec, pool, "max-lora-rank", int, ENGINE_MAX_LORA_RANK)
+
+
+def adapter_rank(
+    adapter: Adapter, configs: ModelConfigs, token: Callable[[], str | None]
+) -> int | None:
+    """An hf:// adapter's rank from its adapter_config.json, else the spec's (None: not
+    known here; the engines check it when they load it)."""
+    source = adapter.source
+    if source.source == "hf" and source.hf is not None:
+        try:
+            rank = configs.get(config_url(source, "adapter_config.json"), token()).get("r")
+        except CapacityUnknown:
+            rank = None
+        if isinstance(rank, int) and not isinstance(rank, bool):
+            return rank
+    return adapter.rank
+
+
+def check_adapters(
+    spec: Spec,
+    configs: ModelConfigs,
+    token_of: Callable[[Adapter], Callable[[], str | None]],
+) -> None:
+    """Raise AdapterRefused naming every adapter whose rank is above a pool's max-lora-rank
+    (engineArgs, the pool's over the spec's; the engine's 16 by default)."""
+    problems = []
+    for adapter in spec.adapters:
+        rank = adapter_rank(adapter, configs, token_of(adapter))
+        if rank is None:
+            continue
+        for pool in spec.pools:
+            limit = max_lora_rank(spec, pool)
+            if rank > limit:
+                problems.append(
+                    f"spec.adapters {adapter.name}: rank {rank} is above pool {pool.name}'s "
+                    f"max-lora-rank {limit}: raise engineArgs.max-lora-rank to {rank} or more "
+                    "(each adapter slot takes memory for that rank)"
+                )
+    if problems:
+        raise AdapterRefused("; ".join(problems))
+
+
 # ---------------------------------------------------------------------------- config.json
 
 
-def config_url(model: Model) -> str:
+def config_url(model: Model, file: str = "config.json") -> str:
+    """Where an hf:// model's (or adapter's) `file` is served."""
     assert model.hf is not None
     endpoint = (model.endpoint or DEFAULT_HF_ENDPOINT).rstrip("/")
     revision = quote(model.hf.revision, safe="")
-    return f"{endpoint}/{model.hf.repo}/resolve/{revision}/config.json"
+    return f"{endpoint}/{model.hf.repo}/resolve/{revision}/{file}"
 
 
 class _Deadline:

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from pagefleet.common.names import GROUP, KIND, PLURAL, VERSION
+from pagefleet.common.names import GROUP, KIND, LORA_NAME_PATTERN, PLURAL, VERSION
 
 POOL_NAMES = ("colocated", "prefill", "decode")
 AUTOSCALING_MODES = ("builtin", "keda", "none")
@@ -20,7 +20,11 @@ DEPLOYMENT_MODES = ("colocated", "disaggregated")
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_MODE_MESSAGE = "runner pooling takes mode colocated (embeddings have no decode phase)"
 KV_CONNECTORS = ("nixl", "tcp")
-SCORERS = ("prefix", "queue", "kv-usage", "inflight")
+SCORERS = ("prefix", "queue", "kv-usage", "inflight", "lora-affinity")
+# LoRA adapters one ModelDeployment lists at most (each is an init container or a volume).
+MAX_ADAPTERS = 32
+# The router's LoRA affinity weight when spec.adapters is set and scorerWeights names none.
+LORA_AFFINITY_DEFAULT = 2
 PREFIX_INDEXES = ("precise", "approximate")
 # Kubernetes' names: a Secret's name is a DNS subdomain, its keys [-._a-zA-Z0-9]+.
 DNS_SUBDOMAIN_PATTERN = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
@@ -46,6 +50,8 @@ RESERVED_ENGINE_ARGS = {
     "mp for the ranks of one pod, ray when a pool spans nodes",
     "pipeline-parallel-size": "engineArgs.pipeline-parallel-size: pipeline parallelism is not "
     "offered (the engine builds tensor parallelism only)",
+    "lora-modules": "engineArgs.lora-modules: list the adapters in spec.adapters instead (the "
+    "operator puts them in the pods and sets the flag)",
     "runner": "engineArgs.runner: set spec.runner instead (the operator checks the pools "
     "against it)",
 }
@@ -432,6 +438,42 @@ def model_schema() -> dict:
     )
 
 
+def adapters_schema() -> dict:
+    item = _obj(
+        {
+            "name": {
+                "type": "string",
+                "pattern": f"^{LORA_NAME_PATTERN}$",
+                "description": "the adapter's name: a request's model selects it",
+            },
+            "uri": {
+                "type": "string",
+                "pattern": MODEL_URI_PATTERN,
+                "description": "hf://org/name[@revision] (downloaded into each engine pod, like "
+                "an hf:// model) or pvc://claim[/path] (a PEFT folder: adapter_config.json and "
+                "adapter_model.safetensors)",
+            },
+            "hf": model_schema()["properties"]["hf"],
+            "rank": _int(
+                1,
+                description="the adapter's rank, for a pvc:// adapter's admission check "
+                "(an hf:// adapter's is read from its adapter_config.json)",
+            ),
+        },
+        ["name", "uri"],
+    )
+    return {
+        "type": "array",
+        "maxItems": MAX_ADAPTERS,
+        "items": item,
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["name"],
+        "description": "LoRA adapters every engine loads at start (--enable-lora "
+        "--lora-modules); one whose rank is above a pool's engineArgs max-lora-rank (16) is "
+        "refused at admission",
+    }
+
+
 def router_schema() -> dict:
     weights = {name: {"type": "number", "minimum": 0} for name in SCORERS}
     return _obj(
@@ -645,6 +687,7 @@ def spec_schema() -> dict:
                 "engines always require a key of their own, generated in <name>-fleet-secret"
             ),
             "capacity": capacity_schema(),
+            "adapters": adapters_schema(),
         },
         ["model"],
         **{

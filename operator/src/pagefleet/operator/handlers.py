@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ from pagefleet.operator.admission import (
     CapacityRefused,
     CapacityVerdict,
     ModelConfigs,
+    check_adapters,
     check_capacity,
 )
 from pagefleet.operator.autoscale import (
@@ -63,6 +65,7 @@ from pagefleet.operator.reconcile import (
 )
 from pagefleet.operator.spec import (
     DEFAULT_ROUTER_IMAGE,
+    Adapter,
     Pool,
     SecretKeyRef,
     Spec,
@@ -623,6 +626,7 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> str | 
     try:
         spec = parse_spec(md.get("spec"))
         capacity = admit_capacity(state, namespace, spec)
+        admit_adapters(state, namespace, spec)
         replicas, memories, own = _decide_replicas(state, md, spec, autoscale)
         options = RenderOptions(
             images,
@@ -662,8 +666,10 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> str | 
         missing = None
         if spec.api_key_secret is not None:
             missing = missing_secret_key(client, namespace, spec.api_key_secret)
-        if spec.model.token_secret is not None:
-            missing = missing or missing_secret_key(client, namespace, spec.model.token_secret)
+        hf_tokens = (spec.model.token_secret, *(a.source.token_secret for a in spec.adapters))
+        for ref in hf_tokens:
+            if ref is not None:
+                missing = missing or missing_secret_key(client, namespace, ref)
         if foreign:
             error = ("ForeignObject", foreign_message(foreign))
         elif incomplete:
@@ -714,6 +720,17 @@ def admit_capacity(state: OperatorState, namespace: str, spec: Spec) -> Capacity
     if verdict is not None and verdict.refused:
         raise CapacityRefused(verdict)
     return verdict
+
+
+def admit_adapters(state: OperatorState, namespace: str, spec: Spec) -> None:
+    """Raises AdapterRefused (nothing gets applied) for an adapter whose rank is above a
+    pool's max-lora-rank."""
+
+    def token_of(adapter: Adapter) -> Callable[[], str | None]:
+        ref = adapter.source.token_secret
+        return functools.partial(secret_value, state.client, namespace, ref) if ref else _no_token
+
+    check_adapters(spec, state.model_configs, token_of)
 
 
 def _no_token() -> None:

@@ -26,8 +26,17 @@ RESERVED_ENV = frozenset(
         "LWS_WORKER_INDEX",
     }
 )
-RESERVED_VOLUMES = frozenset({"model", "tmp", "shm", "fleet-secret", "config"})
-RESERVED_MOUNTS = ("/models", "/tmp", "/dev/shm", "/var/run/secrets/pagefleet.io", "/etc/pagefleet")
+RESERVED_VOLUMES = frozenset({"model", "tmp", "shm", "fleet-secret", "config", "adapters"})
+RESERVED_VOLUME_PREFIX = "adapter-"  # spec.adapters' claims: adapter-0, adapter-1, ...
+RESERVED_MOUNTS = (
+    "/models",
+    "/tmp",
+    "/dev/shm",
+    "/var/run/secrets/pagefleet.io",
+    "/etc/pagefleet",
+    "/adapters",
+    "/adapter-claims",
+)
 LIST_FIELDS = ("env", "envFrom", "volumes", "volumeMounts", "topologySpreadConstraints")
 POD_FIELDS = (
     *LIST_FIELDS,
@@ -99,7 +108,9 @@ def _check_reserved(o: PodOverrides, where: str) -> None:
     if taken:
         raise OverrideError(f"{where}.env: {', '.join(taken)} is set by the operator")
     volumes = _names(o.volumes, f"{where}.volumes")
-    taken = sorted(set(volumes) & RESERVED_VOLUMES)
+    taken = sorted(
+        v for v in volumes if v in RESERVED_VOLUMES or v.startswith(RESERVED_VOLUME_PREFIX)
+    )
     if taken:
         raise OverrideError(f"{where}.volumes: the name(s) {', '.join(taken)} are the operator's")
     for mount in o.volume_mounts:

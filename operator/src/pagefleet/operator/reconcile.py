@@ -36,6 +36,8 @@ from pagefleet.common.serve_command import (
 from pagefleet.operator.crd import POOL_NAMES
 from pagefleet.operator.model_source import (
     MODEL_MOUNT,
+    adapter_path,
+    adapter_volumes,
     engine_model_volume,
     model_path,
     router_model_volume,
@@ -387,10 +389,19 @@ def engine_command(spec: Spec, pool: Pool) -> list[str]:
         user_flags=[
             *(["--runner", spec.runner] if spec.runner != "auto" else []),
             *parallel_flags(pool),
+            *lora_flags(spec),
             *engine_flags({k: v for k, v in user.items() if k not in JSON_ENGINE_ARGS}),
         ],
     )
     return serve_argv(command)
+
+
+def lora_flags(spec: Spec) -> list[str]:
+    """spec.adapters as the engine's --enable-lora --lora-modules name=path ..."""
+    if not spec.adapters:
+        return []
+    modules = [f"{a.name}={adapter_path(a, i)}" for i, a in enumerate(spec.adapters)]
+    return ["--enable-lora", "--lora-modules", *modules]
 
 
 def parallel_flags(pool: Pool) -> list[str]:
@@ -500,10 +511,13 @@ def engine_pod_template(ctx: _Context, pool: Pool, part: str = ENGINE) -> dict:
     rdma = spec.rdma.enabled and pool.role in KV_ROLES
     security = _container_security()
     volume, init_containers = engine_model_volume(spec.model, image, security)
+    adapter_vols, adapter_mounts, adapter_inits = adapter_volumes(spec.adapters, image, security)
+    init_containers = [*init_containers, *adapter_inits]
     mounts = [
         {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": spec.model.source != "image"},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "shm", "mountPath": "/dev/shm"},
+        *adapter_mounts,
     ]
     volumes = [
         volume,
@@ -511,6 +525,7 @@ def engine_pod_template(ctx: _Context, pool: Pool, part: str = ENGINE) -> dict:
         # PyTorch, NCCL, NIXL and Ray's object store use shared memory; the runtime's 64 MiB
         # default is too small.
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": pool.shm_size}},
+        *adapter_vols,
     ]
     if serves:
         mounts.append(_FLEET_SECRET_MOUNT)
@@ -923,11 +938,14 @@ def network_policies(ctx: _Context, peers: PolicyPeers) -> list[dict]:
 
 
 def download_ports(spec: Spec) -> tuple[int, ...]:
-    """The port of an hf:// model's endpoint (443 for huggingface.co), else none."""
-    if spec.model.source != "hf":
-        return ()
-    url = urllib.parse.urlsplit(spec.model.endpoint or "https://huggingface.co")
-    return (url.port or (443 if url.scheme == "https" else 80),)
+    """The ports of the hf:// model's and adapters' endpoints (443 for huggingface.co)."""
+    sources = [spec.model, *(a.source for a in spec.adapters)]
+    ports = []
+    for source in sources:
+        if source.source == "hf":
+            url = urllib.parse.urlsplit(source.endpoint or "https://huggingface.co")
+            ports.append(url.port or (443 if url.scheme == "https" else 80))
+    return tuple(sorted(set(ports)))
 
 
 def router_selector(md_name: str) -> dict[str, str]:
@@ -937,7 +955,7 @@ def router_selector(md_name: str) -> dict[str, str]:
 def router_config(spec: Spec) -> str:
     config = {
         "filters": ["healthy", "model", "role"],
-        "scorers": spec.router.scorer_weights,
+        "scorers": spec.router.weights_for(spec.adapters),
         "pd_threshold_tokens": spec.router.pd_threshold_tokens,
     }
     return yaml.safe_dump(config, sort_keys=False)

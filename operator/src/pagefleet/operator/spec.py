@@ -14,6 +14,7 @@ from typing import Any
 from pagefleet.common import __version__
 from pagefleet.common.capacity import FORMAT_BYTES, GPU_MEMORY_GB, gpu_key
 from pagefleet.common.model_download import HfSource, parse_hf_uri
+from pagefleet.common.names import LORA_NAME_PATTERN
 from pagefleet.common.serve_command import JSON_ENGINE_ARGS, EngineArg
 from pagefleet.operator.crd import (
     AUTOSCALING_DEFAULTS,
@@ -27,6 +28,8 @@ from pagefleet.operator.crd import (
     GROUP_STRATEGY_MESSAGE,
     INFERENCE_POOL_DEFAULTS,
     KV_CONNECTORS,
+    LORA_AFFINITY_DEFAULT,
+    MAX_ADAPTERS,
     MODEL_NAME_PATTERN,
     MODEL_SOURCES,
     OBJECT_NAME_MAX,
@@ -42,6 +45,7 @@ from pagefleet.operator.crd import (
     ROUTER_RESOURCES,
     RUNNERS,
     SCORER_DEFAULTS,
+    SCORERS,
     SECRET_KEY_PATTERN,
     TP_NODES_MESSAGE,
     name_rule,
@@ -162,6 +166,16 @@ class Model:
 
 
 @dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter every engine loads: its name, where its PEFT folder comes from (an
+    hf:// or pvc:// source, as a model's), and its rank if the spec says it."""
+
+    name: str
+    source: Model
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
 class Rdma:
     enabled: bool = False
     resources: dict[str, Any] = field(default_factory=dict)
@@ -199,6 +213,13 @@ class RouterSpec:
     @property
     def precise(self) -> bool:
         return self.prefix_index == "precise"
+
+    def weights_for(self, adapters: tuple) -> dict[str, float]:
+        """The scorer weights the router runs with: LoRA affinity joins them (at
+        LORA_AFFINITY_DEFAULT) when the deployment has adapters and scorerWeights names none."""
+        if adapters and "lora-affinity" not in self.scorer_weights:
+            return {**self.scorer_weights, "lora-affinity": LORA_AFFINITY_DEFAULT}
+        return dict(self.scorer_weights)
 
 
 @dataclass(frozen=True)
@@ -248,6 +269,7 @@ class Spec:
     rdma: Rdma = field(default_factory=Rdma)
     placement: Placement | None = None
     capacity: CapacitySpec = field(default_factory=CapacitySpec)
+    adapters: tuple[Adapter, ...] = ()
     inference_pool: InferencePoolSpec | None = None  # None: no InferencePool, no picker
     runner: str = "auto"  # the engines' --runner (pooling: embeddings)
 
@@ -560,42 +582,42 @@ def parse_model(raw: Any) -> Model:
     return Model(name, source, pvc.get("claimName"), path, m.get("image"))
 
 
-def parse_model_uri(name: str, m: dict[str, Any]) -> Model:
+def parse_model_uri(name: str, m: dict[str, Any], where: str = "spec.model") -> Model:
     """`uri: hf://org/name[@revision]` or `pvc://claim[/path]`, which replace source."""
     clash = sorted({"source", "pvc", "image", "path"} & set(m))
     if clash:
         raise SpecError(
-            "spec.model: uri replaces source, pvc, image and path: give one or the other "
+            f"{where}: uri replaces source, pvc, image and path: give one or the other "
             f"(found {', '.join(clash)})"
         )
     uri = m["uri"]
     if not isinstance(uri, str):
-        raise SpecError("spec.model.uri must be a string")
+        raise SpecError(f"{where}.uri must be a string")
     if uri.startswith("pvc://"):
         if "hf" in m or "cache" in m:
             raise SpecError(HF_ONLY)
         claim, _, path = uri.removeprefix("pvc://").partition("/")
         if not re.match(DNS_SUBDOMAIN_PATTERN, claim):
-            raise SpecError(f"spec.model.uri {uri!r}: {claim!r} is not a claim name")
+            raise SpecError(f"{where}.uri {uri!r}: {claim!r} is not a claim name")
         return Model(name, "pvc", claim, path.strip("/") or None)
     if not uri.startswith("hf://"):
-        raise SpecError(f"spec.model.uri {uri!r} must start with hf:// or pvc://")
+        raise SpecError(f"{where}.uri {uri!r} must start with hf:// or pvc://")
     try:
         source = parse_hf_uri(uri)
     except ValueError as e:
-        raise SpecError(f"spec.model.uri: {e}") from None
-    hf = _mapping(m.get("hf"), "spec.model.hf")
-    _reject_unknown(hf, {"tokenSecret", "endpoint"}, "spec.model.hf")
+        raise SpecError(f"{where}.uri: {e}") from None
+    hf = _mapping(m.get("hf"), f"{where}.hf")
+    _reject_unknown(hf, {"tokenSecret", "endpoint"}, f"{where}.hf")
     endpoint = hf.get("endpoint")
     if endpoint is not None and not (
         isinstance(endpoint, str) and re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", endpoint)
     ):
-        raise SpecError(f"spec.model.hf.endpoint must be an http(s) URL, not {endpoint!r}")
+        raise SpecError(f"{where}.hf.endpoint must be an http(s) URL, not {endpoint!r}")
     if endpoint is not None:
         try:
             urllib.parse.urlsplit(endpoint).port  # noqa: B018 - the policies open this port
         except ValueError as e:
-            raise SpecError(f"spec.model.hf.endpoint {endpoint!r}: {e}") from None
+            raise SpecError(f"{where}.hf.endpoint {endpoint!r}: {e}") from None
     cache = _mapping(m.get("cache"), "spec.model.cache")
     _reject_unknown(cache, {"claimName"}, "spec.model.cache")
     claim = cache.get("claimName")
@@ -606,9 +628,35 @@ def parse_model_uri(name: str, m: dict[str, Any]) -> Model:
         "hf",
         claim_name=claim,
         hf=source,
-        token_secret=parse_secret_key_ref(hf.get("tokenSecret"), "spec.model.hf.tokenSecret"),
+        token_secret=parse_secret_key_ref(hf.get("tokenSecret"), f"{where}.hf.tokenSecret"),
         endpoint=endpoint,
     )
+
+
+def parse_adapters(raw: Any, model_name: str) -> tuple[Adapter, ...]:
+    """spec.adapters: LoRA adapters by unique name (none the model's), each an hf:// or
+    pvc:// PEFT folder, at most MAX_ADAPTERS."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > MAX_ADAPTERS:
+        raise SpecError(f"spec.adapters must be a list of at most {MAX_ADAPTERS} adapters")
+    adapters: list[Adapter] = []
+    for i, item in enumerate(raw):
+        where = f"spec.adapters[{i}]"
+        a = _mapping(item, where)
+        _reject_unknown(a, {"name", "uri", "hf", "rank"}, where)
+        name = a.get("name")
+        if not isinstance(name, str) or not re.fullmatch(LORA_NAME_PATTERN, name):
+            raise SpecError(
+                f"{where}.name {name!r}: 1-128 characters of letters, digits and . _ : / @ + -"
+            )
+        if name == model_name or name in (x.name for x in adapters):
+            raise SpecError(f"{where}.name {name!r} is taken (by the model or an adapter)")
+        if "uri" not in a:
+            raise SpecError(f"{where}.uri is required: hf://org/name[@revision] or pvc://claim")
+        source = parse_model_uri(name, a, where)
+        adapters.append(Adapter(name, source, _optional_int(a, "rank", where, 1)))
+    return tuple(adapters)
 
 
 def parse_router(raw: Any) -> RouterSpec:
@@ -616,7 +664,7 @@ def parse_router(raw: Any) -> RouterSpec:
     known = {"replicas", "scorerWeights", "pdThresholdTokens", "prefixIndex", "resources", "queue"}
     _reject_unknown(r, known | set(POD_FIELDS), "spec.router")
     weights = {**SCORER_DEFAULTS, **_mapping(r.get("scorerWeights"), "spec.router.scorerWeights")}
-    _reject_unknown(weights, set(SCORER_DEFAULTS), "spec.router.scorerWeights")
+    _reject_unknown(weights, set(SCORERS), "spec.router.scorerWeights")
     for key, value in weights.items():
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise SpecError(f"spec.router.scorerWeights.{key} must be a number >= 0")
@@ -710,6 +758,7 @@ def parse_spec(raw: Any) -> Spec:
         "kvTransfer",
         "apiKeySecret",
         "capacity",
+        "adapters",
         "inferencePool",
         "runner",
     }
@@ -732,8 +781,9 @@ def parse_spec(raw: Any) -> Spec:
     image = s.get("image")
     if image is not None and not isinstance(image, str):
         raise SpecError("spec.image must be an image reference")
+    model = parse_model(s["model"])
     spec = Spec(
-        model=parse_model(s["model"]),
+        model=model,
         image=image or None,
         mode=mode,
         pools=tuple(parse_pool(name, raw_pools[name]) for name in expected),
@@ -746,6 +796,7 @@ def parse_spec(raw: Any) -> Spec:
         rdma=parse_rdma(kv.get("rdma")),
         placement=parse_placement(kv.get("placement")),
         capacity=parse_capacity(s.get("capacity")),
+        adapters=parse_adapters(s.get("adapters"), model.name),
         inference_pool=parse_inference_pool(s.get("inferencePool")),
         runner=_choice(s.get("runner", "auto"), "spec.runner", RUNNERS),
     )

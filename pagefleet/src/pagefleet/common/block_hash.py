@@ -3,6 +3,11 @@
 h_i = xxh3_128(h_{i-1} || token ids of block i as little-endian uint32 || extra keys),
 over full blocks only. The encoding is stable across processes and machines (never Python's
 hash() or pickle), so the router can predict exactly which blocks an engine caches.
+
+A LoRA adapter is part of a block's identity (its keys and values differ from the base model's
+for the same tokens): `lora_extra_keys(name)` is the extra key of every block of a request for
+that adapter, as vLLM keys blocks by `lora_name`. Engines and the router both know a request's
+adapter by the name in its `model` field, so both compute the same hash.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ BlockHash = bytes
 # The parent of a request's first block: a fixed value, so equal prompts hash equally everywhere.
 ROOT_PARENT_HASH: BlockHash = bytes(16)
 _LITTLE_ENDIAN = sys.byteorder == "little"
+# Tags the adapter's name in the extra keys, so no other kind of extra key (a cache salt, a
+# multimodal hash) can ever spell the same bytes.
+_LORA_TAG = b"\x00lora\x00"
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -52,3 +60,11 @@ def hash_blocks(
         parent = hash_block(parent, token_ids[start : start + block_size], extra_keys)
         hashes.append(parent)
     return hashes
+
+
+def lora_extra_keys(lora_name: str | None) -> bytes:
+    """The extra keys of a request's blocks: none for the base model, the adapter's tagged
+    name for a LoRA adapter."""
+    if lora_name is None:
+        return b""
+    return _LORA_TAG + lora_name.encode()

@@ -2,7 +2,9 @@
 
 On the wire they are vLLM's: a batch is msgpack `[ts, [event, ...]]`, each event a tagged
 array — `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-medium]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`. Over ZMQ a PUB
+medium, lora_name]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`. A
+block computed for a LoRA adapter carries the adapter's name (its hash already includes it:
+common/block_hash.py) and the engine's integer id for it, as vLLM's do. Over ZMQ a PUB
 socket sends multipart `[topic, seq (8 bytes, big-endian), payload]`, and a ROUTER "replay"
 socket answers a start sequence number with the buffered `[seq, payload]` messages followed by
 `[-1, b""]`. Stock vLLM pods speak the same, so the router indexes them too.
@@ -23,6 +25,7 @@ MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_INVALID = "INVALID"  # a medium field that is no short string
 MAX_MEDIUM_LENGTH = 16
+MAX_LORA_NAME_LENGTH = 256  # a longer name, or not a string, reads as None
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,8 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     medium: str | None = None
+    lora_name: str | None = None  # the adapter the blocks were computed for
+    lora_id: int | None = None  # the engine's own id for it (vLLM's older field)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +73,9 @@ def _encode(event: KVEvent, include_token_ids: bool) -> list:
             event.parent_block_hash,
             list(event.token_ids) if include_token_ids else [],
             event.block_size,
-            None,
+            event.lora_id,
             event.medium,
+            event.lora_name,
         ]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", list(event.block_hashes), event.medium]
@@ -87,7 +93,10 @@ def decode_batch(payload: bytes) -> tuple[float, list[KVEvent]]:
         hashes = _hashes(raw[1]) if tag in ("BlockStored", "BlockRemoved") else None
         if tag == "BlockStored" and hashes is not None:
             medium = _medium(raw, 6)
-            events.append(BlockStored(hashes, raw[2], list(raw[3]), int(raw[4]), medium))
+            lora_name, lora_id = _lora_name(raw), _lora_id(raw)
+            events.append(
+                BlockStored(hashes, raw[2], list(raw[3]), int(raw[4]), medium, lora_name, lora_id)
+            )
         elif tag == "BlockRemoved" and hashes is not None:
             events.append(BlockRemoved(hashes, _medium(raw, 2)))
         elif tag == "AllBlocksCleared":
@@ -105,6 +114,18 @@ def _medium(raw: list, index: int) -> str | None:
     if isinstance(value, str) and len(value) <= MAX_MEDIUM_LENGTH:
         return value.upper()
     return MEDIUM_INVALID
+
+
+def _lora_name(raw: list) -> str | None:
+    value = raw[7] if len(raw) > 7 else None
+    if isinstance(value, str) and len(value) <= MAX_LORA_NAME_LENGTH:
+        return value
+    return None
+
+
+def _lora_id(raw: list) -> int | None:
+    value = raw[5] if len(raw) > 5 else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _hashes(value: object) -> list[BlockHash] | None:

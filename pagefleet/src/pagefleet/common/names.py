@@ -14,6 +14,10 @@ LABEL_POOL = "pagefleet.io/pool"
 # (the pod that serves), 1.. on the workers that only hold ranks.
 LABEL_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 
+# A LoRA adapter's name: what clients put in `model`, a metric label, part of its blocks' hash
+# (short, printable, none of the separators the metrics' comma-joined lists would misread).
+LORA_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}"
+
 # The request header naming a client's tenant: the router's flow control takes turns by it,
 # and forwards it, so an engine's grammar compiles take turns by it too.
 TENANT_HEADER = "x-tenant-id"

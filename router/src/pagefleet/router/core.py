@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from pagefleet.common.block_hash import hash_blocks
+from pagefleet.common.block_hash import hash_blocks, lora_extra_keys
 from pagefleet.common.fleet_auth import FieldSigner, FleetSecret
 from pagefleet.common.http_errors import APIError
 from pagefleet.common.names import TENANT_HEADER
@@ -43,6 +43,7 @@ from pagefleet.router.prefix_index import PrefixIndex
 from pagefleet.router.prompt_cache import PromptCache
 from pagefleet.router.routed import (
     PREFILL,
+    AdapterRecording,
     DispatchCounters,
     DispatchMetrics,
     Hooks,
@@ -181,6 +182,7 @@ class Router:
             [
                 PrefixRecording(index, registry.block_size, clock),
                 InflightLoad(),
+                AdapterRecording(),
                 DispatchMetrics(self.metrics.dispatch),
             ]
         )
@@ -191,9 +193,16 @@ class Router:
                 CHARS_PER_TOKEN,
             )
 
+    def adapter_of(self, body: dict) -> str | None:
+        """The LoRA adapter a request's `model` names (one some pod lists), else None."""
+        model = body.get("model")
+        return model if isinstance(model, str) and model in self.registry.adapters() else None
+
     def prompt_hashes(self, path: str, body: dict, block_size: int) -> list:
         """The block hashes of the prompt's first ROUTING_PREFIX_CHARS, tokenized as the engine
-        will tokenize it. Raises ValueError for text no tokenizer takes (a lone surrogate)."""
+        will tokenize it, keyed by its LoRA adapter as the engine keys them. Raises ValueError
+        for text no tokenizer takes (a lone surrogate)."""
+        keys = lora_extra_keys(self.adapter_of(body))
         if path.endswith("/chat/completions"):
             messages = body.get("messages") or []
             if self.prompt_cache is not None:
@@ -208,22 +217,28 @@ class Router:
                     add_generation_prompt=body.get("add_generation_prompt", True),
                 )
                 # apply_chat_template(tokenize=True) adds no special tokens of its own.
-                return self.prompt_cache.encode(_routed_part(text), False, block_size)[1]
+                return self._cached_hashes(_routed_part(text), False, block_size, keys)
             text = "".join(f"{m.get('role')}:{_text(m.get('content'))}\n" for m in messages)
         else:
             prompt = routed_prompt(path, body)
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-                return hash_blocks(prompt[:ROUTING_PREFIX_TOKENS], block_size)
+                return hash_blocks(prompt[:ROUTING_PREFIX_TOKENS], block_size, extra_keys=keys)
             text = prompt if isinstance(prompt, str) else "".join(map(str, prompt))
             if self.prompt_cache is not None:
-                return self.prompt_cache.encode(_routed_part(text), True, block_size)[1]
+                return self._cached_hashes(_routed_part(text), True, block_size, keys)
         text = _routed_part(text)
         # Fallback: one pseudo-token per character chunk, stable across processes.
         chunks = [
             int.from_bytes(text[i : i + CHARS_PER_TOKEN].encode()[:4].ljust(4, b"\0"), "little")
             for i in range(0, len(text), CHARS_PER_TOKEN)
         ]
-        return hash_blocks(chunks, block_size)
+        return hash_blocks(chunks, block_size, extra_keys=keys)
+
+    def _cached_hashes(self, text: str, special: bool, block_size: int, keys: bytes) -> list:
+        """Through the prompt cache, whose hashes are the base model's: an adapter's blocks
+        are hashed again over the same tokens."""
+        tokens, hashes = self.prompt_cache.encode(text, special, block_size)
+        return hash_blocks(tokens, block_size, extra_keys=keys) if keys else hashes
 
     def block_sizes(self) -> list[int]:
         # Engines of one model normally share a block size; if not, each pod is matched on
@@ -267,6 +282,7 @@ class Router:
             block_hashes=hashes[sizes[0]],
             role=role,
             prefix_matches=matches,
+            adapter=self.adapter_of(body),
         )
         candidates = self.pipeline.pick(routing, pods, self.rng)
         self.metrics.decision.observe(time.perf_counter() - started)
@@ -383,7 +399,9 @@ def read_request(
     (None for a model this router does not serve)."""
     body = parse_body(raw)
     refuse_fleet_fields(body)
-    if router.config.model and body.get("model") not in (None, router.config.model):
+    served = router.config.model
+    # A LoRA adapter some pod of the model serves passes too.
+    if served and body.get("model") not in (None, served) and router.adapter_of(body) is None:
         return body, None
     return body, router.hashes_by_size(path, body, sizes)
 

@@ -251,7 +251,7 @@ def build_router(args: argparse.Namespace, max_attempts: int, read_timeout: floa
             config = yaml.safe_load(f) or {}
     pipeline = Pipeline.from_config(config)
     index = PrefixIndex(args.prefix_index)
-    registry = PodRegistry(interval=args.scrape_interval)
+    registry = PodRegistry(interval=args.scrape_interval, api_key=args.upstream_api_key)
     registry.set_pods(pods)
     registry.on_lost = index.remove_pod
     registry.on_capacity = index.set_capacity

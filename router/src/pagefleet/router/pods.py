@@ -3,7 +3,9 @@
 A scrape every 50-100 ms reads vLLM's gauges; data older than `stale_after` counts as
 unknown (the pod keeps serving and scores as the fleet's mean load); `eject_after` consecutive
 failures eject a pod until its `/health` passes again. A changed `process_start_time_seconds`
-means the pod restarted: its prefix-index entries are dropped at once.
+means the pod restarted: its prefix-index entries are dropped at once. Every `models_interval`
+the pod's `/v1/models` says which LoRA adapters it serves (entries with a `parent`, as vLLM
+lists them), which change when adapters load at run time.
 
 A pod is ready (routed to) only after a good scrape: one just discovered, or listed with
 --endpoints, may still be loading its weights, and a request sent there would be refused. The
@@ -36,6 +38,7 @@ class PodStatus:
     ejected: bool = False
     block_size: int = 16
     started: float | None = None  # the engine process's start time, to notice restarts
+    models_at: float = float("-inf")  # when /v1/models was last read
 
 
 class PodRegistry:
@@ -45,12 +48,16 @@ class PodRegistry:
         stale_after: float | None = None,
         eject_after: int = 3,
         timeout: float = 1.0,
+        api_key: str | None = None,
+        models_interval: float = 1.0,
     ) -> None:
+        """`api_key`: what the router presents to engines (their /v1/models asks for it)."""
         # Data is stale once two scrapes were missed, never sooner than 2 s: a slower interval
         # than the default must not leave every pod reading as the fleet's mean between scrapes.
         if stale_after is None:
             stale_after = max(2.0, 2.5 * interval)
         self.interval, self.stale_after = interval, stale_after
+        self.api_key, self.models_interval = api_key, models_interval
         self.eject_after, self.timeout = eject_after, timeout
         self.status: dict[str, PodStatus] = {}
         self.on_capacity = None  # callable(pod name, num_gpu_blocks), set by the router
@@ -71,6 +78,10 @@ class PodRegistry:
                 self.status[name] = PodStatus(pod)
         if self.on_pods:
             self.on_pods(pods)
+
+    def adapters(self) -> frozenset[str]:
+        """Every LoRA adapter some pod serves."""
+        return frozenset().union(*(st.pod.adapters for st in self.status.values()))
 
     def has_role(self, role: str) -> bool:
         return any(st.pod.role == role for st in self.status.values())
@@ -148,6 +159,12 @@ class PodRegistry:
                 self.on_lost(pod.name)
         st.started = started if started is not None else st.started
         pod.waiting, pod.kv_usage = float(values["waiting"]), float(values["kv_usage"])
+        lora = values.get("lora")
+        if lora is not None:
+            pod.active_adapters, pod.max_lora = lora["active"], lora["max_lora"]
+        if st.scraped_at - st.models_at >= self.models_interval:
+            st.models_at = st.scraped_at
+            await self._read_models(client, pod)
         cache = values.get("cache")
         if cache:
             blocks = int(float(cache.get("num_gpu_blocks", 0) or 0))
@@ -157,3 +174,34 @@ class PodRegistry:
                 pod.num_gpu_blocks = blocks
                 if self.on_capacity:
                     self.on_capacity(pod.name, blocks)
+
+    async def _read_models(self, client: httpx.AsyncClient, pod: Pod) -> None:
+        """The pod's LoRA adapters from its /v1/models (kept as they were if the answer is
+        not a model list: the metrics scrape decides whether the pod is up)."""
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            r = await client.get(f"{pod.url}/v1/models", headers=headers, timeout=self.timeout)
+            models = served_adapters(r.json()) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return
+        if models is not None:
+            pod.adapters = models
+
+
+MAX_MODELS = 4096  # a pod listing more is not believed past this many
+
+
+def served_adapters(body) -> frozenset[str] | None:
+    """The LoRA adapters of an OpenAI /v1/models answer: the entries with a parent (None if
+    the answer is no model list)."""
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        return None
+    return frozenset(
+        card["id"]
+        for card in data[:MAX_MODELS]
+        if isinstance(card, dict)
+        and card.get("parent")
+        and isinstance(card.get("id"), str)
+        and len(card["id"]) <= 256
+    )

@@ -151,6 +151,20 @@ class InflightLoad:
         attempt.candidate.pod.end(routed.blocks)
 
 
+class AdapterRecording:
+    """A pod sent a LoRA adapter's request loads it into one of its slots: the affinity
+    scorer learns it at once, not at the pod's next scrape (a burst of one adapter's requests
+    then stays together)."""
+
+    def before(self, routed: RoutedRequest, attempt: Attempt) -> None:
+        adapter = routed.routing.adapter
+        if adapter is not None:
+            attempt.candidate.pod.sent_adapter(adapter)
+
+    def after(self, routed: RoutedRequest, attempt: Attempt) -> None:
+        pass
+
+
 @dataclass
 class DispatchCounters:
     requests: Counter  # per pod

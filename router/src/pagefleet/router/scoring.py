@@ -15,8 +15,15 @@ from dataclasses import dataclass, field
 
 # Defaults and why (see docs/benchmarks.md once the fleet experiment has run): prefix affinity
 # saves the most work, so it weighs most, as in llm-d (prefix 3, queue 2, kv-usage 2); the
-# in-flight count reacts between scrapes, so bursts spread even before metrics move.
-DEFAULT_WEIGHTS = {"prefix": 3.0, "queue": 2.0, "kv-usage": 2.0, "inflight": 1.0}
+# in-flight count reacts between scrapes, so bursts spread even before metrics move. LoRA
+# affinity scores every pod alike for base-model requests (benchmarks/multi_lora.py).
+DEFAULT_WEIGHTS = {
+    "prefix": 3.0,
+    "queue": 2.0,
+    "kv-usage": 2.0,
+    "inflight": 1.0,
+    "lora-affinity": 2.0,
+}
 
 
 @dataclass
@@ -33,6 +40,13 @@ class Pod:
     inflight: int = 0
     active_blocks: int = 0  # prompt blocks of the requests in flight (router's own count)
     num_gpu_blocks: int = 0
+    # LoRA: the pod's adapters (from its /v1/models), those its running and waiting requests
+    # use and how many one step runs (vllm:lora_requests_info; max_lora 0: unknown or no
+    # LoRA), and those the router sent it lately, newest last (its resident slots are LRU).
+    adapters: frozenset[str] = frozenset()
+    active_adapters: frozenset[str] = frozenset()
+    max_lora: int = 0
+    recent_adapters: list[str] = field(default_factory=list)
     caches_prefixes: bool = True  # False: its /metrics say enable_prefix_caching False
 
     @property
@@ -49,12 +63,22 @@ class Pod:
         self.inflight -= 1
         self.active_blocks -= blocks
 
+    def sent_adapter(self, name: str) -> None:
+        """The router sent the pod a request for adapter `name`: it is (or will be) in one of
+        the pod's max_lora slots, which evict the least recently used."""
+        recent = self.recent_adapters
+        if name in recent:
+            recent.remove(name)
+        recent.append(name)
+        del recent[: -max(self.max_lora, 1)]
+
 
 @dataclass
 class RoutingRequest:
     model: str
     block_hashes: Sequence[bytes]
     role: str | None = None  # the role a pod must serve (P/D); None: any that serves "both"
+    adapter: str | None = None  # the LoRA adapter `model` names; None: the base model
     # pod -> leading blocks held (host-tier blocks count HOST_TIER_WEIGHT, see prefix_index)
     prefix_matches: dict[str, float] = field(default_factory=dict)
 
@@ -79,6 +103,9 @@ def healthy_filter(req: RoutingRequest, pods: list[Pod]) -> list[Pod]:
 
 
 def model_filter(req: RoutingRequest, pods: list[Pod]) -> list[Pod]:
+    """Pods that serve the model: its base model or, for a LoRA adapter, one that lists it."""
+    if req.adapter is not None:
+        return [p for p in pods if req.adapter in p.adapters]
     return [p for p in pods if not p.models or req.model in p.models]
 
 
@@ -137,6 +164,31 @@ def kv_cost_scorer(req: RoutingRequest, pods: list[Pod]) -> dict[str, float]:
     return {name: (low + 1) / (c + 1) for name, c in cost.items()}
 
 
+# LoRA affinity, for a request naming an adapter: a pod whose requests use it now has it in a
+# slot; a pod whose slots all hold adapters in use would make it wait; of the others, one the
+# router sent it to lately most likely still holds it, and any loads it into a free slot
+# without evicting an adapter its requests use.
+LORA_ACTIVE, LORA_RECENT, LORA_FREE_SLOT = 1.0, 0.8, 0.5
+
+
+def lora_affinity_scorer(req: RoutingRequest, pods: list[Pod]) -> dict[str, float]:
+    """Where the adapter is loaded, or loadable without evicting a busy one (as the Gateway
+    API Inference Extension's LoRA affinity); every pod alike for base-model requests."""
+    if req.adapter is None:
+        return {p.name: 1.0 for p in pods}
+    scores = {}
+    for p in pods:
+        if req.adapter in p.active_adapters:
+            scores[p.name] = LORA_ACTIVE
+        elif p.max_lora and len(p.active_adapters) >= p.max_lora:
+            scores[p.name] = 0.0  # every slot holds an adapter in use
+        elif req.adapter in p.recent_adapters:
+            scores[p.name] = LORA_RECENT
+        else:
+            scores[p.name] = LORA_FREE_SLOT
+    return scores
+
+
 TIE = 1e-9  # scores this close are equal
 
 
@@ -161,6 +213,7 @@ SCORERS: dict[str, Scorer] = {
     "kv-usage": kv_usage_scorer,
     "inflight": inflight_scorer,
     "kv-cost": kv_cost_scorer,
+    "lora-affinity": lora_affinity_scorer,
 }
 PICKERS: dict[str, Picker] = {"max-score": max_score_picker, "random": random_picker}
 

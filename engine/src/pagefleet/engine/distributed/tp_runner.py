@@ -7,11 +7,17 @@ block (the same block ids everywhere, so the scheduler and KV manager stay singl
 The logits rows (sampled rows, then prompt-logprob rows) are gathered once, on rank 0, which
 samples. A stop message ends the workers' loop. `worker_main` is the entry every executor
 calls in ranks 1..N-1.
+
+With LoRA, rank 0's adapter manager decides the slots: each adapter it installs is a command
+(OP_LORA: slot, name and folder, JSON) after which every rank reads its own shard of the
+adapter from the same folder; each step's row slots follow the step's body as a third
+broadcast (the step codec stays as it is).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import pickle
@@ -40,6 +46,9 @@ from pagefleet.engine.distributed.step_codec import (
     stop_head,
 )
 from pagefleet.engine.kv_sizing import kv_pool_blocks, state_slots_of
+from pagefleet.engine.lora.manager import LoRAManager, setup_lora
+from pagefleet.engine.lora.ops import LoRABatch
+from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.model.causal_lm import CausalLM
 from pagefleet.engine.model.layers import TPParts
 from pagefleet.engine.model.loader import (
@@ -56,6 +65,7 @@ from pagefleet.engine.runner import ModelRunner, prompt_logprob_entries
 from pagefleet.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger("pagefleet.engine")
+OP_LORA = 3  # install an adapter (or clear a slot) on every rank: a uint8 JSON body
 WORKER_ENTRY = "pagefleet.engine.distributed.tp_runner:worker_main"
 
 
@@ -178,6 +188,21 @@ class ParallelModelRunner(ModelRunner):
         self.executor = executor
         self.closed = False
 
+    def attach_lora(self, manager: LoRAManager | None) -> None:
+        """Rank 0's adapter manager: every adapter it installs is installed on all ranks."""
+        self.lora = manager
+        if manager is not None:
+            manager.on_install = self._install_on_ranks
+
+    def _install_on_ranks(self, slot: int, request: LoRARequest | None) -> None:
+        command = {"slot": slot, "adapter": None}
+        if request is not None:
+            command["adapter"] = [request.lora_name, request.lora_int_id, request.lora_path]
+        data = json.dumps(command).encode()
+        device = self.device
+        self.group.broadcast(torch.tensor([OP_LORA, len(data), 0], device=device))
+        self.group.broadcast(torch.tensor(list(data), dtype=torch.uint8, device=device))
+
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput
@@ -189,6 +214,13 @@ class ParallelModelRunner(ModelRunner):
         head, body = encode_step(inputs.input_ids, inputs.positions, inputs.meta, logit_rows)
         self.group.broadcast(head)
         self.group.broadcast(body)
+        if self.lora is not None:
+            self.lora.state.batch = inputs.lora
+            rows = len(inputs.input_ids)
+            lora_rows = inputs.lora.row_slots if inputs.lora is not None else None
+            self.group.broadcast(
+                lora_rows if lora_rows is not None else torch.full((rows,), -1, device=self.device)
+            )
         hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
         if not logit_rows:
             return hidden[:0], inputs.sample_requests, {}
@@ -222,7 +254,8 @@ class ParallelModelRunner(ModelRunner):
 
 def serve_steps(runner: ModelRunner, group: RankGroup, kv: WorkerKV | None = None) -> int:
     """A worker rank's loop: run each step rank 0 broadcasts (and each KV-transfer command,
-    with `kv`) until the stop message; returns the number of steps run."""
+    with `kv`, and each adapter install, with LoRA) until the stop message; returns the number
+    of steps run."""
     head = torch.empty(HEAD_LEN, dtype=torch.int64, device=group.device)
     steps = 0
     while True:
@@ -237,9 +270,18 @@ def serve_steps(runner: ModelRunner, group: RankGroup, kv: WorkerKV | None = Non
                 raise RuntimeError("a KV-transfer command reached a rank without KV transfer")
             kv.handle(group, command.cpu().numpy().tobytes())
             continue
+        if op == OP_LORA:
+            command = torch.empty(length, dtype=torch.uint8, device=group.device)
+            group.broadcast(command)
+            _install_adapter(runner.lora, json.loads(command.cpu().numpy().tobytes()))
+            continue
         body = torch.empty(length, dtype=torch.int64, device=group.device)
         group.broadcast(body)
         input_ids, positions, meta, logit_rows = decode_step(body, desc_len, runner.block_size)
+        if runner.lora is not None:
+            lora_rows = torch.empty(len(input_ids), dtype=torch.int64, device=group.device)
+            group.broadcast(lora_rows)
+            runner.lora.state.batch = LoRABatch.build(lora_rows.tolist(), group.device)
         with torch.inference_mode():
             hidden = runner.forward(input_ids, positions, meta)
             if len(logit_rows):
@@ -247,10 +289,23 @@ def serve_steps(runner: ModelRunner, group: RankGroup, kv: WorkerKV | None = Non
         steps += 1
 
 
+def _install_adapter(manager: LoRAManager | None, command: dict) -> None:
+    """A worker's side of OP_LORA: its shard of the adapter (read from the folder rank 0
+    checked) into the slot, or the slot cleared."""
+    if manager is None:
+        raise RuntimeError("a LoRA command reached a rank without LoRA")
+    adapter = command["adapter"]
+    request = LoRARequest(*adapter) if adapter is not None else None
+    manager.install_local(int(command["slot"]), request)
+
+
 def build_worker(job: ShardJob, group: RankGroup) -> ModelRunner:
     """A worker rank's shard and pool, sized together with the other ranks."""
     start = time.perf_counter()
     model = load_shard(job, group)
+    dtype = resolve_dtype(job.args.dtype, group.device)
+    # Rank 0 registers the --lora-modules adapters; a worker only installs what it is sent.
+    lora = setup_lora(dataclasses.replace(job.args, lora_modules=()), model, dtype, group.device)
     kv_dtype, kv_scales = job.kv_format(group.device)
     blocks = kv_pool_blocks(job.args, model, kv_dtype, group.device, job.max_model_len, group)
     backend = select_backend(job.args.attention_backend, group.device)
@@ -258,6 +313,7 @@ def build_worker(job: ShardJob, group: RankGroup) -> ModelRunner:
         *(model, job.args.block_size, blocks, backend, group.device, kv_dtype, kv_scales),
         state_slots_of(job.args, model),
     )
+    runner.lora = lora
     logger.info(
         "rank %d: shard loaded in %.2f s, KV pool of %d blocks",
         group.rank,

@@ -229,8 +229,10 @@ class BlockPool:
         parent: BlockHash | None,
         token_ids: list[int],
         block_size: int,
+        lora: tuple[str, int] | None = None,
     ) -> None:
-        """Register full, computed blocks under their hashes (one hash per block).
+        """Register full, computed blocks under their hashes (one hash per block); `lora`:
+        the (name, id) of the adapter they were computed for, which their event carries.
 
         A hash already cached by another block (two requests computed the same block at once)
         keeps its first block; the duplicate stays private and is freed like any other. Every
@@ -244,7 +246,10 @@ class BlockPool:
                 cached[block_hash] = block
                 self.hashed[block_id] = 1
         if self.listener is not None:
-            self.listener(BlockStored(list(hashes), parent, token_ids, block_size))
+            name, lora_id = lora if lora is not None else (None, None)
+            self.listener(
+                BlockStored(list(hashes), parent, token_ids, block_size, None, name, lora_id)
+            )
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash; returns how many were dropped. Blocks in use stay allocated."""

@@ -284,12 +284,14 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = request.block_hashes
+        lora = request.lora_request
         self.pool.cache_blocks(
             request.block_ids[start:num_full],
             hashes[start:num_full],
             hashes[start - 1] if start else None,
             request.all_token_ids[start * bs : num_full * bs],
             bs,
+            (lora.lora_name, lora.lora_int_id) if lora is not None else None,
         )
         request.num_cached_blocks = num_full
 

@@ -96,13 +96,15 @@ class KVTransferConfig:
 
 @dataclass(frozen=True)
 class RemoteSource:
-    """Where a decode-side request's prompt blocks are: a prefill pod's `kv_transfer_params`."""
+    """Where a decode-side request's prompt blocks are: a prefill pod's `kv_transfer_params`.
+    `lora_name`: the LoRA adapter the prefill pod computed them with (None: the base model)."""
 
     engine_id: str
     host: str
     port: int
     block_ids: tuple[int, ...]
     request_id: str
+    lora_name: str | None = None
 
     @classmethod
     def from_params(cls, params: dict) -> RemoteSource:
@@ -113,12 +115,35 @@ class RemoteSource:
                 port=int(params["remote_port"]),
                 block_ids=tuple(int(b) for b in params["remote_block_ids"]),
                 request_id=str(params["remote_request_id"]),
+                lora_name=_optional_str(params.get("remote_lora_name")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(
                 "kv_transfer_params with do_remote_prefill needs remote_engine_id, remote_host, "
                 f"remote_port, remote_block_ids and remote_request_id ({e!r})"
             ) from None
+
+    def checked_for(self, lora) -> RemoteSource:
+        """This source, if its blocks were computed with the request's adapter (`lora`, a
+        LoRARequest or None): KV of another adapter (or of the base model) is not this
+        request's, whatever the tokens; ValueError otherwise."""
+        wanted = lora.lora_name if lora is not None else None
+        if self.lora_name != wanted:
+            raise ValueError(
+                f"kv_transfer_params hold KV computed for {_model_label(self.lora_name)}, "
+                f"this request runs {_model_label(wanted)}"
+            )
+        return self
+
+
+def _optional_str(value) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError("remote_lora_name must be a string")
+    return value
+
+
+def _model_label(lora_name: str | None) -> str:
+    return "the base model" if lora_name is None else f"LoRA adapter {lora_name!r}"
 
 
 @dataclass
@@ -257,9 +282,16 @@ class KVConnector:
 
     # ------------------------------------------------------------------ prefill side
 
-    def hold(self, request_id: str, block_ids: Sequence[int], now: float) -> dict:
+    def hold(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        now: float,
+        lora_name: str | None = None,
+    ) -> dict:
         """Keep a finished prefill's blocks for a decode pod under a fresh grant; returns the
-        request's kv_transfer_params (`remote_request_id` is the grant)."""
+        request's kv_transfer_params (`remote_request_id` is the grant; `remote_lora_name`
+        the adapter the KV was computed with, which the decode pod checks)."""
         grant = secrets.token_urlsafe(GRANT_BYTES)
         with self._held_lock:
             self._held[grant] = _Hold(request_id, list(block_ids), now + self.config.hold_timeout)
@@ -271,6 +303,7 @@ class KVConnector:
             "remote_port": self.port,
             "remote_block_ids": list(block_ids),
             "remote_request_id": grant,
+            "remote_lora_name": lora_name,
         }
 
     def blocks_of(self, transfer_id: str, reader: str) -> list[int] | None:

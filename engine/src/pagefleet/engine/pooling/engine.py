@@ -20,6 +20,7 @@ from pagefleet.common.kv_events import KVEventListener
 from pagefleet.engine.client import StepStats
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.llm_engine import LLMEngine
+from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.model.checkpoint import read_config
 from pagefleet.engine.outputs import PoolingOutput, PoolingRequestOutput, RequestMetrics
 from pagefleet.engine.pooling.config import PoolingModel, resolve_pooling
@@ -68,9 +69,13 @@ class PoolingEngine(LLMEngine):
         prompt: str | list[int],
         params: PoolingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a prompt (text or token ids) to pool; returns its id. Raises ValueError if it
-        cannot run (validation.check_prefill_only, dimensions the model cannot give)."""
+        cannot run (validation.check_prefill_only, dimensions the model cannot give, a LoRA
+        adapter: they run with the generate runner only)."""
+        if lora_request is not None:
+            raise ValueError("LoRA adapters run with the generate runner only, not pooling")
         if not isinstance(params, PoolingParams):
             raise ValueError(
                 "this engine runs the pooling runner (--runner pooling): it computes embeddings, "

@@ -37,10 +37,12 @@ from pagefleet.common.http_errors import (
 )
 from pagefleet.common.names import TENANT_HEADER
 from pagefleet.engine.client import EngineClient
+from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.outputs import RequestOutput, TokenLogprobs
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.server.fleet_fields import check_fleet_fields
 from pagefleet.engine.server.limits import RequestLimits, Tokenization, max_token_bytes
+from pagefleet.engine.server.lora_routes import LORA_ROUTES, LoRAUpdates, adapter_cards, adapter_of
 from pagefleet.engine.server.metrics import EngineMetrics
 from pagefleet.engine.server.protocol import (
     MAX_EMBEDDING_INPUTS,
@@ -79,6 +81,7 @@ class ServerConfig:
     max_sequences_per_request: int | None = None  # prompts x n; default: --max-num-seqs
     tool_calls: ToolCallConfig = field(default_factory=ToolCallConfig)  # --enable-auto-tool-choice
     chat_template: str | None = None  # --chat-template: instead of the checkpoint's
+    lora_updates: LoRAUpdates | None = None  # --allow-runtime-lora-updating, --lora-root
 
 
 @dataclass
@@ -198,15 +201,9 @@ async def _auth_and_ids(request: Request, call_next):
 # ------------------------------------------------------------------ request checks
 
 
-def _check_model(state: ServerState, name: str | None) -> None:
-    served = state.config.served_model_name
-    if name is not None and name != served:
-        raise APIError(
-            404,
-            f"model {name!r} does not exist; this server serves {served!r}",
-            "not_found_error",
-            "model",
-        )
+def _check_model(state: ServerState, name: str | None) -> LoRARequest | None:
+    """The LoRA adapter the request's `model` names (None: the base model); 404 if unknown."""
+    return adapter_of(state.engine, state.config.served_model_name, name)
 
 
 def _check_capacity(state: ServerState, sequences: int) -> None:
@@ -258,12 +255,22 @@ def _request_id(request: Request, prefix: str) -> str:
 # ------------------------------------------------------------------ submitting
 
 
-def _submit(state: ServerState, rid: str, token_ids: list[int], params: SamplingParams):
+def _submit(
+    state: ServerState,
+    rid: str,
+    token_ids: list[int],
+    params: SamplingParams,
+    lora: LoRARequest | None = None,
+):
     """Submit now (so the next capacity check counts it); outputs come from the returned
     generator, with metrics observed on the way."""
+    # Unique inside the engine even when clients reuse an X-Request-Id.
+    engine_id = f"{rid}.{uuid.uuid4().hex[:8]}"
     try:
-        # Unique inside the engine even when clients reuse an X-Request-Id.
-        stream = state.engine.generate(token_ids, params, f"{rid}.{uuid.uuid4().hex[:8]}")
+        if lora is None:
+            stream = state.engine.generate(token_ids, params, engine_id)
+        else:
+            stream = state.engine.generate(token_ids, params, engine_id, lora_request=lora)
     except ValueError as e:
         raise APIError(400, str(e)) from None
     return _observe(state.metrics, stream, params)
@@ -348,7 +355,8 @@ async def models(request: Request):
                 "owned_by": "pagefleet",
                 "root": name,  # never the checkpoint's path
                 "max_model_len": state.limits.max_model_len,
-            }
+            },
+            *adapter_cards(state.engine, name, state.limits.max_model_len),
         ],
     }
 
@@ -372,7 +380,7 @@ async def detokenize(req: DetokenizeRequest, request: Request):
 
 async def completions(req: CompletionRequest, request: Request):
     state = _state(request)
-    _check_model(state, req.model)
+    lora = _check_model(state, req.model)
     _check_fleet(state, req, request)
     sequences = state.limits.check_sequences(len(req.prompts()), req.n)
     prompts = [await _encode(state, p, req.add_special_tokens) for p in req.prompts()]
@@ -386,11 +394,11 @@ async def completions(req: CompletionRequest, request: Request):
     rid = _request_id(request, "cmpl")
     _check_capacity(state, sequences)  # and submit at once, with no await in between
     gens = [
-        _submit(state, f"{rid}-{i}", p, sp)
+        _submit(state, f"{rid}-{i}", p, sp, lora)
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
     ]
     created = int(time.time())
-    model, tokenizer = state.config.served_model_name, state.tokenizer
+    model, tokenizer = _model_name(state, lora), state.tokenizer
     if req.stream:
         return _sse(_completion_chunks(gens, rid, created, model, req, prompts, tokenizer))
     finals = await _collect(gens, request)
@@ -424,7 +432,7 @@ async def completions(req: CompletionRequest, request: Request):
 
 async def chat(req: ChatCompletionRequest, request: Request):
     state = _state(request)
-    _check_model(state, req.model)
+    lora = _check_model(state, req.model)
     _check_fleet(state, req, request)
     sequences = state.limits.check_sequences(1, req.n)
     parser = _tool_parser(state, req)
@@ -436,9 +444,9 @@ async def chat(req: ChatCompletionRequest, request: Request):
     await _check_fields(state, req, params, request)
     rid = _request_id(request, "chatcmpl")
     _check_capacity(state, sequences)  # and submit at once, with no await in between
-    gen = _submit(state, rid, prompt, params)
+    gen = _submit(state, rid, prompt, params, lora)
     created = int(time.time())
-    model, tokenizer = state.config.served_model_name, state.tokenizer
+    model, tokenizer = _model_name(state, lora), state.tokenizer
     if req.stream:
         return _sse(_chat_chunks(gen, rid, created, model, req, prompt, tokenizer, parser))
     (final,) = await _collect([gen], request)
@@ -468,6 +476,11 @@ async def chat(req: ChatCompletionRequest, request: Request):
     }
 
 
+def _model_name(state: ServerState, lora: LoRARequest | None) -> str:
+    """The `model` an answer names: the adapter the request ran with, or the base model."""
+    return lora.lora_name if lora is not None else state.config.served_model_name
+
+
 def _message(req, text: str, reason: str | None, parser: Parser | None) -> tuple[dict, str | None]:
     """A finished choice's message (its tool calls parsed out) and finish reason."""
     if parser is None:
@@ -490,6 +503,7 @@ _ROUTES = (
     ("POST", "/detokenize", detokenize),
     ("POST", "/v1/completions", completions),
     ("POST", "/v1/chat/completions", chat),
+    *LORA_ROUTES,
 )
 
 

@@ -13,7 +13,13 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pagefleet.engine.client import EngineClient, EngineObserver, KVOffloadStats, StepStats
+from pagefleet.engine.client import (
+    EngineClient,
+    EngineObserver,
+    KVOffloadStats,
+    LoRAStats,
+    StepStats,
+)
 from pagefleet.engine.model.expert_load import ExpertLoadStats
 from pagefleet.engine.outputs import PoolingRequestOutput, RequestOutput
 from pagefleet.engine.server.protocol import KNOWN_IGNORED_FIELDS
@@ -165,8 +171,46 @@ class _EngineCollector:
             yield from _offload_metrics(stats.kv_offload, gauge, counter)
         if stats.spec_decode is not None:
             yield from _spec_decode_metrics(stats.spec_decode, counter, name)
+        if stats.lora is not None:
+            yield from _lora_metrics(stats.lora, counter)
         if stats.expert_load is not None:
             yield from _expert_load_metrics(stats.expert_load, name)
+
+
+# Adapters named in one label of vllm:lora_requests_info at most (running ones are at most
+# --max-loras anyway; waiting ones could be every adapter loaded).
+MAX_LISTED_ADAPTERS = 64
+
+
+def _lora_metrics(lora: LoRAStats, counter: Callable):
+    """vLLM's vllm:lora_requests_info, as it exports it (labels max_lora, waiting and running
+    adapters, comma-joined; the value the time of the scrape, which readers of vLLM's use to
+    pick its newest series) but always one series: vLLM leaves a series behind for every
+    combination it ever reported. Then pagefleet's adapter-load counters."""
+    info = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running stats on LoRA requests.",
+        labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+    )
+    info.add_metric(
+        [
+            str(lora.max_loras),
+            ",".join(lora.waiting[:MAX_LISTED_ADAPTERS]),
+            ",".join(lora.running[:MAX_LISTED_ADAPTERS]),
+        ],
+        time.time(),
+    )
+    yield info
+    yield counter(
+        "pagefleet:lora_adapter_loads",
+        "LoRA adapters installed into a resident slot (each one a slot miss).",
+        lora.slot_loads,
+    )
+    yield counter(
+        "pagefleet:lora_adapter_disk_loads",
+        "LoRA adapters read from disk into the host-memory cache.",
+        lora.disk_loads,
+    )
 
 
 def _expert_load_metrics(load: ExpertLoadStats, name: list[str]):

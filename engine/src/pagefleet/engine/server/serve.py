@@ -103,6 +103,17 @@ def add_serve_parser(sub) -> None:
         '"replay_endpoint": "tcp://*:5558"}',
     )
     _add_tool_flags(p)
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora "
+        "and --lora-root): clients holding the API key may then load adapters from there",
+    )
+    p.add_argument(
+        "--lora-root",
+        default=None,
+        help="the only folder run-time loaded LoRA adapters may come from (symlinks followed)",
+    )
     p.set_defaults(func=run_serve)
 
 
@@ -146,6 +157,22 @@ def chat_template_from(value: str | None) -> str | None:
         return path.read_text() if path.is_file() else value
     except OSError:  # a long template is no valid path
         return value
+
+
+def lora_updates_from(args: argparse.Namespace):
+    """Run-time adapter loading (server/lora_routes.py), or None; ValueError for flags that
+    do not go together."""
+    from pagefleet.engine.server.lora_routes import LoRAUpdates
+
+    if not args.allow_runtime_lora_updating:
+        if args.lora_root is not None:
+            raise ValueError("--lora-root is read only with --allow-runtime-lora-updating")
+        return None
+    if not args.enable_lora:
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
+    if args.lora_root is None or not Path(args.lora_root).is_dir():
+        raise ValueError("--allow-runtime-lora-updating needs --lora-root, an existing folder")
+    return LoRAUpdates(Path(args.lora_root).resolve())
 
 
 def tool_call_config(args: argparse.Namespace):
@@ -310,6 +337,20 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "the offload tier's implementation (lmcache is not built into pagefleet)",
         choices=["native", "lmcache"],
     )
+    switch("enable_lora", "serve LoRA adapters: a request's model may name one")
+    flag(
+        "lora_modules",
+        "LoRA adapters (PEFT folders) served from the start: name=path, or JSON "
+        '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "..."}\'',
+        nargs="+",
+    )
+    flag("max_loras", "LoRA adapters one engine step runs (resident slots)", type=int)
+    flag("max_lora_rank", "largest LoRA rank an adapter may have", type=int)
+    flag(
+        "max_cpu_loras",
+        "LoRA adapters kept in host memory, least recently used dropped (default: --max-loras)",
+        type=int,
+    )
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
@@ -338,6 +379,7 @@ def run_serve(args: argparse.Namespace, banner: str | None = None) -> int:
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tools = tool_call_config(args)  # a flag error before the model loads
+    lora_updates = lora_updates_from(args)
     secret = load_fleet_secret(args.fleet_secret_file)
     publisher = None
     if args.kv_events_config:
@@ -366,6 +408,7 @@ def run_serve(args: argparse.Namespace, banner: str | None = None) -> int:
             args.max_sequences_per_request,
             tools,
             chat_template_from(args.chat_template),
+            lora_updates,
         ),
     )
     config = uvicorn.Config(
