@@ -490,6 +490,25 @@ def test_gguf_blocks_load_as_codes_equal_to_transformers_dequantizing(gguf_mixed
         assert_close(mlp.down_proj(mid), hf.mlp.down_proj(mid))
 
 
+def test_quantization_none_dequantizes_a_gguf_file_and_nothing_else(gguf_mixed, written):
+    """--quantization none serves a GGUF file on float weights (transformers' dequantization
+    of it); a checkpoint stored quantized any other way is refused, naming how it is stored."""
+    from transformers import AutoModelForCausalLM
+
+    model = load_model(gguf_mixed, torch.float32, CPU, 64, quantization="none")
+    down = model.layers[0].mlp.down_proj
+    assert type(down.method).__name__ == "FloatLinearMethod", down.method
+    hf = AutoModelForCausalLM.from_pretrained(
+        gguf_mixed.parent, gguf_file=gguf_mixed.name, dtype=torch.float32
+    ).model.layers[0]
+    mid = torch.randn(3, 512, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert_close(down(mid), hf.mlp.down_proj(mid))
+    with pytest.raises(ValueError, match=r"--quantization none dequantizes a GGUF.*as gptq"):
+        path = written["gptq-int8-g32-sym"].quantized
+        load_model(path, torch.float32, CPU, 64, quantization="none")
+
+
 def test_gguf_codes_shard_over_ranks_and_stay_small(gguf_mixed):
     """Two ranks' rows (q/k rows put back in HF's rotary order per rank) and block-aligned
     columns compute one rank's outputs; the linears hold codes, not float32."""

@@ -27,6 +27,7 @@ import torch
 
 from pagefleet.common.demo_model import SMOLLM2
 from pagefleet.fleet.up import free_port
+from server_utils import running_server
 
 BIN = Path(sys.executable).parent
 WHEEL = BIN.parent / "demo-wheel" / SMOLLM2.wheel  # kept by `make demo-model`
@@ -35,11 +36,11 @@ CHATS = ["What is the capital of France?", "Write one sentence about the moon."]
 # fp8 e4m3 cache (scales 1.0) against the float cache, two chats of 48 tokens: see the test.
 MIN_FP8_TOP1_AGREEMENT = 0.9
 MAX_FP8_MEAN_ABS_DELTA_LOGPROB = 0.08
-# The served engine keeps the file's Q4_1 linears as codes and multiplies them with bfloat16
-# activations (engine/model/quant/cpu_kernels.py): a continuation's loglikelihood moves by up
-# to ~0.1 nats from transformers' float32 on the dequantized weights (measured: 0.100). A
-# scoring slip (a token shifted, the context scored, another continuation) moves it by nats.
-MAX_Q4_LOGLIKELIHOOD_DELTA = 0.25
+# lm-eval through a server that dequantizes the file at load (--quantization none), as
+# transformers does: the same float32 weights, so the loglikelihoods agree to rounding. (The
+# demo serves the Q4_1 codes with bfloat16 activations, ~0.1 nats away: issue 31's benchmark
+# measures that path's accuracy.)
+MAX_LOGLIKELIHOOD_DELTA = 1e-4
 
 
 class _Index:
@@ -326,7 +327,7 @@ def _lm_eval(backend, tasks_dir: Path, **model_args) -> list[dict]:
 
 
 def test_lm_eval_local_completions_against_the_server_equals_its_hf_backend(
-    engine_url, hf, tmp_path, capsys
+    gguf_file, hf, tmp_path, capsys
 ):
     from lm_eval.models.huggingface import HFLM
 
@@ -337,16 +338,18 @@ def test_lm_eval_local_completions_against_the_server_equals_its_hf_backend(
     tokenizer.save_pretrained(tmp_path / "tokenizer")  # both sides tokenize alike
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-    served = _lm_eval(
-        "local-completions",
-        tmp_path,
-        model=SMOLLM2.served_name,
-        base_url=f"{engine_url}/v1/completions",
-        tokenizer=str(tmp_path / "tokenizer"),
-        tokenizer_backend="huggingface",
-        num_concurrent=1,
-        max_retries=1,
-    )
+    flags = ("--quantization", "none", "--dtype", "float32", "--max-model-len", "512")
+    with running_server(str(gguf_file), *flags, timeout=180) as (engine_url, _):
+        served = _lm_eval(
+            "local-completions",
+            tmp_path,
+            model="tiny",
+            base_url=f"{engine_url}/v1/completions",
+            tokenizer=str(tmp_path / "tokenizer"),
+            tokenizer_backend="huggingface",
+            num_concurrent=1,
+            max_retries=1,
+        )
     reference = _lm_eval(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1), tmp_path)
 
     def loglikelihoods(samples):
@@ -355,7 +358,7 @@ def test_lm_eval_local_completions_against_the_server_equals_its_hf_backend(
     ours, theirs = loglikelihoods(served), loglikelihoods(reference)
     assert ours.keys() == theirs.keys() and len(ours) == 12
     worst = max(abs(ours[k] - theirs[k]) for k in ours)
-    assert worst <= MAX_Q4_LOGLIKELIHOOD_DELTA, worst
+    assert worst <= MAX_LOGLIKELIHOOD_DELTA, worst
     accuracy = [sorted((s["doc_id"], s["acc"]) for s in run) for run in (served, reference)]
     with capsys.disabled():
         correct = sum(acc for _, acc in accuracy[0])

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pagefleet.common.weight_formats import ALIASES, QUANTIZATION_METHODS
+from pagefleet.common.weight_formats import canonical_quantization
 from pagefleet.engine.kv_cache.state_cache import StateConfig
 from pagefleet.engine.lora.config import LoRAConfig, LoRAModulePath, parse_lora_modules
 from pagefleet.engine.pooling.config import CONVERTS, RUNNERS
@@ -112,12 +112,10 @@ class EngineArgs:
     def __post_init__(self) -> None:
         _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "must be > 0")
         if self.quantization is not None:
-            _require(
-                ALIASES.get(self.quantization, self.quantization) in QUANTIZATION_METHODS,
-                "quantization",
-                self.quantization,
-                f"must be one of {', '.join(QUANTIZATION_METHODS)}",
-            )
+            try:
+                canonical_quantization(self.quantization)
+            except ValueError as e:
+                raise ValueError(f"quantization={self.quantization!r} is invalid: {e}") from None
         _require(self.runner in RUNNERS, "runner", self.runner, f"one of {', '.join(RUNNERS)}")
         _require(self.convert in CONVERTS, "convert", self.convert, f"one of {', '.join(CONVERTS)}")
         self.lora_modules = parse_lora_modules(self.lora_modules)

@@ -15,13 +15,19 @@ QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "gguf")
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "compressed_tensors": "compressed-tensors"}
 
 
+# Not a format: a GGUF file's tensors dequantized into the engine's dtype at load (float
+# weights, exact against transformers, which dequantizes GGUF the same way).
+DEQUANTIZE = "none"
+
+
 def canonical_quantization(name: str) -> str:
-    """vLLM's name for a --quantization value (ValueError naming the supported ones)."""
+    """vLLM's name for a --quantization value, or DEQUANTIZE (ValueError naming the supported
+    ones)."""
     canonical = ALIASES.get(name, name)
-    if canonical not in QUANTIZATION_METHODS:
+    if canonical not in (*QUANTIZATION_METHODS, DEQUANTIZE):
         raise ValueError(
             f"--quantization {name!r} is not supported; supported: "
-            f"{', '.join(QUANTIZATION_METHODS)}"
+            f"{', '.join(QUANTIZATION_METHODS)}, or {DEQUANTIZE} (a GGUF file dequantized)"
         )
     return canonical
 

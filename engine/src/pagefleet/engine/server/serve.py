@@ -239,7 +239,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     flag(
         "quantization",
         "weight format: fp8, compressed-tensors, awq, gptq, gguf (default: the checkpoint's "
-        "quantization_config; fp8 on a float checkpoint quantizes it at load)",
+        "quantization_config; fp8 on a float checkpoint quantizes it at load; none dequantizes "
+        "a GGUF file into --dtype at load)",
     )
     flag(
         "kv_cache_dtype",

@@ -19,6 +19,7 @@ import torch
 
 from pagefleet.common.gguf_file import is_gguf
 from pagefleet.common.weight_formats import (
+    DEQUANTIZE,
     QUANTIZATION_METHODS,
     canonical_quantization,
     declared_quantization,
@@ -62,7 +63,12 @@ def resolve_quantization(flag: str | None, hf_config: dict, path) -> QuantFormat
     """The format to serve the checkpoint at `path` with (None: float weights)."""
     stored = "gguf" if is_gguf(path) else declared_quantization(hf_config)
     wanted = canonical_quantization(flag) if flag is not None else stored
-    if wanted is None:
+    if wanted == DEQUANTIZE and stored not in (None, "gguf"):
+        raise ValueError(
+            f"--quantization {DEQUANTIZE} dequantizes a GGUF file at load; {path} is quantized "
+            f"as {stored}: serve it as stored (drop the flag)"
+        )
+    if wanted in (None, DEQUANTIZE):
         return None
     if stored == "gguf" and wanted == "gguf":
         from pagefleet.engine.model.quant.gguf import format_of
