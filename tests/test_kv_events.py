@@ -30,12 +30,13 @@ def test_batches_round_trip_and_vllm_payloads_decode():
         AllBlocksCleared(),
     ]
     assert decode_batch(encode_batch(12.5, events)) == (12.5, events)
-    # As a stock vLLM pod sends it: int hashes, newer trailing fields, an unknown event kind.
+    # As a stock vLLM pod sends it: int hashes, the adapter's name (vLLM's lora_name), a
+    # trailing field newer than this reader, an unknown event kind.
     vllm = msgpack.packb(
         [
             1.0,
             [
-                ["BlockStored", [7, 8], 6, [1, 2], 1, None, "GPU", "extra"],
+                ["BlockStored", [7, 8], 6, [1, 2], 1, None, "GPU", "sql", "extra"],
                 ["SomethingNew", 1],
                 ["BlockRemoved", [7], "GPU"],
             ],
@@ -43,7 +44,8 @@ def test_batches_round_trip_and_vllm_payloads_decode():
     )
     ts, decoded = decode_batch(vllm)
     assert ts == 1.0
-    assert decoded == [BlockStored([7, 8], 6, [1, 2], 1, "GPU"), BlockRemoved([7], "GPU")]
+    stored = BlockStored([7, 8], 6, [1, 2], 1, "GPU", lora_name="sql")
+    assert decoded == [stored, BlockRemoved([7], "GPU")]
     # The offload tier's events carry their medium both ways.
     tier = [BlockStored([b"h"], None, [], 16, "CPU"), BlockRemoved([b"h"], "CPU")]
     assert decode_batch(encode_batch(2.0, tier)) == (2.0, tier)

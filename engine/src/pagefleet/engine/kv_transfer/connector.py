@@ -295,7 +295,7 @@ class KVConnector:
         grant = secrets.token_urlsafe(GRANT_BYTES)
         with self._held_lock:
             self._held[grant] = _Hold(request_id, list(block_ids), now + self.config.hold_timeout)
-        return {
+        params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
@@ -303,8 +303,10 @@ class KVConnector:
             "remote_port": self.port,
             "remote_block_ids": list(block_ids),
             "remote_request_id": grant,
-            "remote_lora_name": lora_name,
         }
+        if lora_name is not None:  # vLLM's shape for the base model's requests
+            params["remote_lora_name"] = lora_name
+        return params
 
     def blocks_of(self, transfer_id: str, reader: str) -> list[int] | None:
         """From a gRPC thread: the grant's blocks for this reader (binding it on first use)."""
