@@ -52,7 +52,7 @@ def test_a_pod_is_routed_to_only_after_a_good_scrape_and_ejected_at_once_on_requ
     answers = {"/metrics": 200, "/health": 200}
 
     def engine(request: httpx.Request) -> httpx.Response:
-        status = answers[request.url.path]
+        status = answers.get(request.url.path, 404)  # /v1/models: no adapters to list
         return httpx.Response(status, text="vllm:num_requests_waiting 0\n")
 
     registry = PodRegistry()
