@@ -335,7 +335,8 @@ def elapsed(since: float) -> float:
 
 @dataclass
 class Load:
-    """Closed-loop clients in the lab: each sends a completion, waits for it, repeats."""
+    """Closed-loop clients in the lab: each sends a completion, waits for it, repeats, until
+    its stop event is set or the lab stops."""
 
     url: str
     model: str = "tiny"
@@ -344,9 +345,9 @@ class Load:
     failures: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def client(self, stop: threading.Event) -> None:
+    def client(self, stop: threading.Event, closing: threading.Event) -> None:
         with httpx.Client(timeout=120) as http:
-            while not stop.is_set():
+            while not (stop.is_set() or closing.is_set()):
                 with self.lock:
                     self.sent += 1
                 body = {"model": self.model, "prompt": "count the requests", "max_tokens": 20}
@@ -364,7 +365,7 @@ class Load:
 
     def run(self, lab, clients: int) -> tuple[threading.Event, list]:
         stop = threading.Event()
-        return stop, [lab.submit(self.client, stop) for _ in range(clients)]
+        return stop, [lab.submit(self.client, stop, lab.closing) for _ in range(clients)]
 
 
 # helm's releaseutil/kind_sorter.go: the order `helm uninstall` deletes a release's objects in.

@@ -195,6 +195,9 @@ class Lab:
         self._runners: list = []
         self._dns: asyncio.DatagramTransport | None = None
         self._executor = None
+        # Set when the lab stops: loops a test left running end with it (the interpreter joins
+        # the executor's threads at exit, so one that never ends keeps the test run alive).
+        self.closing = threading.Event()
         self.api: LabApi | None = None
         self.kubelet: Kubelet | None = None
 
@@ -308,6 +311,7 @@ class Lab:
 
     def stop(self) -> None:
         """Stop every process, namespace, mount and thread the lab made, even after a failure."""
+        self.closing.set()
         for proc in self.processes:
             self._stop_process(proc)
         if self.loop is not None and self._thread is not None and self._thread.is_alive():

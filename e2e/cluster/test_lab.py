@@ -7,6 +7,7 @@ import json
 import socket
 import ssl
 import textwrap
+from concurrent import futures
 
 import httpx
 import pytest
@@ -650,8 +651,12 @@ def test_volumes_users_and_read_only_root(lab):
 
 def test_the_lab_leaves_nothing_behind(tmp_path):
     from .conftest import open_lab
+    from .fleet import Load
 
     with open_lab(tmp_path / "lab") as lab:
+        # A load a failing test never stopped: it must end with the lab, or its threads keep
+        # the test run from exiting.
+        _, clients = Load(f"http://{lab.node_ip}:9").run(lab, clients=2)
         lab.kube.create(
             deployment(
                 "web",
@@ -686,6 +691,8 @@ def test_the_lab_leaves_nothing_behind(tmp_path):
         ]
     assert not lab.leftovers()
     assert not [p for p in pids if _alive(p)], "container processes outlived the lab"
+    _, running = futures.wait(clients, timeout=60)
+    assert not running, "a load's clients outlived the lab"
 
 
 def _alive(pid: int) -> bool:
