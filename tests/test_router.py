@@ -184,6 +184,17 @@ def test_router_refuses_bad_bodies_and_passes_keys_upstream(tiny_checkpoints):
         with running_router(*flags) as (router, _):
             auth = {"Authorization": "Bearer router-key"}
             assert httpx.get(f"{router}/v1/models").status_code == 401
+            # Every operation the router declares (embeddings, pooling, tokenize... as well as
+            # generation) refuses a keyless or wrong-keyed client before it reads the body.
+            spec = httpx.get(f"{router}/openapi.json", headers=auth).json()
+            operations = [(m, p) for p, ops in spec["paths"].items() for m in ops]
+            assert ("post", "/v1/embeddings") in operations, operations
+            for method, route in operations:
+                if route in ("/health", "/livez", "/metrics"):  # probes and scrapes stay open
+                    continue
+                for headers in ({}, {"Authorization": "Bearer engine-key"}):
+                    r = httpx.request(method, f"{router}{route}", json={}, headers=headers)
+                    assert r.status_code == 401, (method, route, headers, r.text)
             models = httpx.get(f"{router}/v1/models", headers=auth)
             assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
             for body in ({"messages": ["hi"]}, {"messages": "x"}, {"prompt": 5}, [1, 2]):
