@@ -16,8 +16,10 @@ GEMM rate and the bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import platform
 import random
 import tempfile
 import time
@@ -56,6 +58,15 @@ def workload(name: str, seed: int = 0) -> list[tuple[list[int], int]]:
 
 
 # ---------------------------------------------------------------- the machine's floor
+
+
+def cpu_model() -> str:
+    """The CPU's model name (every recorded figure names the machine it came from)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
 
 
 def gemm_rate(seconds: float = 2.0) -> float:
@@ -193,10 +204,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     gemm, bandwidth = gemm_rate(), memory_bandwidth()
     print(
-        f"machine: fp32 GEMM {gemm / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s,"
-        f" {args.threads} threads"
+        f"machine: {cpu_model()}, fp32 GEMM {gemm / 1e9:.1f} GFLOP/s, copy bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s, {args.threads} threads"
     )
-    results = {"gemm_flops": gemm, "bandwidth": bandwidth, "workloads": {}}
+    results = {"cpu": cpu_model(), "gemm_flops": gemm, "bandwidth": bandwidth, "workloads": {}}
     with tempfile.TemporaryDirectory() as tmp:
         path = str(write_tiny_checkpoint(Path(tmp) / "bench", "LlamaForCausalLM", **SHAPE))
         for name in ("a", "b"):

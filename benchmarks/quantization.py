@@ -35,7 +35,6 @@ import functools
 import gc
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -49,6 +48,9 @@ from pagefleet.common.demo_model import cache_dir, ensure_demo_model
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.model.linear import Linear, weight_bytes
 from pagefleet.engine.model.quant.reference import Spec, write_quantized
+
+sys.path.insert(0, str(Path(__file__).parent))
+from offline_throughput import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = 64
@@ -266,13 +268,6 @@ def table(rows: list[dict]) -> str:
             f"| {100 * r['agreement']:.1f}% | {r['loadavg']:.1f} |"
         )
     return "\n".join(lines)
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def run_rows(args) -> None:
