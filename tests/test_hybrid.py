@@ -186,7 +186,7 @@ def test_state_slots_balance_after_100_clients_leave(hybrid_checkpoints):
     path = hybrid_checkpoints["qwen3_5_vl"]
     args = {**ENGINE, "max_num_batched_tokens": 256}
     engine = LLMEngine(EngineArgs(model=path, dtype="float32", num_gpu_blocks_override=40, **args))
-    llm = AsyncLLM(engine)
+    llm = AsyncLLM(lambda: engine)
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     rng = random.Random(5)
     prompts = [[rng.randrange(5, 500) for _ in range(rng.randrange(2, 40))] for _ in range(100)]

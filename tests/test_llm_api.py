@@ -6,11 +6,12 @@ import asyncio
 import json
 import logging
 import shutil
+import threading
 import time
 
 import pytest
 
-from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine import LLM, SamplingParams, async_llm
 from pagefleet.engine.async_llm import AsyncLLM
 from pagefleet.engine.config import EngineArgs
 from pagefleet.engine.model.tiny import write_tiny_checkpoint
@@ -155,8 +156,18 @@ def test_tiny_checkpoint_refuses_unknown_architectures(tmp_path):
         write_tiny_checkpoint(tmp_path / "x", "GPT2LMHeadModel")
 
 
-def test_async_engine_streams_and_matches_offline(tiny_checkpoints):
+def test_async_engine_streams_and_matches_offline(tiny_checkpoints, monkeypatch):
+    """...and is built on its loop's own thread, so that thread's OpenMP team is the
+    process's only one (async_llm.py says why that matters)."""
     path = tiny_checkpoints["llama"]
+    built_on: list[threading.Thread] = []
+    build = async_llm.make_engine
+
+    def make_engine(*args):
+        built_on.append(threading.current_thread())
+        return build(*args)
+
+    monkeypatch.setattr(async_llm, "make_engine", make_engine)
     prompts = [[10 + i, 20, 30, 40 + i] * (i + 1) for i in range(6)]
     expected = [
         o.outputs[0].token_ids
@@ -167,6 +178,8 @@ def test_async_engine_streams_and_matches_offline(tiny_checkpoints):
     engine = AsyncLLM.from_engine_args(
         EngineArgs(model=path, num_gpu_blocks_override=128, max_model_len=256)
     )
+    monkeypatch.undo()
+    assert built_on == [engine._thread] and engine._thread is not threading.current_thread()
 
     async def one(i: int) -> tuple[list[int], int]:
         updates = 0

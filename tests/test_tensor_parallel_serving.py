@@ -108,8 +108,16 @@ def test_one_engine_spans_two_ray_nodes(tiny_checkpoints):
         assert rank1_node in nodes["all"] and rank1_node != head
 
 
+def _children(task: Path) -> list[str]:
+    try:
+        return (task / "children").read_text().split()
+    except OSError:  # the thread has ended
+        return []
+
+
 def _worker_pids(pid: int) -> list[int]:
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    # Any of the process's threads may have started them (the engine's own thread does).
+    children = [c for task in Path(f"/proc/{pid}/task").iterdir() for c in _children(task)]
     return [
         int(c)
         for c in children

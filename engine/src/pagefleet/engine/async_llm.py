@@ -122,8 +122,16 @@ def _release(llm_ref, request_id: str, state: dict) -> None:
 class AsyncLLM:
     """The engine's `EngineClient` (see client.py): what the server may use of it."""
 
-    def __init__(self, engine: LLMEngine, client_stall_timeout: float | None = None) -> None:
-        self.engine = engine
+    def __init__(
+        self, build: Callable[[], LLMEngine], client_stall_timeout: float | None = None
+    ) -> None:
+        """`build` makes the engine on the engine's own thread, which then runs its loop and,
+        when the loop stops, closes it. One thread for all of it, because libgomp keeps an
+        OpenMP team for every thread that ran a parallel region (loading runs many), and
+        while it manages more threads than there are CPUs it stops spin-waiting between
+        regions: a team left on the loading thread made every step's small matmuls wake
+        sleeping workers (single-stream decode at one thread's speed, benchmarks/cpu_peer.py).
+        And processes the engine starts (Ray's) may be tied to the thread that started them."""
         self.client_stall_timeout = client_stall_timeout
         self._observers: list[EngineObserver] = []  # told of stalled aborts, on the loop
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -132,16 +140,19 @@ class AsyncLLM:
         # Re-entrant: a RequestStream's finalizer (garbage collection can run it at any
         # allocation, on whichever thread holds this lock) releases its stream under it.
         self._lock = threading.RLock()
-        self._thread = threading.Thread(target=self._run, name="pagefleet-engine", daemon=True)
+        self._closing = False  # the engine's close has begun (on whichever thread)
         self._error: BaseException | None = None
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(build, built), name="pagefleet-engine", daemon=True
+        )
+        self._thread.start()
+        self.engine: LLMEngine = built.result()  # the build's error, raised here
         # The server tokenizes on the event loop while the engine thread detokenizes: HF fast
         # tokenizers are not safe to share across threads, so each side has its own.
         from pagefleet.common.tokenizer import load_tokenizer
 
-        self.tokenizer = load_tokenizer(engine.args.tokenizer or engine.args.model)
-        if engine.connector is not None:  # a finished pull or a release wakes an idle loop
-            engine.connector.wake = lambda: self._commands.put(_TICK)
-        self._thread.start()
+        self.tokenizer = load_tokenizer(self.engine.args.tokenizer or self.engine.args.model)
 
     @classmethod
     def from_engine_args(
@@ -151,7 +162,7 @@ class AsyncLLM:
         fleet_secret: FleetSecret | None = None,
         client_stall_timeout: float | None = None,
     ) -> AsyncLLM:
-        return cls(make_engine(args, kv_event_listener, fleet_secret), client_stall_timeout)
+        return cls(lambda: make_engine(args, kv_event_listener, fleet_secret), client_stall_timeout)
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -290,9 +301,22 @@ class AsyncLLM:
         self._commands.put(("abort", request_id))
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop, which closes the engine on its way out. A loop still in a step
+        after `timeout` has the engine closed from here instead (as a dead rank needs)."""
         self._commands.put(_STOP)
         self._thread.join(timeout)
-        self.engine.close()
+        if not self._thread.is_alive():
+            return
+        if self._begin_close():  # still in a step: close from here
+            self.engine.close()
+        else:  # the loop is closing the engine: that ends first
+            self._thread.join()
+
+    def _begin_close(self) -> bool:
+        """True for the one caller that closes the engine."""
+        with self._lock:
+            first, self._closing = not self._closing, True
+        return first
 
     @property
     def is_running(self) -> bool:
@@ -301,7 +325,23 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ engine thread
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], LLMEngine], built: concurrent.futures.Future) -> None:
+        try:
+            engine = build()
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        if engine.connector is not None:  # a finished pull or a release wakes an idle loop
+            engine.connector.wake = lambda: self._commands.put(_TICK)
+        self.engine = engine
+        built.set_result(engine)
+        try:
+            self._serve()
+        finally:
+            if self._begin_close():
+                engine.close()
+
+    def _serve(self) -> None:
         try:
             while True:
                 block = not self.engine.has_unfinished_requests()
