@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import cpu_model, gemm_rate, memory_bandwidth
-from procs import wait_healthy
+from procs import process, wait_healthy
 
 TOPICS = (
     "the sea",
@@ -52,17 +51,6 @@ def prompts(n: int) -> list[list[dict]]:
         [{"role": "user", "content": f"Write story {i} about {TOPICS[i % len(TOPICS)]}."}]
         for i in range(n)
     ]
-
-
-@contextlib.contextmanager
-def server(argv: list[str], url: str, env: dict[str, str]):
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_healthy(url, timeout=600)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 def pagefleet_argv(gguf: str, port: int, slots: int, context: int) -> list[str]:
@@ -168,7 +156,8 @@ def main() -> None:
         urls = {"pagefleet": "http://127.0.0.1:18301", "llama.cpp": "http://127.0.0.1:18302"}
         with contextlib.ExitStack() as stack:
             for who, argv in argvs.items():
-                stack.enter_context(server(argv, urls[who], env))
+                stack.enter_context(process(argv, stop_timeout=60, env=env))
+                wait_healthy(urls[who], timeout=600)
                 asyncio.run(round_trip(urls[who], prompts(2), 8, 2))  # warm-up
             rates: dict[tuple[str, int], list[float]] = {}
             for r in range(args.rounds):

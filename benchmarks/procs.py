@@ -10,9 +10,9 @@ import httpx
 
 
 @contextlib.contextmanager
-def process(argv: list[str], stop_timeout: float = 120.0):
+def process(argv: list[str], stop_timeout: float = 120.0, env: dict[str, str] | None = None):
     """A quiet child process, terminated (and waited for) when the block ends."""
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         yield proc
     finally:

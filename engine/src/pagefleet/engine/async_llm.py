@@ -146,8 +146,9 @@ class AsyncLLM:
         self._thread = threading.Thread(
             target=self._run, args=(build, built), name="pagefleet-engine", daemon=True
         )
+        self.engine: LLMEngine  # set on the engine's thread before `built` completes
         self._thread.start()
-        self.engine: LLMEngine = built.result()  # the build's error, raised here
+        built.result()  # the build's error, raised here
         # The server tokenizes on the event loop while the engine thread detokenizes: HF fast
         # tokenizers are not safe to share across threads, so each side has its own.
         from pagefleet.common.tokenizer import load_tokenizer
@@ -334,7 +335,7 @@ class AsyncLLM:
         if engine.connector is not None:  # a finished pull or a release wakes an idle loop
             engine.connector.wake = lambda: self._commands.put(_TICK)
         self.engine = engine
-        built.set_result(engine)
+        built.set_result(None)
         try:
             self._serve()
         finally:
