@@ -56,11 +56,30 @@ def _log_of(proc: subprocess.Popen) -> str:
     return Path(proc.log_path).read_text(errors="replace")[-4000:]
 
 
+PORT_ATTEMPTS = 3  # a free port can be taken by another process before the server binds it
+
+
 @contextmanager
 def running(command: str, *flags: str, timeout: float = 60.0, env: dict | None = None):
     """`pagefleet COMMAND` on a free loopback port; yields (base URL, process) once healthy,
     and kills it afterwards. Its output goes to a file (`proc.log_path`): a pipe nobody reads
-    would fill up and block the server on its next log line."""
+    would fill up and block the server on its next log line. A server that lost its port
+    before binding it (Ray's processes take ephemeral ports while the model loads) is started
+    again on another."""
+    for attempt in range(PORT_ATTEMPTS):
+        with _started(command, flags, env) as (base, proc):
+            try:
+                wait_healthy(proc, base, timeout)
+            except RuntimeError:
+                if "address already in use" in _log_of(proc) and attempt + 1 < PORT_ATTEMPTS:
+                    continue
+                raise
+            yield base, proc
+            return
+
+
+@contextmanager
+def _started(command: str, flags: tuple[str, ...], env: dict | None):
     port = free_port()
     with tempfile.NamedTemporaryFile("w", prefix=f"pagefleet-{command}-", suffix=".log") as log:
         proc = subprocess.Popen(
@@ -71,10 +90,8 @@ def running(command: str, *flags: str, timeout: float = 60.0, env: dict | None =
             env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
         )
         proc.log_path = log.name
-        base = f"http://127.0.0.1:{port}"
         try:
-            wait_healthy(proc, base, timeout)
-            yield base, proc
+            yield f"http://127.0.0.1:{port}", proc
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
