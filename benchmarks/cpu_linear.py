@@ -24,7 +24,6 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +32,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_throughput import SHAPE
 
-from pagefleet.engine import LLM, SamplingParams, llm_engine
-from pagefleet.engine.model import loader
+from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.model.packed import pack_weight, packed_linear, packed_linear_add
 from pagefleet.engine.model.tiny import write_tiny_checkpoint
 
@@ -89,19 +87,16 @@ def shape_of(name: str) -> tuple[int, int]:
 def in_forward(path: str, rows: int, prepack: bool) -> tuple[dict, list[float]]:
     """Per-(linear, rows) call times inside the engine's forward, and the forward seconds of
     each step with exactly `rows` rows."""
-    patched = mock.patch.object(
-        llm_engine, "load_model", lambda *a, **k: loader.load_model(*a, **k, prepack=prepack)
+    # A small pool (256 blocks hold every run here): the default 4 GiB one per engine would
+    # crowd a shared machine.
+    llm = LLM(
+        path,
+        linear_path="packed" if prepack else "plain",
+        max_model_len=1024,
+        max_num_seqs=rows,
+        enable_prefix_caching=False,
+        num_gpu_blocks_override=256,
     )
-    with patched:
-        # A small pool (256 blocks hold every run here): the default 4 GiB one per engine
-        # would crowd a shared machine.
-        llm = LLM(
-            path,
-            max_model_len=1024,
-            max_num_seqs=rows,
-            enable_prefix_caching=False,
-            num_gpu_blocks_override=256,
-        )
     book: dict = defaultdict(list)
     instrument(llm.engine.runner.model, book)
     steps: list[float] = []

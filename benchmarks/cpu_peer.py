@@ -53,7 +53,7 @@ def prompts(n: int) -> list[list[dict]]:
     ]
 
 
-def pagefleet_argv(gguf: str, port: int, slots: int, context: int) -> list[str]:
+def pagefleet_argv(gguf: str, port: int, slots: int, context: int, extra: str) -> list[str]:
     return [
         str(Path(sys.executable).parent / "pagefleet"),
         "serve",
@@ -68,6 +68,7 @@ def pagefleet_argv(gguf: str, port: int, slots: int, context: int) -> list[str]:
         str(slots),
         "--max-model-len",
         str(context),
+        *extra.split(),
     ]
 
 
@@ -137,6 +138,9 @@ def main() -> None:
     parser.add_argument("--waves", type=int, default=2, help="requests = waves x concurrency")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--pagefleet-args", default="", help="more flags for pagefleet serve (one string)"
+    )
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     slots, context = max(levels), 128 + args.tokens
@@ -150,7 +154,7 @@ def main() -> None:
     for spec in args.gguf:
         name, gguf = spec.split("=", 1)
         argvs = {
-            "pagefleet": pagefleet_argv(gguf, 18301, slots, context),
+            "pagefleet": pagefleet_argv(gguf, 18301, slots, context, args.pagefleet_args),
             "llama.cpp": llama_argv(args.llama_server, gguf, 18302, slots, context, args.threads),
         }
         urls = {"pagefleet": "http://127.0.0.1:18301", "llama.cpp": "http://127.0.0.1:18302"}

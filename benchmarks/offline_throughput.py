@@ -16,10 +16,8 @@ GEMM rate and the bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import platform
 import random
 import tempfile
 import time
@@ -30,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.cpu_choice.measure import cpu_model
 from pagefleet.engine.model.tiny import write_tiny_checkpoint
 
 SHAPE = dict(
@@ -58,15 +57,6 @@ def workload(name: str, seed: int = 0) -> list[tuple[list[int], int]]:
 
 
 # ---------------------------------------------------------------- the machine's floor
-
-
-def cpu_model() -> str:
-    """The CPU's model name (every recorded figure names the machine it came from)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def gemm_rate(seconds: float = 2.0) -> float:
@@ -199,13 +189,14 @@ def main() -> None:
     parser.add_argument("--hf-batch-sizes", default="8,16,32")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--linear-path", default="auto", help="the engine's --linear-path")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gemm, bandwidth = gemm_rate(), memory_bandwidth()
     print(
         f"machine: {cpu_model()}, fp32 GEMM {gemm / 1e9:.1f} GFLOP/s, copy bandwidth "
-        f"{bandwidth / 1e9:.1f} GB/s, {args.threads} threads"
+        f"{bandwidth / 1e9:.1f} GB/s, {args.threads} threads, --linear-path {args.linear_path}"
     )
     results = {"cpu": cpu_model(), "gemm_flops": gemm, "bandwidth": bandwidth, "workloads": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -217,6 +208,7 @@ def main() -> None:
                 requests,
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
+                linear_path=args.linear_path,
             )
             cut = requests[: args.hf_cut]
             hf_runs = [run_hf(path, cut, int(b)) for b in args.hf_batch_sizes.split(",")]

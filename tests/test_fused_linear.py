@@ -59,13 +59,13 @@ def _inputs(width: int, seed: int) -> torch.Tensor:
     return torch.randn(ROWS, width, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("prepack", [False, True], ids=["plain", "prepacked"])
+@pytest.mark.parametrize("linear_path", ["plain", "packed"])
 @pytest.mark.parametrize("name", [*ARCH_CASES, "llama-biased"])
-def test_fused_layers_equal_separate_projections(checkpoints, name, prepack):
+def test_fused_layers_equal_separate_projections(checkpoints, name, linear_path):
     path = checkpoints[name]
-    ours = load_model(path, torch.float32, CPU, max_positions=64, prepack=prepack)
+    ours = load_model(path, torch.float32, CPU, max_positions=64, linear_path=linear_path)
     hf = hf_model(path)
-    assert (getattr(ours.lm_head, "packed", None) is not None) == prepack
+    assert (getattr(ours.lm_head, "packed", None) is not None) == (linear_path == "packed")
     x = _inputs(ours.config.hidden_size, 0)
     residual = _inputs(ours.config.hidden_size, 1)
     with torch.no_grad():
@@ -84,9 +84,11 @@ def test_fused_layers_equal_separate_projections(checkpoints, name, prepack):
         assert_close(ours.compute_logits(x), hf.lm_head(x))
 
 
-@pytest.mark.parametrize("prepack", [False, True], ids=["plain", "prepacked"])
+@pytest.mark.parametrize("linear_path", ["plain", "packed"])
 @pytest.mark.parametrize("name", ["llama-biased", "mistral", "qwen2"])
-def test_tp_shards_of_fused_layers_equal_slices_of_separate_projections(checkpoints, name, prepack):
+def test_tp_shards_of_fused_layers_equal_slices_of_separate_projections(
+    checkpoints, name, linear_path
+):
     """Two ranks (mistral: one KV head, replicated; qwen2: q/k/v biases): each rank's q|k|v
     and gate|up are its slices of HF's outputs; the row-parallel o_proj and down_proj partial
     sums add up to HF's output with the bias counted once."""
@@ -101,7 +103,9 @@ def test_tp_shards_of_fused_layers_equal_slices_of_separate_projections(checkpoi
         for rank in range(2):
             layout = TPLayout.of(cfg, rank, 2)
             tp = TPParts(layout, IdentityGroup(rank, 2))
-            ours = load_model(path, torch.float32, CPU, max_positions=64, tp=tp, prepack=prepack)
+            ours = load_model(
+                path, torch.float32, CPU, max_positions=64, tp=tp, linear_path=linear_path
+            )
             attn, mlp = ours.layers[0].self_attn, ours.layers[0].mlp
             q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
             kv = slice(

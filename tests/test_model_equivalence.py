@@ -1,6 +1,6 @@
 """The correctness gate: greedy output equals HF transformers' in float32, token for token,
 for every architecture and whatever the scheduler does (chunking, prefix hits, preemption,
-block sizes, requests arriving mid-decode)."""
+block sizes, requests arriving mid-decode) and on either float32 CPU linear path."""
 
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ ENGINE_PATHS = {
     "chunked-prefill": {"max_num_batched_tokens": 32, "max_num_seqs": 32},
     "block-size-32": {"block_size": 32},
     "tight-pool-preemption": {"num_gpu_blocks_override": 9, "max_model_len": 140},
+    # Both linear paths, whatever --linear-path auto measures on the machine running this.
+    "plain-linears": {"linear_path": "plain"},
+    "packed-linears": {"linear_path": "packed"},
 }
 
 

@@ -74,7 +74,7 @@ def test_block_equals_hf_including_batches_that_leave_experts_idle(moe_checkpoin
     drops or double-counts pairs when experts get no token or all of them, a shared expert
     missing, ungated or loaded from the wrong tensors."""
     path = moe_checkpoints[case]
-    ours = load_model(path, torch.float32, CPU, max_positions=64, prepack=False)
+    ours = load_model(path, torch.float32, CPU, max_positions=64, linear_path="plain")
     hf = hf_model(path)
     outputs = block_outputs(ours)
     assert sparse_layers(ours) == SPARSE_LAYERS[case]
@@ -102,7 +102,9 @@ def run_ranks(path: str, size: int, expert_parallel: bool, backend: str, work):
         try:
             layout = TPLayout.of(cfg, rank, size, expert_parallel)
             tp = TPParts(layout, group, backend)
-            model = load_model(path, torch.float32, CPU, max_positions=64, tp=tp, prepack=False)
+            model = load_model(
+                path, torch.float32, CPU, max_positions=64, tp=tp, linear_path="plain"
+            )
             results[rank] = work(model)
         except BaseException as e:  # re-raised in the test's thread
             errors.append(e)
@@ -135,7 +137,7 @@ def test_two_ranks_equal_one(moe_checkpoints, case, mode, monkeypatch):
     order, a rank with no token or no routed row, and the combine counting a partial twice."""
     monkeypatch.setattr(group_module, "OP_TIMEOUT", timedelta(seconds=60))
     path = moe_checkpoints[case]
-    one = block_outputs(load_model(path, torch.float32, CPU, max_positions=64, prepack=False))
+    one = block_outputs(load_model(path, torch.float32, CPU, max_positions=64, linear_path="plain"))
     expert_parallel, backend = MODES[mode]
 
     def work(model):
@@ -183,14 +185,16 @@ def test_all_expert_tensors_load_as_per_expert_ones(moe_checkpoints, tmp_path):
         weights[f"{prefix}.down_proj"] = torch.stack(down)
     save_file(weights, fused_dir / "model.safetensors", metadata={"format": "pt"})
     want = load_model(path, torch.float32, CPU, max_positions=64)
-    got = load_model(fused_dir, torch.float32, CPU, max_positions=64, prepack=False)
+    got = load_model(fused_dir, torch.float32, CPU, max_positions=64, linear_path="plain")
     x = torch.randn(4, cfg.hidden_size)
     with torch.no_grad():
         for layer in cfg.moe.sparse_layers:
             assert_close(got.layers[layer].mlp(x.clone(), 0 * x), want.layers[layer].mlp(x, 0 * x))
     # Rank 1 of 2 under expert parallelism: experts 3 and 4 only, taken from the 3-D tensors.
     layout = TPLayout.of(cfg, 1, 2, expert_parallel=True)
-    rank1 = load_model(fused_dir, torch.float32, CPU, 64, tp=TPParts(layout, None), prepack=False)
+    rank1 = load_model(
+        fused_dir, torch.float32, CPU, 64, tp=TPParts(layout, None), linear_path="plain"
+    )
     w13 = rank1.layers[0].mlp.experts.w13
     assert_close(w13, weights["model.layers.0.mlp.experts.gate_up_proj"][3:5])
 

@@ -403,7 +403,7 @@ def test_corrupt_tensors_are_named(written, tmp_path):
 def test_weight_bytes_count_what_the_kernels_hold(written, tiny_checkpoints):
     """The startup log's figure (linear.weight_bytes): a float model's parameters once (tied
     embedding and LM head once, plus the LM head's packed copy), a quantized one less."""
-    plain = load_model(tiny_checkpoints["qwen2"], torch.float32, CPU, 64, prepack=False)
+    plain = load_model(tiny_checkpoints["qwen2"], torch.float32, CPU, 64, linear_path="plain")
     params = sum(p.numel() * 4 for p in plain.parameters())
     assert weight_bytes(plain) == params
     packed = load_model(tiny_checkpoints["qwen2"], torch.float32, CPU, 64)
@@ -425,7 +425,7 @@ def test_plan_weighs_the_checkpoint_as_the_engine_loads_it(written, tiny_checkpo
     path = tiny_checkpoints["qwen2"] if name == "float" else written[name].quantized
     args = build_parser().parse_args(["plan", path, "--gpu", "L4"])
     (row,) = plan_report(args, model_shape(path))["plans"]
-    engine = load_model(path, torch.float32, CPU, 64, prepack=False)
+    engine = load_model(path, torch.float32, CPU, 64, linear_path="plain")
     assert (
         row["weights_format"]
         == engine.weights_format

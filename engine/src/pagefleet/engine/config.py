@@ -16,6 +16,8 @@ from pagefleet.engine.lora.config import LoRAConfig, LoRAModulePath, parse_lora_
 from pagefleet.engine.pooling.config import CONVERTS, RUNNERS
 from pagefleet.engine.spec_decode.config import SpeculativeConfig
 
+LINEAR_PATHS = ("auto", "packed", "plain")  # --linear-path
+
 if TYPE_CHECKING:
     from pagefleet.engine.simulated import SimulationProfile
 
@@ -72,6 +74,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.92
     device: str = "auto"  # auto = cuda if available, else cpu
     attention_backend: str = "auto"  # auto = triton on CUDA, torch on CPU
+    # float32 CPU linears: oneDNN-packed, plain, or auto (per weight shape, measured once per
+    # CPU model: cpu_choice/linear.py).
+    linear_path: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     served_model_name: str | None = None
     # Run the real scheduler and cache with a time model instead of the weights.
@@ -129,6 +134,12 @@ class EngineArgs:
             "kv_cache_dtype",
             self.kv_cache_dtype,
             f"must be one of {', '.join(KV_CACHE_DTYPES)} (fp8 is e4m3; e5m2 is not supported)",
+        )
+        _require(
+            self.linear_path in LINEAR_PATHS,
+            "linear_path",
+            self.linear_path,
+            f"must be one of {', '.join(LINEAR_PATHS)}",
         )
         _require(
             self.attention_backend in ("auto", "torch", "numba", "triton"),

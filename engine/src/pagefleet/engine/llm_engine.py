@@ -318,7 +318,9 @@ class LLMEngine:
                 f"{self.max_model_len}"
             )
         refuse_recurrent_state(model_config(draft_config), path)
-        return load_model(path, self.dtype, self.device, self.max_model_len)
+        return load_model(
+            path, self.dtype, self.device, self.max_model_len, linear_path=self.args.linear_path
+        )
 
     def _draft_pool(self) -> DraftPool | None:
         """The draft's pool as the KV sizing must pay for it, or None."""
@@ -465,6 +467,7 @@ class LLMEngine:
             self.max_model_len,
             quantization=args.quantization,
             lm_head=self.lm_head,
+            linear_path=args.linear_path,
         )
         self._log_weights(model, start)
         self.model_config = model.config

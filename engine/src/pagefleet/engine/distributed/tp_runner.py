@@ -143,7 +143,13 @@ def load_shard(job: ShardJob, group: RankGroup) -> CausalLM:
     dtype = resolve_dtype(job.args.dtype, group.device)
     args = job.args
     return load_model(
-        args.model, dtype, group.device, job.max_model_len, tp, quantization=args.quantization
+        args.model,
+        dtype,
+        group.device,
+        job.max_model_len,
+        tp,
+        quantization=args.quantization,
+        linear_path=args.linear_path,
     )
 
 

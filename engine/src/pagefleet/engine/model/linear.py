@@ -300,11 +300,12 @@ def set_methods(model: nn.Module, choose: MethodChooser, dtype: torch.dtype) -> 
                 raise ValueError(f"{name} ({method.name}): {e}") from e
 
 
-def process_weights(model: nn.Module, prepack: bool) -> None:
-    """After loading: every linear layer's weights into the form its kernel reads."""
+def process_weights(model: nn.Module, prepack: Callable[[tuple[int, int]], bool]) -> None:
+    """After loading: every linear layer's weights into the form its kernel reads;
+    `prepack(shape)` says whether a float weight of that (out, in) shape may be packed."""
     for module in model.modules():
         if isinstance(module, Linear):
-            module.process_weights(prepack)
+            module.process_weights(prepack((module.out_features, module.in_features)))
 
 
 def weight_bytes(model: nn.Module) -> int:

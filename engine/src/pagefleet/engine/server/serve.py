@@ -12,7 +12,7 @@ from pathlib import Path
 import uvicorn
 
 from pagefleet.common.fleet_auth import FieldSigner, load_fleet_secret
-from pagefleet.engine.config import KV_CACHE_DTYPES, EngineArgs
+from pagefleet.engine.config import KV_CACHE_DTYPES, LINEAR_PATHS, EngineArgs
 
 logger = logging.getLogger("pagefleet.server")
 
@@ -249,6 +249,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         choices=list(KV_CACHE_DTYPES),
     )
     flag("device", "cpu, cuda or auto")
+    flag(
+        "linear_path",
+        "float32 CPU linears: packed (oneDNN-prepacked weights), plain (torch's MKL path) or "
+        "auto (per weight shape, whichever measures faster on this CPU at 1, 16 and 64 rows; "
+        "measured once per CPU model, kept in ~/.cache/pagefleet/cpu-choices.json, logged)",
+        choices=list(LINEAR_PATHS),
+    )
     flag(
         "attention_backend",
         "paged-attention kernels (auto: triton on CUDA, torch on CPU; numba: in-place CPU decode)",

@@ -1,0 +1,225 @@
+"""Per-machine CPU choices (issue 38): the pure rule on made-up measurements (wins, near-ties,
+ties, failed measurements), the per-CPU-model timing cache, and `--linear-path auto` in an
+engine whose cache holds made-up timings: exactly the shapes the timings favour are packed,
+the choice is logged with its reason, and greedy output still equals HF's."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+
+from hf_reference import assert_greedy_equal
+from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.cpu_choice.decide import Timed, choose
+from pagefleet.engine.cpu_choice.linear import (
+    PACK_ALL,
+    PACK_NONE,
+    float_weights_by_shape,
+    linear_plan,
+)
+from pagefleet.engine.cpu_choice.measure import (
+    CACHE_FILE,
+    TimingCache,
+    cached_timings,
+    machine_key,
+)
+from pagefleet.engine.model.loader import load_model
+
+PATHS = ("plain", "packed")
+CPU = torch.device("cpu")
+
+
+def timed(*per_class: tuple[float, float]) -> list[Timed]:
+    """(plain, packed) seconds per row class."""
+    return [
+        Timed(f"rows={r}", {"plain": a, "packed": b})
+        for r, (a, b) in zip((1, 16, 64), per_class, strict=False)
+    ]
+
+
+# ---------------------------------------------------------------- the pure rule
+
+
+def test_a_clearly_faster_candidate_replaces_the_default_and_says_by_how_much():
+    choice = choose(PATHS, "plain", timed((2.0, 1.0), (2.0, 1.0), (2.0, 1.0)))
+    assert choice.name == "packed"
+    assert "packed is 2.00x faster than plain" in choice.reason
+    assert "rows=16: packed 2.00x" in choice.reason
+
+
+def test_the_default_stays_when_it_is_fastest():
+    choice = choose(PATHS, "plain", timed((1.0, 3.0), (1.0, 1.5)))
+    assert choice.name == "plain"
+    assert "plain (the default) is fastest" in choice.reason
+    assert "rows=1: packed 0.33x" in choice.reason
+
+
+@pytest.mark.parametrize("packed", [1.0, 0.97], ids=["exact-tie", "3%-faster"])
+def test_a_tie_or_a_win_within_the_margin_keeps_the_default(packed):
+    choice = choose(PATHS, "plain", timed((1.0, packed), (1.0, packed), (1.0, packed)))
+    assert choice.name == "plain"
+    if packed < 1.0:
+        assert "within the 5% margin" in choice.reason
+
+
+def test_the_default_decides_a_tie_whichever_candidate_it_is():
+    assert choose(PATHS, "packed", timed((1.0, 1.0))).name == "packed"
+    assert choose(("packed", "plain"), "plain", timed((1.0, 1.0))).name == "plain"
+
+
+def test_single_stream_weighs_as_much_as_the_batches():
+    """Packed twice as slow at one row and 1.5x as fast at 16 and 64: the geometric mean of
+    relative costs (plain 1.31, packed 1.26) is within the margin, so plain stays; a larger
+    batch win tips it."""
+    assert choose(PATHS, "plain", timed((1.0, 2.0), (1.5, 1.0), (1.5, 1.0))).name == "plain"
+    assert choose(PATHS, "plain", timed((1.0, 2.0), (3.0, 1.0), (3.0, 1.0))).name == "packed"
+
+
+def test_the_rule_reads_ratios_not_absolute_times():
+    """A class with long calls (64 rows) does not outvote the short ones."""
+    slow_big = timed((1e-5, 2e-5), (1e-4, 2e-4), (1.0, 0.5))
+    assert choose(PATHS, "plain", slow_big).name == "plain"
+
+
+@pytest.mark.parametrize(
+    "bad", [None, math.nan, math.inf, 0.0, -1.0], ids=["missing", "nan", "inf", "zero", "negative"]
+)
+def test_a_failed_measurement_keeps_the_default_and_names_what_failed(bad):
+    timings = timed((2.0, 1.0), (2.0, bad), (2.0, 1.0))
+    choice = choose(PATHS, "plain", timings)
+    assert choice.name == "plain"
+    assert "the measurement of packed at rows=16 failed" in choice.reason
+
+
+def test_nothing_measured_or_a_candidate_never_timed_keeps_the_default():
+    assert choose(PATHS, "plain", []).name == "plain"
+    choice = choose(PATHS, "plain", [Timed("rows=1", {"plain": 1.0})])
+    assert choice.name == "plain" and "packed at rows=1 failed" in choice.reason
+
+
+def test_a_default_that_is_not_a_candidate_is_refused():
+    with pytest.raises(ValueError, match="'numba' is not a candidate"):
+        choose(PATHS, "numba", timed((1.0, 1.0)))
+
+
+# ---------------------------------------------------------------- the timing cache
+
+
+def test_timings_are_kept_per_machine_and_read_back(tmp_path):
+    cache = TimingCache(tmp_path / CACHE_FILE)
+    cache.put("linear 8x4", timed((1.0, 2.0)))
+    assert TimingCache(tmp_path / CACHE_FILE).get("linear 8x4") == timed((1.0, 2.0))
+    data = json.loads((tmp_path / CACHE_FILE).read_text())
+    assert list(data) == [machine_key()]  # the CPU model, threads and torch version name it
+    other = TimingCache(tmp_path / CACHE_FILE)
+    other.machine = "another CPU | 2 threads | torch 0"
+    assert other.get("linear 8x4") is None
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"%s": {"linear 8x4": 3}}'])
+def test_an_unreadable_cache_is_measured_again(tmp_path, content):
+    path = tmp_path / CACHE_FILE
+    path.write_text(content.replace("%s", machine_key()))
+    calls = []
+    timings, source = cached_timings(
+        TimingCache(path), "linear 8x4", lambda: calls.append(1) or timed((1.0, 2.0))
+    )
+    assert calls == [1] and timings == timed((1.0, 2.0)) and "measured now" in source
+    assert TimingCache(path).get("linear 8x4") == timed((1.0, 2.0))
+
+
+def test_a_machine_measures_once_and_a_failed_measurement_is_not_kept(tmp_path):
+    cache = TimingCache(tmp_path / CACHE_FILE)
+    calls = []
+    for _ in range(2):
+        cached_timings(cache, "linear 8x4", lambda: calls.append(1) or timed((1.0, 2.0)))
+    assert calls == [1]
+
+    def broken():
+        raise RuntimeError("oneDNN refused the shape")
+
+    timings, source = cached_timings(cache, "linear 4x4", broken)
+    assert timings == [] and "oneDNN refused the shape" in source
+    assert cache.get("linear 4x4") is None
+    assert choose(PATHS, "plain", timings).name == "plain"
+
+
+# ---------------------------------------------------------------- the linear plan
+
+
+def test_auto_measures_the_real_weights_of_every_shape_and_keeps_them(tiny_checkpoints, tmp_path):
+    model = load_model(tiny_checkpoints["llama"], torch.float32, CPU, 64, linear_path="plain")
+    shapes = float_weights_by_shape(model)
+    assert len(shapes) >= 4  # qkv, o, gate|up, down (and the LM head unless tied)
+    cache = TimingCache(tmp_path / CACHE_FILE)
+    plan = linear_plan(model, "auto", shapes, cache)
+    for out, inp in shapes:
+        timings = cache.get(f"linear {out}x{inp}")
+        assert [t.label for t in timings] == ["rows=1", "rows=16", "rows=64"]
+        assert all(s > 0 for t in timings for s in t.seconds.values())
+        assert plan.packs((out, inp)) == (choose(PATHS, "plain", timings).name == "packed")
+
+
+def test_explicit_paths_override_the_measurement():
+    assert linear_plan(None, "packed", {}) is PACK_ALL
+    assert linear_plan(None, "plain", {}) is PACK_NONE
+    with pytest.raises(ValueError, match="--linear-path 'fast'"):
+        linear_plan(None, "fast", {})
+
+
+def write_made_up_timings(cache_root, shapes, packed_wins) -> None:
+    cache = TimingCache(cache_root / CACHE_FILE)
+    for shape in shapes:
+        wins = shape in packed_wins
+        cache.put(
+            f"linear {shape[0]}x{shape[1]}",
+            timed(*[(2e-5, 1e-5) if wins else (1e-5, 2e-5)] * 3),
+        )
+
+
+def test_an_engine_packs_exactly_the_shapes_its_cached_timings_favour(
+    tiny_checkpoints, tmp_path, monkeypatch, caplog
+):
+    path = tiny_checkpoints["llama"]
+    shapes = sorted(
+        float_weights_by_shape(load_model(path, torch.float32, CPU, 64, linear_path="plain"))
+    )
+    packed_wins = set(shapes[::2])  # every other shape: a mixed plan
+    monkeypatch.setenv("PAGEFLEET_CACHE", str(tmp_path))
+    write_made_up_timings(tmp_path, shapes, packed_wins)
+    with caplog.at_level(logging.INFO, logger="pagefleet.engine.cpu_choice.linear"):
+        llm = LLM(path, num_gpu_blocks_override=128, max_model_len=256)
+    for out, inp in shapes:
+        verdict = "packed" if (out, inp) in packed_wins else "plain"
+        assert any(
+            f"linear path for {out}x{inp} weights" in r.message
+            and f": {verdict};" in r.message
+            and "measured earlier on this machine" in r.message
+            for r in caplog.records
+        ), f"no log line for {out}x{inp}"
+    model = llm.engine.runner.model
+    seen = set()
+    for module in model.modules():
+        if hasattr(module, "spec") and hasattr(module, "method"):
+            shape = (module.out_features, module.in_features)
+            seen.add(shape)
+            assert (getattr(module, "packed", None) is not None) == (shape in packed_wins), shape
+    assert seen >= set(shapes)
+
+    prompts = [[5, 9, 33, 2, 71, 8], list(range(10, 60))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, greedy, use_tqdm=False), strict=True):
+        assert_greedy_equal(path, prompt, out.outputs[0].token_ids, 16)
+
+
+def test_a_cache_that_cannot_be_written_still_lets_the_engine_choose(tmp_path):
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("")
+    cache = TimingCache(blocked / CACHE_FILE)  # its parent is a file: no write can succeed
+    timings, _ = cached_timings(cache, "linear 8x4", lambda: timed((2.0, 1.0)))
+    assert choose(PATHS, "plain", timings).name == "packed"
+    assert cache.get("linear 8x4") is None
