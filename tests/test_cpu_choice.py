@@ -5,6 +5,7 @@ the choice is logged with its reason, and greedy output still equals HF's."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -28,6 +29,7 @@ from pagefleet.engine.cpu_choice.measure import (
     machine_key,
 )
 from pagefleet.engine.model.loader import load_model
+from pagefleet.engine.server.serve import add_serve_parser
 
 PATHS = ("plain", "packed")
 CPU = torch.device("cpu")
@@ -223,3 +225,13 @@ def test_a_cache_that_cannot_be_written_still_lets_the_engine_choose(tmp_path):
     timings, _ = cached_timings(cache, "linear 8x4", lambda: timed((2.0, 1.0)))
     assert choose(PATHS, "plain", timings).name == "packed"
     assert cache.get("linear 8x4") is None
+
+
+def test_a_bad_linear_path_is_refused_naming_the_flag(tiny_checkpoints):
+    with pytest.raises(ValueError, match=r"--linear-path.*auto, packed, plain"):
+        LLM(tiny_checkpoints["llama"], linear_path="fastest", num_gpu_blocks_override=16)
+    parser = argparse.ArgumentParser()  # the CLI offers the same three
+    add_serve_parser(parser.add_subparsers())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "m", "--linear-path", "fastest"])
+    assert parser.parse_args(["serve", "m", "--linear-path", "plain"]).linear_path == "plain"
