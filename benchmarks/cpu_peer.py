@@ -30,8 +30,10 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from offline_throughput import cpu_model, gemm_rate, memory_bandwidth
+from offline_throughput import gemm_rate, memory_bandwidth
 from procs import process, wait_healthy
+
+from pagefleet.engine.cpu_choice.measure import cpu_model
 
 TOPICS = (
     "the sea",

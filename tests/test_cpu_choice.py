@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import math
+import threading
 
 import pytest
 import torch
@@ -16,17 +17,19 @@ import torch
 from hf_reference import assert_greedy_equal
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.cpu_choice.decide import Timed, choose
-from pagefleet.engine.cpu_choice.linear import (
-    PACK_ALL,
-    PACK_NONE,
-    float_weights_by_shape,
-    linear_plan,
-)
 from pagefleet.engine.cpu_choice.measure import (
     CACHE_FILE,
     TimingCache,
     cached_timings,
     machine_key,
+)
+from pagefleet.engine.model import linear_plan as plan_module
+from pagefleet.engine.model.linear_plan import (
+    PACK_ALL,
+    PACK_NONE,
+    float_weights_by_shape,
+    linear_plan,
+    rotation,
 )
 from pagefleet.engine.model.loader import load_model
 from pagefleet.engine.server.serve import add_serve_parser
@@ -122,7 +125,20 @@ def test_timings_are_kept_per_machine_and_read_back(tmp_path):
     assert other.get("linear 8x4") is None
 
 
-@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"%s": {"linear 8x4": 3}}'])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        "[1, 2]",
+        '{"%s": {"linear 8x4": 3}}',
+        '{"%s": [1]}',
+        '{"%s": {"linear 8x4": [1]}}',
+        '{"%s": {"linear 8x4": []}}',
+        '{"%s": {"linear 8x4": [{"label": "rows=1", "seconds": {"plain": "1.0"}}]}}',
+        '{"%s": {"linear 8x4": [{"label": "rows=1", "seconds": {"plain": true}}]}}',
+        '{"%s": {"linear 8x4": [{"label": 1, "seconds": {"plain": 1.0}}]}}',
+    ],
+)
 def test_an_unreadable_cache_is_measured_again(tmp_path, content):
     path = tmp_path / CACHE_FILE
     path.write_text(content.replace("%s", machine_key()))
@@ -158,7 +174,7 @@ def test_auto_measures_the_real_weights_of_every_shape_and_keeps_them(tiny_check
     shapes = float_weights_by_shape(model)
     assert len(shapes) >= 4  # qkv, o, gate|up, down (and the LM head unless tied)
     cache = TimingCache(tmp_path / CACHE_FILE)
-    plan = linear_plan(model, "auto", shapes, cache)
+    plan = linear_plan("auto", shapes, cache)
     for out, inp in shapes:
         timings = cache.get(f"linear {out}x{inp}")
         assert [t.label for t in timings] == ["rows=1", "rows=16", "rows=64"]
@@ -167,10 +183,10 @@ def test_auto_measures_the_real_weights_of_every_shape_and_keeps_them(tiny_check
 
 
 def test_explicit_paths_override_the_measurement():
-    assert linear_plan(None, "packed", {}) is PACK_ALL
-    assert linear_plan(None, "plain", {}) is PACK_NONE
+    assert linear_plan("packed", {}) is PACK_ALL
+    assert linear_plan("plain", {}) is PACK_NONE
     with pytest.raises(ValueError, match="--linear-path 'fast'"):
-        linear_plan(None, "fast", {})
+        linear_plan("fast", {})
 
 
 def write_made_up_timings(cache_root, shapes, packed_wins) -> None:
@@ -193,7 +209,7 @@ def test_an_engine_packs_exactly_the_shapes_its_cached_timings_favour(
     packed_wins = set(shapes[::2])  # every other shape: a mixed plan
     monkeypatch.setenv("PAGEFLEET_CACHE", str(tmp_path))
     write_made_up_timings(tmp_path, shapes, packed_wins)
-    with caplog.at_level(logging.INFO, logger="pagefleet.engine.cpu_choice.linear"):
+    with caplog.at_level(logging.INFO, logger="pagefleet.engine.model.linear_plan"):
         llm = LLM(path, num_gpu_blocks_override=128, max_model_len=256)
     for out, inp in shapes:
         verdict = "packed" if (out, inp) in packed_wins else "plain"
@@ -235,3 +251,81 @@ def test_a_bad_linear_path_is_refused_naming_the_flag(tiny_checkpoints):
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "m", "--linear-path", "fastest"])
     assert parser.parse_args(["serve", "m", "--linear-path", "plain"]).linear_path == "plain"
+
+
+def test_a_measurement_with_a_failed_candidate_is_used_once_but_not_kept(tmp_path):
+    """A passing failure (oneDNN refusing once) must not pin the default for good."""
+    cache = TimingCache(tmp_path / CACHE_FILE)
+    failed = timed((1.0, None))
+    timings, source = cached_timings(cache, "linear 8x4", lambda: failed)
+    assert timings == failed and "not kept" in source
+    assert cache.get("linear 8x4") is None
+
+
+def test_engines_starting_together_measure_a_shape_once(tmp_path):
+    """The second engine waits for the first one's measurement and reads it back."""
+    first_started, second_waiting, release = (threading.Event() for _ in range(3))
+    calls, sources = [], {}
+
+    class Second(TimingCache):
+        def measuring(self):
+            second_waiting.set()  # past its first look: it found nothing and goes to the lock
+            return super().measuring()
+
+    def slow_measure():
+        calls.append("first")
+        first_started.set()
+        assert release.wait(30)
+        return timed((1.0, 2.0))
+
+    def start(name, cache, measure):
+        sources[name] = cached_timings(cache, "linear 8x4", measure)[1]
+
+    first = threading.Thread(
+        target=start, args=("first", TimingCache(tmp_path / CACHE_FILE), slow_measure)
+    )
+    first.start()
+    assert first_started.wait(30)
+    second = threading.Thread(
+        target=start,
+        args=(
+            "second",
+            Second(tmp_path / CACHE_FILE),
+            lambda: calls.append("second") or timed((1.0, 2.0)),
+        ),
+    )
+    second.start()
+    assert second_waiting.wait(30)
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert calls == ["first"]
+    assert "measured now" in sources["first"]
+    assert "measured by another engine" in sources["second"]
+
+
+def test_the_rotation_stays_within_its_bytes(monkeypatch):
+    monkeypatch.setattr(plan_module, "ROTATION_BYTES", 3 * 8 * 4 * 4)  # three 8x4 weights
+    weights = [torch.randn(8, 4) for _ in range(5)]
+    assert [w.data_ptr() for w in rotation(weights)] == [w.data_ptr() for w in weights[:3]]
+    big = torch.randn(100, 4)  # one weight over the cap: its first rows, a view
+    rows = rotation([big])
+    assert len(rows) == 1 and rows[0].shape == (24, 4) and rows[0].data_ptr() == big.data_ptr()
+
+
+@pytest.mark.parametrize("seam_wins", ["every-shape", "some-shapes"])
+def test_moe_experts_are_packed_only_where_packed_won_every_measured_shape(
+    moe_checkpoints, tmp_path, seam_wins
+):
+    """The experts' shapes are not measured: they follow the seam only where packed won it all."""
+    path = moe_checkpoints["qwen3_moe"]
+    plain = load_model(path, torch.float32, CPU, 64, linear_path="plain")
+    shapes = sorted(float_weights_by_shape(plain))
+    wins = set(shapes) if seam_wins == "every-shape" else set(shapes[:1])
+    write_made_up_timings(tmp_path, shapes, wins)
+    plan = linear_plan("auto", float_weights_by_shape(plain), TimingCache(tmp_path / CACHE_FILE))
+    assert plan.others == (seam_wins == "every-shape")
+    plain.process_weights(plan)  # processed once: the plan's seam choices stand
+    experts = [m for m in plain.modules() if hasattr(m, "packed") and hasattr(m, "shard")]
+    assert experts
+    assert all((e.packed is not None) == plan.others for e in experts)

@@ -55,10 +55,15 @@ class DemoModelError(ValueError):
     """The demo model could not be prepared; the message says why in one line."""
 
 
+def cache_root() -> Path:
+    """Where pagefleet keeps generated and fetched files: $PAGEFLEET_CACHE or ~/.cache/pagefleet
+    (not created here)."""
+    return Path(os.environ.get("PAGEFLEET_CACHE") or Path.home() / ".cache" / "pagefleet")
+
+
 def cache_dir() -> Path:
-    """Where pagefleet keeps generated and fetched files: $PAGEFLEET_CACHE or ~/.cache/pagefleet."""
-    root = os.environ.get("PAGEFLEET_CACHE") or Path.home() / ".cache" / "pagefleet"
-    path = Path(root)
+    """`cache_root()`, created if missing."""
+    path = cache_root()
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -1,2 +1,3 @@
-"""CPU choices made by measurement on the machine that serves: the linear path per weight shape
-(`--linear-path`), kept per CPU model and logged with the reason."""
+"""CPU choices made by measurement on the machine that serves: a pure rule over measured times
+(decide.py) and the timing shell with its per-CPU-model cache (measure.py). The linear path
+per weight shape (model/linear_plan.py, `--linear-path`) is the first user."""

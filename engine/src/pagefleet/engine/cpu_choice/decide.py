@@ -2,8 +2,8 @@
 much, and the one line the engine logs to say why.
 
 A choice picks among named candidates (the linear path of one weight shape: "plain" MKL or
-"packed" oneDNN; the decode attention backend: "torch" or "numba") from the seconds each took
-on every workload class it was timed on (rows of a linear, decode batch sizes of attention).
+"packed" oneDNN, model/linear_plan.py) from the seconds each took on every workload class it
+was timed on (the rows of a linear).
 The rule: a candidate's cost is the geometric mean, over the classes, of its time relative to
 the fastest candidate on that class, so no single class dominates; the cheapest replaces the
 default only when it beats the default's cost by more than `margin` (a tie or a near-tie keeps

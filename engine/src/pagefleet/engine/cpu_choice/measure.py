@@ -10,6 +10,7 @@ again.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pagefleet.common.demo_model import cache_dir
+from pagefleet.common.demo_model import cache_root
 from pagefleet.engine.cpu_choice.decide import Timed
 
 logger = logging.getLogger(__name__)
@@ -47,38 +48,67 @@ def machine_key() -> str:
 
 
 class TimingCache:
-    """Measured timings by machine, then by what was measured ("linear 960x576"). A missing or
-    unreadable file is an empty cache; writes replace the file whole (write, then rename), so
-    engines starting together never read half a file, at worst one measures again."""
+    """Measured timings by machine, then by what was measured ("linear 960x576"). A missing,
+    unreadable or malformed entry reads as not measured; writes replace the file whole (write,
+    then rename), so engines starting together never read half a file. `path` None: nothing
+    is kept (no home to keep it in)."""
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path if path is not None else _default_path()
         self.machine = machine_key()
 
     def get(self, subject: str) -> list[Timed] | None:
-        entry = self._read().get(self.machine, {}).get(subject)
-        if not isinstance(entry, list):
+        machine = self._read().get(self.machine)
+        entry = machine.get(subject) if isinstance(machine, dict) else None
+        if not isinstance(entry, list) or not entry:
             return None
-        try:
-            return [Timed(str(t["label"]), dict(t["seconds"])) for t in entry]
-        except (KeyError, TypeError, ValueError):
-            return None
+        timings = [_timed_of(item) for item in entry]
+        return None if None in timings else timings
 
     def put(self, subject: str, timings: list[Timed]) -> None:
+        if self.path is None:
+            return
         data = self._read()
-        data.setdefault(self.machine, {})[subject] = [
-            {"label": t.label, "seconds": dict(t.seconds)} for t in timings
-        ]
+        machine = data.get(self.machine)
+        if not isinstance(machine, dict):
+            data[self.machine] = machine = {}
+        machine[subject] = [{"label": t.label, "seconds": dict(t.seconds)} for t in timings]
+        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".cpu-choices-")
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f, indent=1, sort_keys=True)
             os.replace(tmp, self.path)
+            tmp = None
         except OSError as e:  # a read-only home: this start's choice stands, unkept
             logger.warning("could not keep the CPU timings in %s: %s", self.path, e)
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+    @contextlib.contextmanager
+    def measuring(self):
+        """Held while measuring and keeping: engines starting together (TP ranks, a node's
+        pods) measure one at a time, so they neither skew each other's times nor lose each
+        other's writes; one that waited finds the times already kept."""
+        if self.path is None:
+            yield
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            lock = open(self.path.with_suffix(".lock"), "a")  # noqa: SIM115 (held to the end)
+        except OSError:
+            yield
+            return
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
 
     def _read(self) -> dict:
+        if self.path is None:
+            return {}
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -86,33 +116,55 @@ class TimingCache:
         return data if isinstance(data, dict) else {}
 
 
-def _default_path() -> Path:
+def _timed_of(item: object) -> Timed | None:
+    """One kept workload class, or None where it is not what put() writes."""
+    if not isinstance(item, dict) or not isinstance(item.get("label"), str):
+        return None
+    seconds = item.get("seconds")
+    if not isinstance(seconds, dict):
+        return None
+    for value in seconds.values():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+    return Timed(item["label"], dict(seconds))
+
+
+def _default_path() -> Path | None:
     try:
-        return cache_dir() / CACHE_FILE
-    except OSError:  # no writable cache: a path that reads as empty, and writes only warn
-        return Path(os.environ.get("PAGEFLEET_CACHE") or Path.home() / ".cache") / CACHE_FILE
+        return cache_root() / CACHE_FILE
+    except RuntimeError:  # no home directory to find
+        return None
 
 
 def cached_timings(
     cache: TimingCache, subject: str, measure: Callable[[], list[Timed]]
 ) -> tuple[list[Timed], str]:
-    """The subject's timings from the cache, else measured now (and kept); with where from."""
+    """The subject's timings from the cache, else measured now (and kept unless a candidate
+    failed: a passing failure must not pin the default for good); with where from."""
     timings = cache.get(subject)
     if timings is not None:
         return timings, f"measured earlier on this machine, {cache.path}"
-    start = time.perf_counter()
-    try:
-        timings = measure()
-    except (RuntimeError, ValueError) as e:  # a failed measurement keeps the defaults
-        logger.warning("measuring %s failed: %s", subject, e)
-        return [], f"the measurement failed: {e}"
-    cache.put(subject, timings)
-    return timings, f"measured now in {time.perf_counter() - start:.2f} s, kept in {cache.path}"
+    with cache.measuring():
+        timings = cache.get(subject)  # another engine may have measured while this one waited
+        if timings is not None:
+            return timings, f"measured by another engine on this machine, {cache.path}"
+        start = time.perf_counter()
+        try:
+            timings = measure()
+        except (RuntimeError, ValueError) as e:  # a failed measurement keeps the defaults
+            logger.warning("measuring %s failed: %s", subject, e)
+            return [], f"the measurement failed: {e}"
+        took = time.perf_counter() - start
+        if any(s is None for t in timings for s in t.seconds.values()):
+            return timings, f"measured now in {took:.2f} s, not kept (a candidate failed)"
+        cache.put(subject, timings)
+    return timings, f"measured now in {took:.2f} s, kept in {cache.path}"
 
 
 def time_alternately(calls: dict[str, Callable[[], object]]) -> dict[str, float | None]:
     """Seconds per call of each candidate: the best of ROUNDS rounds, the candidates taking
-    turns round by round; a candidate that raises gets None."""
+    turns round by round; a candidate that raises in its first call gets None (one that raises
+    later fails the whole measurement)."""
     best: dict[str, float | None] = {}
     repeats: dict[str, int] = {}
     for name, call in calls.items():

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from pagefleet.engine.attention.backend import AttentionBackend, AttentionMetadata, LayerKV
-from pagefleet.engine.cpu_choice.linear import PACK_ALL, LinearPlan
 from pagefleet.engine.model.config import ModelConfig
 from pagefleet.engine.model.layers import RMSNorm, TPParts, embedding, lm_head
 from pagefleet.engine.model.linear import process_weights
+from pagefleet.engine.model.linear_plan import PACK_ALL, LinearPlan
 from pagefleet.engine.model.packed import prepack_supported
 from pagefleet.engine.model.rope import RotaryEmbedding
 
@@ -105,20 +105,17 @@ class CausalLM(nn.Module):
     def process_weights(self, plan: LinearPlan = PACK_ALL) -> None:
         """Once, after the weights are loaded: every linear layer's weights into the form its
         method's kernel reads (model/linear.py), float32 CPU weights oneDNN-packed where `plan`
-        says (cpu_choice/linear.py). Where it packs any, the layers then pack what else they
-        hold (`prepack()`: a MoE's experts, a linear-attention layer's plain linears; the
-        seam's linears are processed by then and keep the plan's choice). PACK_NONE keeps the
-        plain float reference."""
+        says (model/linear_plan.py); where the plan packs the unmeasured parts too, the layers
+        then pack what else they hold (`prepack()`: a MoE's experts, a linear-attention
+        layer's plain linears; the seam's linears are processed by then and keep the plan's
+        choice). PACK_NONE keeps the plain float reference."""
         process_weights(self, plan.packs)
         weight = self.embed_tokens.weight
-        if plan.packs_any and prepack_supported(weight.device, weight.dtype):
+        if plan.others and prepack_supported(weight.device, weight.dtype):
             for layer in self.layers:
                 hook = getattr(layer, "prepack", None)
                 if hook is not None:
                     hook()
-
-    def prepack(self) -> None:
-        self.process_weights(PACK_ALL)
 
     def checkpoint_target(self, name: str) -> tuple[str, Hashable] | None:
         """(parameter name, part) a checkpoint tensor loads into, or None for tensors the model

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from pagefleet.engine.cpu_choice.linear import float_weights_by_shape, linear_plan
 from pagefleet.engine.kv_cache.fp8 import FP8_KV_DTYPE, LayerScales, is_fp8, is_kv_scale
 from pagefleet.engine.model.causal_lm import CausalLM
 from pagefleet.engine.model.checkpoint import kv_scales, read_config, tensor_sources, weight_files
 from pagefleet.engine.model.layers import TPParts
+from pagefleet.engine.model.linear_plan import float_weights_by_shape, linear_plan
 from pagefleet.engine.model.quant.config import (
     QuantFormat,
     choose_methods,
@@ -95,9 +95,11 @@ def load_model(
     """The model (or with `tp`, this rank's shard of it) on `device`, in `dtype`; each linear
     layer's weights are then processed for its kernel (model/linear.py): on a float32 CPU
     model oneDNN-prepacked (model/packed.py) as `linear_path` says (--linear-path: packed,
-    plain, or auto: per shape by measurement, cpu_choice/linear.py; plain is the tests'
-    unpacked reference). `quantization` is --quantization (None: the checkpoint's own,
-    model/quant/config.py). A pooling engine loads it without the LM head (`lm_head` False)."""
+    plain, or auto: per shape by measurement, model/linear_plan.py). The default here is
+    packed, so a library caller, test or benchmark loads without measuring; the engine passes
+    its --linear-path (default auto); plain is the tests' unpacked reference. `quantization`
+    is --quantization (None: the checkpoint's own, model/quant/config.py). A pooling engine
+    loads it without the LM head (`lm_head` False)."""
     hf_config = read_config(path)
     quant = resolve_quantization(quantization, hf_config, path)
     model = build_model(hf_config, dtype, device, max_positions, tp, quant, lm_head)
@@ -117,7 +119,7 @@ def load_model(
         filled = loaders[name].load(params.get(name), source, part)
         arrived.setdefault(name, set()).update({part} if filled is None else filled)
     _check_complete(model, loaders, arrived, path)
-    model.process_weights(linear_plan(model, linear_path, float_weights_by_shape(model)))
+    model.process_weights(linear_plan(linear_path, float_weights_by_shape(model)))
     return model.eval()
 
 

@@ -1,14 +1,18 @@
-"""The linear path of a float32 CPU model, per weight shape: torch's plain weight (MKL sgemm,
-sgemv at one row) or oneDNN's prepacked one (model/packed.py), chosen by `--linear-path`.
+"""Which float32 CPU weights are oneDNN-packed (`--linear-path`): torch's plain weight (MKL
+sgemm, sgemv at one row) or oneDNN's prepacked one (model/packed.py), per weight shape.
 
 Which wins depends on the CPU and the shape. On an AMD EPYC the packed weights ran the model's
-shapes about 2x faster from 8 rows up and even at one row; on an Intel Xeon (Sapphire Rapids
-class) they ran 0.5-0.7x at one row and 1.0-1.5x from 4 rows up (docs/benchmarks.md, issue
-38). A weight holds one layout, so `auto` times both paths on this rank's real weights at 1,
-16 and 64 rows (single-stream decode, a moderate batch, a large one), taking turns over up to
-256 MiB of them so they come from memory as in a step, and packs a shape only
-where the pure rule (cpu_choice/decide.py) says packed wins over the rows; the times are kept
-per CPU model (cpu_choice/measure.py), so a machine measures each shape once.
+shapes about 2x faster from 8 rows up and even at one row; on an Intel Xeon they ran 0.54-1.05x
+at one row and 0.83-1.59x at 16 and 64 (docs/benchmarks.md, issue 38). A weight holds one
+layout, so `auto` times both paths on this rank's own weights of each shape of the linear seam
+(model/linear.py) at 1, 16 and 64 rows (single-stream decode, a moderate batch, a large one),
+taking turns over up to 256 MiB of them so they come from memory as in a step, and packs a
+shape only where the pure rule (cpu_choice/decide.py) says packed wins over the rows. The
+times are kept per CPU model (cpu_choice/measure.py): a machine measures each shape once.
+
+The families' parts outside the seam (MoE experts, a router's gate, a linear-attention layer's
+plain projections) are not measured: `auto` packs them only where packed won every measured
+shape, as it did on the EPYC; otherwise they keep the plain default.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 from pagefleet.engine.config import LINEAR_PATHS
 from pagefleet.engine.cpu_choice.decide import Timed, choose
 from pagefleet.engine.cpu_choice.measure import TimingCache, cached_timings, time_alternately
+from pagefleet.engine.model.linear import FloatLinearMethod, Linear
 from pagefleet.engine.model.packed import pack_weight, packed_linear, prepack_supported
 
 logger = logging.getLogger(__name__)
@@ -41,27 +46,23 @@ Shape = tuple[int, int]
 
 @dataclass(frozen=True)
 class LinearPlan:
-    """Which float weight shapes are oneDNN-packed; `everything`: all of them."""
+    """Which float weight shapes of the seam are packed (`everything`: all), and whether the
+    families' unmeasured parts are (`others`)."""
 
     packed: frozenset[Shape] = frozenset()
     everything: bool = False
+    others: bool = False
 
     def packs(self, shape: Shape) -> bool:
         return self.everything or shape in self.packed
 
-    @property
-    def packs_any(self) -> bool:
-        return self.everything or bool(self.packed)
 
-
-PACK_ALL = LinearPlan(everything=True)
+PACK_ALL = LinearPlan(everything=True, others=True)
 PACK_NONE = LinearPlan()
 
 
-def linear_plan(
-    model: nn.Module, path: str, weights: dict[Shape, list[torch.Tensor]], cache=None
-) -> LinearPlan:
-    """The plan for `--linear-path` `path` given the model's float weights by shape (only
+def linear_plan(path: str, weights: dict[Shape, list[torch.Tensor]], cache=None) -> LinearPlan:
+    """The plan for `--linear-path` `path` given the model's float seam weights by shape (only
     `auto` reads them). Logs each measured choice with its reason."""
     if path not in LINEAR_PATHS:
         raise ValueError(f"--linear-path {path!r}: one of {', '.join(LINEAR_PATHS)}")
@@ -87,13 +88,11 @@ def linear_plan(
         )
         if choice.name == "packed":
             packed.add(shape)
-    return LinearPlan(frozenset(packed))
+    return LinearPlan(frozenset(packed), others=len(packed) == len(weights))
 
 
 def float_weights_by_shape(model: nn.Module) -> dict[Shape, list[torch.Tensor]]:
     """The float32 CPU weights of the model's linear seam (model/linear.py), by shape."""
-    from pagefleet.engine.model.linear import FloatLinearMethod, Linear
-
     shapes: dict[Shape, list[torch.Tensor]] = {}
     for module in model.modules():
         if not isinstance(module, Linear) or not isinstance(module.method, FloatLinearMethod):
@@ -106,13 +105,18 @@ def float_weights_by_shape(model: nn.Module) -> dict[Shape, list[torch.Tensor]]:
 
 
 def rotation(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The first weights of a shape that together reach ROTATION_BYTES (at least one)."""
+    """The weights of a shape to take turns over: the first ones that together reach
+    ROTATION_BYTES, or, where one weight alone is larger (a big vocabulary's LM head), its
+    first rows up to that size, so the packed copies made to time them stay within it."""
+    row_bytes = weights[0].shape[1] * weights[0].element_size()
+    if weights[0].shape[0] * row_bytes > ROTATION_BYTES:
+        return [weights[0][: ROTATION_BYTES // row_bytes]]
     taken, total = [], 0
     for weight in weights:
-        if taken and total >= ROTATION_BYTES:
+        if total + weight.shape[0] * row_bytes > ROTATION_BYTES:
             break
         taken.append(weight)
-        total += weight.numel() * weight.element_size()
+        total += weight.shape[0] * row_bytes
     return taken
 
 
