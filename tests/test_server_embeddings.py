@@ -258,7 +258,8 @@ def test_the_router_sends_embeddings_to_the_least_loaded_engine_fields_intact(ht
         oracle.encode(TEXTS, convert_to_tensor=True)[:, :32], dim=-1
     )
     assert_close(torch.tensor([d["embedding"] for d in got["data"]]), want)
-    assert [d["data"] for d in pooled["data"]] == [d["embedding"] for d in got["data"]]
+    # A separate request: equal within rounding (a row's last bits depend on its batch).
+    assert_close(torch.tensor([d["data"] for d in pooled["data"]]), want)
 
 
 def test_bench_serve_drives_embeddings(http, tmp_path):
