@@ -75,7 +75,7 @@ class EngineArgs:
     device: str = "auto"  # auto = cuda if available, else cpu
     attention_backend: str = "auto"  # auto = triton on CUDA, torch on CPU
     # float32 CPU linears: oneDNN-packed, plain, or auto (per weight shape, measured once per
-    # CPU model: cpu_choice/linear.py).
+    # CPU model: model/linear_plan.py).
     linear_path: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     served_model_name: str | None = None

@@ -4,7 +4,7 @@ Torch's plain CPU float32 linear goes to MKL's sgemm, which on this class of mac
 with AVX-512) ran the model's shapes at ~80-100 GFLOP/s on one core; oneDNN's JIT kernels on a
 weight reordered once into its blocked layout ran them at ~190-240 from 8 rows up, and about
 even at 1 row (benchmarks/cpu_linear.py); on an Intel Xeon they lost at 1 row, so which
-shapes are packed is chosen per machine (cpu_choice/linear.py, `--linear-path`). The float
+shapes are packed is chosen per machine (model/linear_plan.py, `--linear-path`). The float
 linear method (model/linear.py) reorders a chosen weight after loading and releases the plain
 one, so memory stays the same except for a
 tied LM head, whose packed copy sits beside the embedding. The families' plain `nn.Linear`
