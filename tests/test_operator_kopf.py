@@ -28,6 +28,7 @@ from operator_harness import (
     wait_for,
 )
 
+from pagefleet.operator import handlers
 from pagefleet.operator.handlers import (
     KubeClient,
     OperatorConfig,
@@ -780,6 +781,36 @@ def test_a_builtin_pool_scaled_by_hand_is_put_back_with_one_event_naming_it():
             assert event["involvedObject"]["name"] == "llama"
             assert "llama-colocated was scaled to 4" in event["message"]
             assert "pool colocated" in event["message"] and "back to 2" in event["message"]
+
+
+def test_a_hand_scale_landing_mid_pass_is_announced_once(monkeypatch):
+    """Catches the CI flake's cause: a `kubectl scale` landing while a pass read the router's
+    queue was put back by that pass's write with no event (the check had read the Deployment
+    before it). The value the write replaces is what tells a hand scale."""
+    autoscaling = {"mode": "builtin", "minReplicas": 2, "maxReplicas": 4}
+    md = model_deployment(pools={"colocated": {"replicas": 2, "autoscaling": autoscaling}})
+    with emulator() as url:
+        client = KubeClient(url)
+        client.create(md)
+        state = OperatorState(OperatorConfig(api_url=url), client)
+        reconcile(state, NS, "llama", autoscale=False)
+        assert pool_replicas(client) == 2
+        read_queue = handlers.router_queue
+
+        def scaled_by_hand_meanwhile(*args):
+            deployment = get(client, "apps/v1", "Deployment", "llama-colocated")
+            client.merge_patch(deployment, {"spec": {"replicas": 4}})
+            return read_queue(*args)
+
+        monkeypatch.setattr(handlers, "router_queue", scaled_by_hand_meanwhile)
+        reconcile(state, NS, "llama", autoscale=True)
+        assert pool_replicas(client) == 2
+        monkeypatch.setattr(handlers, "router_queue", read_queue)
+        reconcile(state, NS, "llama", autoscale=True)
+        reverted = _reverted_events(client)
+        assert [e["message"].split(";")[0] for e in reverted] == [
+            "llama-colocated was scaled to 4 by hand"
+        ]
 
 
 def pool_replicas(client: KubeClient, pool: str = "colocated") -> int:

@@ -25,6 +25,7 @@ from pagefleet.engine.attention.backend import (
 )
 from pagefleet.engine.cuda_graph import DecodeGraphs
 from pagefleet.engine.kv_cache.fp8 import check_fp8_backend
+from pagefleet.engine.kv_cache.pool_memory import zeroed
 from pagefleet.engine.kv_cache.state_cache import StateConfig
 from pagefleet.engine.linear_attn.kernels import select_kernels
 from pagefleet.engine.linear_attn.state import StatePool, blocks_for_state, step_states
@@ -110,16 +111,15 @@ class ModelRunner:
         self.block_size = block_size
         self.backend = backend
         self.device = device
-        self.kv_pool = torch.zeros(
+        pool_shape = (
             cfg.num_kv_layers,
             2,
             model.num_kv_heads,
             num_blocks,
             block_size,
             cfg.head_dim,
-            dtype=dtype,
-            device=device,
         )
+        self.kv_pool = zeroed(pool_shape, dtype, device)
         self.kv_scales = kv_scales
         self.kv_caches = [
             LayerKV(self.kv_pool[i, 0], self.kv_pool[i, 1], kv_scales[i] if kv_scales else None)

@@ -235,8 +235,9 @@ def retire(client: KubeClient, patch: dict, owner_uid: str) -> bool:
     return True
 
 
-def apply(client: KubeClient, obj: dict, owner_uid: str) -> str:
-    """Create the object, or merge-patch it when it drifted; returns what was done. An object
+def apply(client: KubeClient, obj: dict, owner_uid: str) -> tuple[str, int | None]:
+    """Create the object, or merge-patch it when it drifted; returns what was done, and the
+    live spec.replicas that the patch replaced (None when it left replicas alone). An object
     of the same name that this ModelDeployment does not control is left as it is ("foreign"):
     patching it would also hand it to the garbage collector with our owner reference. What
     the operator set last time (its annotation) and sets no more is removed by the patch."""
@@ -245,13 +246,15 @@ def apply(client: KubeClient, obj: dict, owner_uid: str) -> str:
     current = client.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
     if current is None:
         client.create(desired)
-        return "created"
+        return "created", None
     if not controlled_by(current, owner_uid):
-        return "foreign"
+        return "foreign", None
     if contains(current, desired):
-        return "unchanged"
+        return "unchanged", None
     client.merge_patch(current, merged(desired, removals(last_applied(current), desired)))
-    return "patched"
+    wanted = (desired.get("spec") or {}).get("replicas")
+    live = (current.get("spec") or {}).get("replicas")
+    return "patched", live if wanted is not None and live != wanted else None
 
 
 def applied_record(obj: dict) -> dict:
@@ -627,21 +630,22 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> str | 
         spec = parse_spec(md.get("spec"))
         capacity = admit_capacity(state, namespace, spec)
         admit_adapters(state, namespace, spec)
-        replicas, memories, own = _decide_replicas(state, md, spec, autoscale)
+        decision = _decide_replicas(state, md, spec, autoscale)
         options = RenderOptions(
             images,
             config.prometheus_url,
-            replicas,
+            decision.replicas,
             config.network_policy,
             config.allowed_host_paths,
             config.router_image,
-            own_replicas=own,
+            own_replicas=decision.own,
         )
-        foreign, incomplete = apply_all(client, md, options)
+        applied = apply_all(client, md, options)
+        _announce_manual_scales(client, md, spec, decision, applied.replaced)
         for pool in spec.pools:
             current, ready = _pool_workload(client, md, pool)
-            desired = replicas.get(pool.name, current)
-            memory = memories.get(pool.name)
+            desired = decision.replicas.get(pool.name, current)
+            memory = decision.memories.get(pool.name)
             reason, cause = _pool_reason(pool, memory)
             window = memory.window if memory is not None else None
             pools.append(
@@ -670,10 +674,10 @@ def _reconcile_locked(state: OperatorState, md: dict, autoscale: bool) -> str | 
         for ref in hf_tokens:
             if ref is not None:
                 missing = missing or missing_secret_key(client, namespace, ref)
-        if foreign:
-            error = ("ForeignObject", foreign_message(foreign))
-        elif incomplete:
-            error = ("FleetSecretIncomplete", incomplete_message(incomplete))
+        if applied.foreign:
+            error = ("ForeignObject", foreign_message(applied.foreign))
+        elif applied.incomplete:
+            error = ("FleetSecretIncomplete", incomplete_message(applied.incomplete))
         elif missing:
             error = ("SecretMissing", f"{missing}: the pods that read it wait for it")
     except CapacityRefused as e:
@@ -764,24 +768,35 @@ def images_status(images: EngineImages) -> dict[str, str]:
     return {"cpu": images.cpu, "cuda": images.cuda}
 
 
+@dataclass(frozen=True)
+class ReplicaDecision:
+    replicas: dict[str, int]  # per pool (KEDA pools: none, their HPA decides)
+    memories: dict[str, PoolMemory]  # the builtin autoscaler's, per builtin pool
+    own: frozenset[str]  # pools whose Deployment keeps its own replicas
+    # What the operator had set on each builtin pool before this pass: a live value other
+    # than it, replaced by this pass's write, was set by hand.
+    set_before: dict[str, int]
+
+
 def _decide_replicas(
     state: OperatorState, md: dict, spec: Spec, autoscale: bool
-) -> tuple[dict[str, int], dict[str, PoolMemory], frozenset[str]]:
-    """Replicas per pool (KEDA pools: none, their HPA decides), the builtin autoscaler's
-    memory, and the pools whose Deployment keeps its own replicas: a pool without autoscaling
+) -> ReplicaDecision:
+    """Replicas per pool and the builtin autoscaler's memory. A pool without autoscaling
     takes spec.replicas when that changed since it was last applied, and otherwise is applied
     without replicas (so a `kubectl scale` or an HPA landing mid-pass is never undone)."""
     now = time.time()  # wall clock: the autoscaler's window is kept in status
     recorded = (md.get("status") or {}).get("pools") or {}
     replicas: dict[str, int] = {}
     memories: dict[str, PoolMemory] = {}
+    set_before: dict[str, int] = {}
     keep: set[str] = set()
     queue: RouterQueue | None = None  # read once per pass, for every builtin pool
     for pool in spec.pools:
         mode = pool.autoscaling.mode
         if mode == "builtin":
             memory = remembered(state, md, pool, now)
-            _notice_manual_scale(state, md, pool, memory.replicas)
+            if memory.replicas is not None:
+                set_before[pool.name] = memory.replicas
             if autoscale:
                 queue = queue or router_queue(state, md, spec)
                 memory = autoscale_pool(state, md, spec, pool, now, queue)
@@ -798,25 +813,28 @@ def _decide_replicas(
                 keep.add(pool.name)
             else:
                 replicas[pool.name] = pool.replicas
-    return replicas, memories, frozenset(keep)
+    return ReplicaDecision(replicas, memories, frozenset(keep), set_before)
 
 
-def _notice_manual_scale(state: OperatorState, md: dict, pool: Pool, last: int | None) -> None:
-    """A builtin-autoscaled pool scaled by hand is scaled back: say so, once per change."""
-    meta = md["metadata"]
-    name = workload_ref(meta["name"], pool)[2]
-    found = _found_workload(state.client, md, pool)
-    if last is None or not found:
-        return
-    current = (found.get("spec") or {}).get("replicas")
-    if current is not None and current != last:
+def _announce_manual_scales(
+    client: KubeClient, md: dict, spec: Spec, decision: ReplicaDecision, replaced: dict[str, int]
+) -> None:
+    """A builtin-autoscaled pool scaled by hand is scaled back: say so, once per change. Told
+    by the value this pass's own write replaced (read just before it), so a `kubectl scale`
+    landing mid-pass is announced too, and a value the autoscaler then keeps is not."""
+    for pool in spec.pools:
+        name = workload_ref(md["metadata"]["name"], pool)[2]
+        last, live = decision.set_before.get(pool.name), replaced.get(name)
+        if pool.autoscaling.mode != "builtin" or last is None or live in (None, last):
+            continue
         announce(
-            state.client,
+            client,
             md,
             "ManualScaleReverted",
-            f"{name} was scaled to {current} by hand; pool {pool.name} is scaled by the "
-            f"builtin autoscaler, back to {last}: change spec.pools.{pool.name}.autoscaling "
-            "minReplicas/maxReplicas, or set its mode to none to scale it yourself",
+            f"{name} was scaled to {live} by hand; pool {pool.name} is scaled by the "
+            f"builtin autoscaler, back to {decision.replicas[pool.name]}: change "
+            f"spec.pools.{pool.name}.autoscaling minReplicas/maxReplicas, or set its mode to "
+            "none to scale it yourself",
         )
 
 
@@ -827,28 +845,36 @@ def incomplete_message(secret: str) -> str:
     )
 
 
-def apply_all(client: KubeClient, md: dict, options: RenderOptions) -> tuple[list[str], str]:
-    """Apply what the ModelDeployment owns and retire what it no longer wants; returns the
-    objects of its names that it does not control (left alone), and the name of its fleet
-    Secret if that lacks a key (else "")."""
+@dataclass
+class Applied:
+    foreign: list[str]  # objects of its names that it does not control (left alone)
+    incomplete: str  # the name of its fleet Secret if that lacks a key (else "")
+    replaced: dict[str, int]  # workload name -> the live replicas its patch replaced
+
+
+def apply_all(client: KubeClient, md: dict, options: RenderOptions) -> Applied:
+    """Apply what the ModelDeployment owns and retire what it no longer wants."""
     meta = md["metadata"]
     namespace, uid = meta["namespace"], meta["uid"]
-    foreign, incomplete = [], ""
+    applied = Applied([], "", {})
     for obj in desired_objects(md, options):
+        name = obj["metadata"]["name"]
         if obj["kind"] == "Secret":
             done = apply_fleet_secret(client, obj, uid)
         else:
-            done = apply(client, obj, uid)
+            done, replaced = apply(client, obj, uid)
+            if replaced is not None:
+                applied.replaced[name] = replaced
         if done == "foreign":
-            foreign.append(f"{obj['kind']} {obj['metadata']['name']}")
+            applied.foreign.append(f"{obj['kind']} {name}")
         elif done == "incomplete":
-            incomplete = obj["metadata"]["name"]
+            applied.incomplete = name
         elif done != "unchanged":
-            log.info("%s %s/%s %s", done, obj["kind"], namespace, obj["metadata"]["name"])
+            log.info("%s %s/%s %s", done, obj["kind"], namespace, name)
     for patch in retired_objects(md):
         if retire(client, patch, uid):
             log.info("retired %s/%s %s", patch["kind"], namespace, patch["metadata"]["name"])
-    return foreign, incomplete
+    return applied
 
 
 def announce(client: KubeClient, md: dict, reason: str, message: str) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagefleet.engine.kv_cache.host_tier import TierLoad
+from pagefleet.engine.kv_cache.pool_memory import zeroed
 
 
 @dataclass
@@ -31,8 +32,11 @@ class TierCopier:
         self.device_blocks = _blocks_view(kv_pool)  # [layers * 2 * heads, blocks, rest]
         rows, _, rest = self.device_blocks.shape
         on_cuda = self.device.type == "cuda"
-        self.host_blocks = torch.zeros(
-            num_slots, rows, rest, dtype=self.device_blocks.dtype, pin_memory=on_cuda
+        shape, dtype = (num_slots, rows, rest), self.device_blocks.dtype
+        self.host_blocks = (
+            torch.zeros(shape, dtype=dtype, pin_memory=True)
+            if on_cuda
+            else zeroed(shape, dtype, torch.device("cpu"))
         )
         self.bytes_per_block = rows * rest * self.device_blocks.element_size()
         self.bytes_moved = 0

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagefleet.engine.kv_cache.pool_memory import zeroed
 from pagefleet.engine.kv_cache.state_cache import StateMoves, StateStep
 from pagefleet.engine.model.config import SequenceStateShape
 
@@ -46,12 +47,10 @@ class StatePool:
         self.shape = shape
         self.num_slots = num_slots
         s = shape
-        self.conv = torch.zeros(
-            s.num_layers, num_slots, s.conv_channels, s.conv_width, dtype=dtype, device=device
-        )
-        self.ssm = torch.zeros(
-            s.num_layers, num_slots, s.num_heads, s.key_dim, s.value_dim, dtype=dtype, device=device
-        )
+        conv_shape = (s.num_layers, num_slots, s.conv_channels, s.conv_width)
+        self.conv = zeroed(conv_shape, dtype, device)
+        ssm_shape = (s.num_layers, num_slots, s.num_heads, s.key_dim, s.value_dim)
+        self.ssm = zeroed(ssm_shape, dtype, device)
 
     @property
     def bytes_per_slot(self) -> int:

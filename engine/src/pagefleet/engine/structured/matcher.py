@@ -5,7 +5,6 @@ output tokens) keeps it as it is."""
 from __future__ import annotations
 
 import llguidance
-import llguidance.torch
 import torch
 
 
@@ -19,8 +18,13 @@ class SequenceGrammar:
         return self.matcher.is_stopped()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into `bitmask[row]` (int32 words, bit i = token i)."""
-        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+        """Write the allowed next tokens into `bitmask[row]` (int32 words, bit i = token i).
+        Straight to the matcher, not through `llguidance.torch`: importing that compiles
+        nothing we use but pulls in torch._dynamo, seconds of every engine's start."""
+        words = bitmask[row]
+        if bitmask.dtype != torch.int32 or not bitmask.is_cpu or not words.is_contiguous():
+            raise ValueError("a grammar bitmask is a contiguous int32 CPU tensor")
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
 
     def fill_draft_rows(self, bitmask: torch.Tensor, first: int, drafts: list[int]) -> None:
         """Masks of a verify step: row first+j holds what may follow drafts[:j]. The matcher
