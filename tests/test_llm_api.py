@@ -181,21 +181,26 @@ def test_async_engine_streams_and_matches_offline(tiny_checkpoints, monkeypatch)
     monkeypatch.undo()
     assert built_on == [engine._thread] and engine._thread is not threading.current_thread()
 
-    async def one(i: int) -> tuple[list[int], int]:
-        updates = 0
-        final = None
-        async for out in engine.generate(prompts[i], GREEDY, f"req-{i}"):
-            updates += 1
-            final = out
-        return final.outputs[0].token_ids, updates
+    async def one(i: int) -> list[list[int]]:
+        """The token ids of each update the stream delivered."""
+        return [
+            list(out.outputs[0].token_ids)
+            async for out in engine.generate(prompts[i], GREEDY, f"req-{i}")
+        ]
 
     async def all_of_them():
         return await asyncio.gather(*(one(i) for i in range(len(prompts))))
 
     try:
-        results = asyncio.run(all_of_them())
-        assert [r[0] for r in results] == expected
-        assert all(updates == 12 for _, updates in results), "one update per token"
+        streams = asyncio.run(all_of_them())
+        assert [updates[-1] for updates in streams] == expected
+        # Outputs are cumulative and an unread one is replaced by the next (async_llm.py), so
+        # a busy consumer sees fewer updates than tokens (as CI did): each update must
+        # extend the one before, never repeat or shrink it.
+        for updates in streams:
+            assert all(
+                len(b) > len(a) and b[: len(a)] == a for a, b in zip(updates, updates[1:])
+            ), [len(u) for u in updates]
     finally:
         engine.shutdown()
     assert not engine.is_running
