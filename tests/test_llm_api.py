@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import shutil
@@ -199,7 +200,7 @@ def test_async_engine_streams_and_matches_offline(tiny_checkpoints, monkeypatch)
         # extend the one before, never repeat or shrink it.
         for updates in streams:
             assert all(
-                len(b) > len(a) and b[: len(a)] == a for a, b in zip(updates, updates[1:])
+                len(b) > len(a) and b[: len(a)] == a for a, b in itertools.pairwise(updates)
             ), [len(u) for u in updates]
     finally:
         engine.shutdown()

@@ -832,7 +832,7 @@ def _announce_manual_scales(
             md,
             "ManualScaleReverted",
             f"{name} was scaled to {live} by hand; pool {pool.name} is scaled by the "
-            f"builtin autoscaler, back to {decision.replicas[pool.name]}: change "
+            f"builtin autoscaler, back to {decision.replicas.get(pool.name, last)}: change "
             f"spec.pools.{pool.name}.autoscaling minReplicas/maxReplicas, or set its mode to "
             "none to scale it yourself",
         )
