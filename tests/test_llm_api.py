@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import shutil
 import threading
 import time
@@ -112,6 +113,27 @@ def test_kv_pool_is_sized_from_memory_and_reported(tiny_checkpoints, caplog):
     assert "model weights take" in logs
     with pytest.raises(ValueError, match=r"--max-model-len.*--kv-cache-memory.*--kv-cache-dtype"):
         LLM(tiny_checkpoints["llama"], kv_cache_memory=1 / 1024, max_model_len=4096)
+
+
+def test_a_kv_pool_larger_than_host_memory_is_refused_at_start(tiny_checkpoints):
+    """Catches the lazily zeroed CPU pool (kv_cache/pool_memory.py) letting an engine start
+    with --kv-cache-memory beyond the host (or its container's limit), to be OOM-killed under
+    load rather than refused at start; the pool still costs no resident memory until used."""
+    from pagefleet.engine.kv_sizing import host_memory_bytes
+
+    too_big = 2 * host_memory_bytes() / (1 << 30)
+    with pytest.raises(ValueError, match=r"--kv-cache-memory .* more than this host's memory"):
+        LLM(tiny_checkpoints["llama"], kv_cache_memory=too_big)
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    engine = LLM(tiny_checkpoints["llama"]).engine  # the default 4 GiB
+    assert engine.runner.kv_pool.untyped_storage().nbytes() >= 4 << 30
+    grown = resident() - before
+    assert grown < 1 << 30, f"{grown / (1 << 30):.1f} GiB more resident: the pool was written"
 
 
 def test_engine_and_plan_size_the_pool_with_the_same_arithmetic(tiny_checkpoints, capsys):

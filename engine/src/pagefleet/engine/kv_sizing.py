@@ -51,6 +51,18 @@ def host_memory_bytes() -> int:
     return memory
 
 
+def refuse_past_host_memory(flag: str, gib: float) -> None:
+    """Refuse a host pool of `gib` larger than this host's memory (the container's limit
+    included). Its pages are written only as requests use them (kv_cache/pool_memory.py), so
+    nothing else would fail at start: the engine would be OOM-killed later, under load."""
+    host = host_memory_bytes()
+    if gib * GiB > host:
+        raise ValueError(
+            f"{flag} {gib:g} GiB is more than this host's memory ({host / GiB:.1f} GiB, the "
+            "container's limit included)"
+        )
+
+
 def kv_pool_blocks(
     args: EngineArgs,
     model: CausalLM,
@@ -70,6 +82,7 @@ def kv_pool_blocks(
         if device.type == "cuda":
             budget = cuda_kv_budget(args, model, device, max_model_len)
         else:
+            refuse_past_host_memory("--kv-cache-memory", args.kv_cache_memory)
             budget = int(args.kv_cache_memory * GiB)
         if draft is not None:
             target = kv_pool_plan_of(args, model, kv_dtype, 0).bytes_per_block

@@ -37,9 +37,9 @@ from pagefleet.engine.detokenizer import Detokenizer
 from pagefleet.engine.kv_sizing import (
     DraftPool,
     check_holds_one,
-    host_memory_bytes,
     kv_pool_blocks,
     kv_pool_plan_of,
+    refuse_past_host_memory,
     state_slots_of,
 )
 from pagefleet.engine.lora.manager import remove_adapter, serving_lora, setup_lora
@@ -366,12 +366,7 @@ class LLMEngine:
 
         pool = self.runner.kv_pool
         per_block = kv_bytes_per_block(self.runner.model, self.args.block_size, pool.dtype)
-        host = host_memory_bytes()
-        if size * GiB > host:  # refused before torch zeroes (or pins) more than the host has
-            raise ValueError(
-                f"--kv-offloading-size {size:g} GiB is more than this host's memory "
-                f"({host / GiB:.1f} GiB, the container's limit included)"
-            )
+        refuse_past_host_memory("--kv-offloading-size", size)
         num_slots = int(size * GiB) // per_block
         if num_slots < 1:
             raise ValueError(
