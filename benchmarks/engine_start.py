@@ -15,7 +15,6 @@ phase, every scale from zero, every test's engine).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import socket
 import statistics
 import subprocess
@@ -24,30 +23,23 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import process
+from procs import process, wait_healthy
 
 PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
 GiB = 1 << 30
 
 
 def time_to_health(model: str, *flags: str) -> float:
-    """Seconds from the process' start to /health answering 200 (polled every 20 ms)."""
+    """Seconds from the process' start to /health answering 200 (asked every 20 ms)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    argv = [PAGEFLEET, "serve", model, "--host", "127.0.0.1", "--port", str(port), *flags]
     started = time.monotonic()
-    with process(
-        [PAGEFLEET, "serve", model, "--host", "127.0.0.1", "--port", str(port), *flags]
-    ) as proc:
-        while proc.poll() is None:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    return time.monotonic() - started
-            time.sleep(0.02)
-    raise RuntimeError(f"pagefleet serve exited with {proc.returncode}")
+    with process(argv):
+        wait_healthy(f"http://127.0.0.1:{port}", timeout=120, interval=0.02)
+        return time.monotonic() - started
 
 
 def pool_allocation(rounds: int) -> tuple[float, float]:

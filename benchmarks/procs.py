@@ -20,12 +20,13 @@ def process(argv: list[str], stop_timeout: float = 120.0, env: dict[str, str] | 
         proc.wait(timeout=stop_timeout)
 
 
-def wait_healthy(url: str, timeout: float = 300.0) -> None:
-    """Until `url`/health answers 200; TimeoutError after `timeout` seconds."""
+def wait_healthy(url: str, timeout: float = 300.0, interval: float = 0.2) -> None:
+    """Until `url`/health answers 200, asked every `interval` seconds; TimeoutError after
+    `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return
-        time.sleep(0.2)
+        time.sleep(interval)
     raise TimeoutError(url)

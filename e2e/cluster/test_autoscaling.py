@@ -1,7 +1,8 @@
 """Scenario: the builtin autoscaler's loop on pods. A bounded load queues requests on the engine,
 the operator raises replicas, the lab starts pods, the router discovers and uses them and the
 queue drains; when the load stops and the window passes, replicas go down and the pods leave
-with a SIGTERM drain. Every request sent is answered."""
+with a SIGTERM drain. Every request sent is answered. A hand scale of the pool is then put
+back with one Warning event."""
 
 from __future__ import annotations
 
@@ -108,3 +109,16 @@ def test_builtin_autoscaler_scales_pods_up_and_down_without_losing_a_request(tmp
             f" one pod left) {scale_down_s:.1f} s"
         )
         assert load.failures == [] and load.ok == load.sent
+
+        # A `kubectl scale` of the autoscaled pool, on pods: put back, with one event naming it.
+        deployment = lab.kube.get("apps/v1", "Deployment", NS, f"{NAME}-colocated")
+        lab.kube.patch(deployment, {"spec": {"replicas": 3}})
+        lab.wait_for(lambda: reverted_events(lab), 60, "the ManualScaleReverted event")
+        lab.wait_for(lambda: replicas(lab) == 1, 60, "the hand scale put back")
+        (event,) = reverted_events(lab)
+        assert event["type"] == "Warning" and event["involvedObject"]["name"] == NAME
+        assert event["message"].startswith(f"{NAME}-colocated was scaled to 3 by hand")
+
+
+def reverted_events(lab) -> list[dict]:
+    return [e for e in lab.kube.list("v1", "Event", NS) if e["reason"] == "ManualScaleReverted"]

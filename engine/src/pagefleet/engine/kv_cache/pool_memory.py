@@ -13,7 +13,7 @@ import torch
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled tensor; on the CPU backed by pages written only when first used."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < mmap.PAGESIZE:
         return torch.zeros(shape, dtype=dtype, device=device)
     region = mmap.mmap(-1, nbytes)  # private and anonymous: zeros until written
