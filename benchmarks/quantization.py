@@ -315,7 +315,7 @@ def shape_kernels(k: int, n: int, gen: torch.Generator) -> dict:
     """Every CPU kernel on one (in, out) shape: name -> call(x)."""
     from pagefleet.engine.model.quant.cpu_kernels import CpuIntKernel
     from pagefleet.engine.model.quant.int_weight import IntWeight
-    from pagefleet.engine.model.quant.kernels import Fp8MatMul, Int8MatMul
+    from pagefleet.engine.model.quant.kernels import Fp8MatMul, Int8MatMul, OneDnnInt8MatMul
     from pagefleet.engine.model.quant.packing import pack_codes
 
     def int_weight(bits: int, group: int) -> IntWeight:
@@ -323,13 +323,16 @@ def shape_kernels(k: int, n: int, gen: torch.Generator) -> dict:
         scales = torch.rand(n, k // group, generator=gen)
         return IntWeight(pack_codes(codes, bits), bits, scales, -scales, group, k)
 
-    w8a8 = Int8MatMul(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n), None)
+    int8_codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    w8a8 = Int8MatMul(int8_codes, torch.rand(n), None)
+    w8a8_onednn = OneDnnInt8MatMul(int8_codes, torch.rand(n), None)
     fp8 = Fp8MatMul(torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn), torch.rand(n), None)
     return {
         "int4 g64": CpuIntKernel(int_weight(4, GROUP)),
         "int8 channel": CpuIntKernel(int_weight(8, k)),
         "int8 g64 (2 planes)": CpuIntKernel(int_weight(8, GROUP)),
         "int8 W8A8 _int_mm": lambda x: w8a8(x, None),
+        "int8 W8A8 oneDNN": lambda x: w8a8_onednn(x, None),
         "fp8 _scaled_mm": lambda x: fp8(x, None),
     }
 

@@ -63,6 +63,39 @@ def test_cpu_kernels_multiply_by_the_dequantized_weight(name):
     assert_close(got, want, atol=1e-2 * want.abs().max().item(), rtol=0)
 
 
+def _int8_w8a8_kernels() -> list[type]:
+    """The CPU's W8A8 kernels: torch._int_mm everywhere, oneDNN's where int8 dots exist."""
+    found: list[type] = [kernels.Int8MatMul]
+    if kernels._cpu_has_int8_dot():
+        found.append(kernels.OneDnnInt8MatMul)
+    return found
+
+
+@pytest.mark.parametrize("kernel", _int8_w8a8_kernels(), ids=lambda k: k.__name__)
+@pytest.mark.parametrize("input_scale", [None, 0.05], ids=["dynamic", "static"])
+def test_int8_w8a8_kernels_sum_integer_products_exactly(kernel, input_scale):
+    """Each row's int8 codes times the weight's codes, summed exactly, then both scales and
+    the bias. Row 0 is all +127 against a weight row of +127: pairs of those products
+    overflow int16, so a kernel that sums pairs in int16 (oneDNN's path without VNNI) fails."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randint(-127, 128, (40, 256), generator=gen, dtype=torch.int8)
+    weight[0] = 127
+    scale = torch.rand(40, generator=gen) + 0.5
+    bias = torch.randn(40, generator=gen)
+    x = torch.randn(2, 3, 256, generator=gen) * torch.arange(1, 7).reshape(2, 3, 1)
+    x[0, 0] = 6.0 if input_scale is None else 127 * input_scale
+    codes, a = kernels.quantize_rows_int8(x.reshape(6, 256), input_scale)
+    assert codes.abs().max() <= 127 and torch.all(codes[0] == 127)
+    exact = (codes.long() @ weight.long().t()).double()
+    a = torch.as_tensor(a, dtype=torch.float64)
+    want = (exact * a * scale.double() + bias.double()).reshape(2, 3, 40)
+    got = kernel(weight, scale, input_scale)(x, bias)
+    assert got.dtype == x.dtype
+    assert_close(got.double(), want, rtol=1e-5, atol=1e-3)
+    bf16 = kernel(weight, scale, input_scale)(x.bfloat16(), None)
+    assert bf16.dtype == torch.bfloat16
+
+
 @pytest.fixture(scope="module")
 def interpreter():
     """A worker whose Triton kernels run in the interpreter on CPU tensors."""

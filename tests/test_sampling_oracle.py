@@ -189,6 +189,19 @@ def test_greedy_rows_take_the_argmax_of_the_penalised_logits():
     assert token != int(LOGITS.argmax())
 
 
+def test_greedy_ties_take_the_first_maximum_as_hf_does():
+    """Tied top logits (a row of equal scores, a tie late in a vocabulary-wide row): HF's
+    greedy search takes torch.argmax, the first maximum; so must we, on every row."""
+    params = SamplingParams(temperature=0.0)
+    wide = torch.randn(3, 49_152, generator=torch.Generator().manual_seed(2))
+    wide[0] = 0.0
+    wide[1, [40_000, 40_001, 45_000]] = 100.0
+    wide[2, [7, 30_000]] = 100.0
+    reqs = [make_request(params, rid=str(i), prompt=[0], output=[]) for i in range(3)]
+    assert Sampler(0).sample(wide, reqs).token_ids == [0, 40_000, 7]
+    assert Sampler(0).sample(wide, reqs).token_ids == wide.argmax(dim=-1).tolist()
+
+
 @pytest.mark.parametrize("params", [CASES["every penalty with top_p"], CASES["top_k 5"]])
 def test_logprobs_are_the_raw_log_softmax_as_vllm_returns_them(params):
     """vLLM returns logprobs of the raw logits (before penalties, temperature and truncation):

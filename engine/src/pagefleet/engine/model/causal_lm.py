@@ -37,7 +37,8 @@ LayerFactory = Callable[[ModelConfig, int, TPParts | None], nn.Module]
 class CausalLM(nn.Module):
     """Embedding → decoder layers (`make_layer(cfg, index, tp)`) → norm → LM head.
 
-    A decoder layer's forward is `(x, positions, rope, backend, kv_caches, meta) -> x`; its
+    A decoder layer's forward is `(x, positions, rope, backend, kv_caches, meta) -> x`, `rope`
+    the step's `Rotation` (model/rope.py: `rope(q, k)` rotates the step's tokens); its
     linears come from model/layers.py's factories (model/linear.py), and an optional
     `prepack()` processes whatever else it loaded (packed experts)."""
 
@@ -95,8 +96,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
         x = self.embed_tokens(input_ids)
+        rotation = self.rope.at(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, backend, kv_caches, meta)
+            x = layer(x, positions, rotation, backend, kv_caches, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

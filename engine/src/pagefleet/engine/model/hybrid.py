@@ -131,7 +131,7 @@ class GatedAttention(Attention):
         q = self.q_norm(q)
         k = self.k_norm(k.reshape(-1, self.num_kv_heads, hd))
         v = v.reshape(-1, self.num_kv_heads, hd)
-        q, k = rope(positions, q, k)
+        q, k = rope(q, k)
         cache = kv_caches[self.kv_slot]
         out = backend.forward(q, k, v, cache.k_cache, cache.v_cache, meta, self.scale, cache.scales)
         out = out.reshape(-1, self.q_size) * torch.sigmoid(gate.reshape(-1, self.q_size))

@@ -143,7 +143,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = rope(q, k)
         cache = kv_caches[self.kv_slot]  # a LayerKV (attention/backend.py)
         out = backend.forward(q, k, v, cache.k_cache, cache.v_cache, meta, self.scale, cache.scales)
         return linear_add(self.o_proj, out.reshape(-1, self.q_size), residual)

@@ -4,6 +4,7 @@ partial rotation (`partial_rotary_factor`: only a head's leading dims rotate, as
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -59,7 +60,8 @@ def rotary_dim(head_dim: int, params: dict) -> int:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin per position; applied to flattened [tokens, heads, head_dim]."""
+    """Precomputed cos/sin per position. `at(positions)` looks a step's rows up once for all
+    its layers; the `Rotation` it returns rotates flattened [tokens, heads, head_dim]."""
 
     def __init__(self, head_dim: int, max_positions: int, params: dict) -> None:
         super().__init__()
@@ -68,25 +70,44 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = inverse_frequencies(self.rotary_dim, params)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        # HF's form, x * cos + rotate_half(x) * sin over the rotary dims, with rotate_half's
+        # minus sign folded into the first half of `sin`: a rotation is then a swap of the
+        # halves, two products and a sum, bit for bit the same values.
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
+        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, rotary_dim]
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return Rotation(cos, sin, self.rotary_dim, self.head_dim)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        if self.rotary_dim == self.head_dim:
-            return _rotate(q, cos, sin), _rotate(k, cos, sin)
-        return self._rotate_part(q, cos, sin), self._rotate_part(k, cos, sin)
+        return self.at(positions, q.dtype)(q, k)
 
-    def _rotate_part(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+
+@dataclass(frozen=True)
+class Rotation:
+    """The rotary rows of one step's tokens (what a decoder layer's `rope` is)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rotary_dim: int
+    head_dim: int
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotate(q), self.rotate(k)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim == self.head_dim:
+            return _rotate(x, self.cos, self.sin)
         rotated, passed = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
-        return torch.cat((_rotate(rotated, cos, sin), passed), dim=-1)
+        return torch.cat((_rotate(rotated, self.cos, self.sin), passed), dim=-1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    cos = cos.to(x.dtype)
-    sin = sin.to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return swapped.mul_(sin).add_(x * cos)
