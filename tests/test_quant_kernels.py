@@ -94,6 +94,11 @@ def test_int8_w8a8_kernels_sum_integer_products_exactly(kernel, input_scale):
     assert_close(got.double(), want, rtol=1e-5, atol=1e-3)
     bf16 = kernel(weight, scale, input_scale)(x.bfloat16(), None)
     assert bf16.dtype == torch.bfloat16
+    # Every int8 kernel gives torch._int_mm's floats exactly: a checkpoint's tokens must not
+    # depend on which CPU serves it (a last bit flips the next layer's activation codes).
+    reference = kernels.Int8MatMul(weight, scale, input_scale)
+    assert torch.equal(got, reference(x, bias))
+    assert torch.equal(bf16, reference(x.bfloat16(), None))
 
 
 @pytest.fixture(scope="module")

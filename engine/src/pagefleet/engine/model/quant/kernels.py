@@ -140,30 +140,30 @@ class Int8MatMul:
 
 class OneDnnInt8MatMul:
     """INT8 W8A8 on a CPU with an int8 dot product: the weight reordered once into oneDNN's
-    blocked layout, int8 x int8 -> float32 with the weight's scales in one call, then the
-    activations' scale per row. 1.2-1.5x torch._int_mm plus its scaling at decode sizes
-    (benchmarks/quantization.py --kernels)."""
+    blocked layout, int8 x int8 summed in int32 and returned as float32, then the same two
+    scalings as `Int8MatMul` in the same order, so both kernels give the same floats bit for
+    bit (a last-bit difference flips activation codes at rounding boundaries in the next
+    layer, and over a model's layers that moves whole tokens). 1.2-2x `Int8MatMul` at decode
+    sizes (benchmarks/quantization.py --kernels)."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, input_scale: float | None):
         self.out_features = weight.shape[0]
         self.packed = torch.ops.onednn.qlinear_prepack(weight.contiguous(), None)
-        self.scale = scale.float().contiguous()
-        self.weight_zero = torch.zeros(self.out_features, dtype=torch.int64)
+        self.scale = scale.float()
         self.input_scale = input_scale
-        # A static scale goes into the call; dynamic ones multiply the rows afterwards.
-        self.call_scale = torch.tensor(1.0 if input_scale is None else input_scale)
-        self.zero = torch.tensor(0, dtype=torch.int64)
+        self.unscaled = torch.ones(self.out_features)  # oneDNN's scales: none applied
+        self.weight_zero = torch.zeros(self.out_features, dtype=torch.int64)
+        self.one, self.zero = torch.tensor(1.0), torch.tensor(0, dtype=torch.int64)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         xq, a = quantize_rows_int8(x.reshape(-1, shape[-1]), self.input_scale)
-        y = torch.ops.onednn.qlinear_pointwise.tensor(
-            xq, self.call_scale, self.zero, self.packed, self.scale, self.weight_zero,
+        acc = torch.ops.onednn.qlinear_pointwise.tensor(
+            xq, self.one, self.zero, self.packed, self.unscaled, self.weight_zero,
             None, 1.0, 0, torch.float32, "none", [], "",
         )  # fmt: skip
-        if self.input_scale is None:
-            y.mul_(a)
-        y = y.to(dtype) if bias is None else y.to(dtype) + bias
+        y = acc.mul_(a).mul_(self.scale).to(dtype)
+        y = y if bias is None else y + bias
         return y.reshape(*shape[:-1], self.out_features)
 
     def tensors(self) -> list[torch.Tensor]:
