@@ -313,9 +313,10 @@ SHAPES = {"qkv": (576, 960), "gate_up": (576, 3072), "down": (1536, 576), "lm_he
 
 def shape_kernels(k: int, n: int, gen: torch.Generator) -> dict:
     """Every CPU kernel on one (in, out) shape: name -> call(x)."""
+    from pagefleet.engine.model.quant.cpu_int8 import OneDnnInt8MatMul
     from pagefleet.engine.model.quant.cpu_kernels import CpuIntKernel
     from pagefleet.engine.model.quant.int_weight import IntWeight
-    from pagefleet.engine.model.quant.kernels import Fp8MatMul, Int8MatMul, OneDnnInt8MatMul
+    from pagefleet.engine.model.quant.kernels import Fp8MatMul, Int8MatMul
     from pagefleet.engine.model.quant.packing import pack_codes
 
     def int_weight(bits: int, group: int) -> IntWeight:
@@ -326,6 +327,7 @@ def shape_kernels(k: int, n: int, gen: torch.Generator) -> dict:
     int8_codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     w8a8 = Int8MatMul(int8_codes, torch.rand(n), None)
     w8a8_onednn = OneDnnInt8MatMul(int8_codes, torch.rand(n), None)
+    w8a8_nibbles = OneDnnInt8MatMul(int8_codes, torch.rand(n), None, signed=False)
     fp8 = Fp8MatMul(torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn), torch.rand(n), None)
     return {
         "int4 g64": CpuIntKernel(int_weight(4, GROUP)),
@@ -333,6 +335,7 @@ def shape_kernels(k: int, n: int, gen: torch.Generator) -> dict:
         "int8 g64 (2 planes)": CpuIntKernel(int_weight(8, GROUP)),
         "int8 W8A8 _int_mm": lambda x: w8a8(x, None),
         "int8 W8A8 oneDNN": lambda x: w8a8_onednn(x, None),
+        "int8 W8A8 oneDNN nibbles": lambda x: w8a8_nibbles(x, None),
         "fp8 _scaled_mm": lambda x: fp8(x, None),
     }
 

@@ -6,7 +6,11 @@ compute capability 8.9."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
+import os
+import subprocess
+import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -16,6 +20,11 @@ import triton_quant_cases as cases
 from torch.testing import assert_close
 
 from pagefleet.engine.model.quant import kernels
+from pagefleet.engine.model.quant.cpu_int8 import (
+    NIBBLE_COLUMNS,
+    OneDnnInt8MatMul,
+    signed_codes_are_exact,
+)
 from pagefleet.engine.model.quant.cpu_kernels import CpuIntKernel
 from pagefleet.engine.model.quant.packing import (
     AWQ_ORDER,
@@ -63,42 +72,65 @@ def test_cpu_kernels_multiply_by_the_dequantized_weight(name):
     assert_close(got, want, atol=1e-2 * want.abs().max().item(), rtol=0)
 
 
-def _int8_w8a8_kernels() -> list[type]:
-    """The CPU's W8A8 kernels: torch._int_mm everywhere, oneDNN's where int8 dots exist."""
-    found: list[type] = [kernels.Int8MatMul]
-    if kernels._cpu_has_int8_dot():
-        found.append(kernels.OneDnnInt8MatMul)
+def _cpu_w8a8_kernels() -> dict:
+    """The CPU's W8A8 kernels: oneDNN on unsigned nibbles (runs everywhere), on signed codes
+    where this CPU sums them exactly, torch._int_mm where its sums are exact here."""
+    found = {"onednn-nibbles": functools.partial(OneDnnInt8MatMul, signed=False)}
+    if signed_codes_are_exact():
+        found["onednn-signed"] = functools.partial(OneDnnInt8MatMul, signed=True)
+    x = torch.full((1, 1024), 127, dtype=torch.int8)
+    if torch.equal(torch._int_mm(x, x.t()).long(), x.long() @ x.long().t()):
+        found["int_mm"] = kernels.Int8MatMul
     return found
 
 
-@pytest.mark.parametrize("kernel", _int8_w8a8_kernels(), ids=lambda k: k.__name__)
+@pytest.mark.parametrize("kernel", list(_cpu_w8a8_kernels()))
 @pytest.mark.parametrize("input_scale", [None, 0.05], ids=["dynamic", "static"])
-def test_int8_w8a8_kernels_sum_integer_products_exactly(kernel, input_scale):
-    """Each row's int8 codes times the weight's codes, summed exactly, then both scales and
-    the bias. Row 0 is all +127 against a weight row of +127: pairs of those products
-    overflow int16, so a kernel that sums pairs in int16 (oneDNN's path without VNNI) fails."""
+@pytest.mark.parametrize("cols", [256, NIBBLE_COLUMNS + 64], ids=["cols256", "past-a-slice"])
+def test_int8_w8a8_kernels_give_the_exact_sums_scaled(kernel, input_scale, cols):
+    """Each row's int8 codes times the weight's codes summed exactly, then Int8MatMul's two
+    scalings in its order: the same floats bit for bit on every kernel and CPU. Row 0 is all
+    +127 against a weight row of +127, whose pairs of products overflow int16 (the sum a CPU
+    without VNNI forms); the nibble path's column slices are crossed."""
     gen = torch.Generator().manual_seed(5)
-    weight = torch.randint(-127, 128, (40, 256), generator=gen, dtype=torch.int8)
+    weight = torch.randint(-127, 128, (40, cols), generator=gen, dtype=torch.int8)
     weight[0] = 127
     scale = torch.rand(40, generator=gen) + 0.5
     bias = torch.randn(40, generator=gen)
-    x = torch.randn(2, 3, 256, generator=gen) * torch.arange(1, 7).reshape(2, 3, 1)
+    x = torch.randn(2, 3, cols, generator=gen) * torch.arange(1, 7).reshape(2, 3, 1)
     x[0, 0] = 6.0 if input_scale is None else 127 * input_scale
-    codes, a = kernels.quantize_rows_int8(x.reshape(6, 256), input_scale)
-    assert codes.abs().max() <= 127 and torch.all(codes[0] == 127)
-    exact = (codes.long() @ weight.long().t()).double()
-    a = torch.as_tensor(a, dtype=torch.float64)
-    want = (exact * a * scale.double() + bias.double()).reshape(2, 3, 40)
-    got = kernel(weight, scale, input_scale)(x, bias)
-    assert got.dtype == x.dtype
-    assert_close(got.double(), want, rtol=1e-5, atol=1e-3)
-    bf16 = kernel(weight, scale, input_scale)(x.bfloat16(), None)
-    assert bf16.dtype == torch.bfloat16
-    # Every int8 kernel gives torch._int_mm's floats exactly: a checkpoint's tokens must not
-    # depend on which CPU serves it (a last bit flips the next layer's activation codes).
-    reference = kernels.Int8MatMul(weight, scale, input_scale)
-    assert torch.equal(got, reference(x, bias))
-    assert torch.equal(bf16, reference(x.bfloat16(), None))
+    matmul = _cpu_w8a8_kernels()[kernel](weight, scale, input_scale)
+    for inputs in (x, x.bfloat16()):
+        codes, a = kernels.quantize_rows_int8(inputs.reshape(6, cols), input_scale)
+        assert codes.abs().max() <= 127 and torch.all(codes[0] == 127)
+        exact = (codes.long() @ weight.long().t()).to(torch.int32)
+        want = ((exact * a).mul_(scale).to(inputs.dtype) + bias.to(inputs.dtype)).reshape(2, 3, 40)
+        got = matmul(inputs, bias.to(inputs.dtype))
+        assert got.dtype == inputs.dtype
+        assert torch.equal(got, want)
+
+
+def test_a_cpu_without_vnni_gets_exact_w8a8_sums():
+    """oneDNN capped to AVX2 (what a CPU without VNNI runs: int16 pair sums, where
+    torch._int_mm's sums come out wrong by millions): the engine's W8A8 kernel must notice on
+    the real call and still give the exact sums."""
+    script = (
+        "import torch\n"
+        "from pagefleet.engine.model.quant import kernels\n"
+        "from pagefleet.engine.model.quant.cpu_int8 import signed_codes_are_exact\n"
+        "w = torch.full((16, 1024), 127, dtype=torch.int8)\n"
+        "x = torch.full((2, 1024), 3.0)\n"
+        "got = kernels.scaled8_kernel(w, torch.ones(16), None)(x, None)\n"
+        "exact = (torch.full((2, 16), 127 * 127 * 1024, dtype=torch.int32) * (3.0 / 127))\n"
+        "assert torch.equal(got, exact), (got[0, 0].item(), exact[0, 0].item())\n"
+        "print('signed', signed_codes_are_exact())\n"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "signed False" in done.stdout
 
 
 @pytest.fixture(scope="module")

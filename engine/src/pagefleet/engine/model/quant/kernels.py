@@ -4,9 +4,8 @@
   or the Triton W4A16/W8A16 kernel on a GPU (quant/triton_kernels.py).
 - W8A8 (quant/scaled8.py): FP8 through `torch._scaled_mm` on GPUs of compute capability 8.9
   and above (refused below, with the reason); INT8, and FP8 on a CPU (requantized to INT8 per
-  row: CPUs have no FP8 GEMM), through oneDNN's prepacked int8 linear on CPUs with an int8 dot
-  product (VNNI, AMX) and `torch._int_mm` elsewhere. Without VNNI, oneDNN's int8 path sums
-  pairs of u8 x s8 products in int16, which can saturate on full-range activations.
+  row: CPUs have no FP8 GEMM), through oneDNN's prepacked int8 linear on CPUs
+  (quant/cpu_int8.py: exact with or without VNNI), `torch._int_mm` on GPUs.
 """
 
 from __future__ import annotations
@@ -63,17 +62,12 @@ def scaled8_kernel(weight: torch.Tensor, scale: torch.Tensor, input_scale: float
     if fp8:  # CPU: the same bytes as INT8 per row; a static FP8 scale spans +-448 of them
         weight, scale = requantize_int8_per_row(weight, scale)
         input_scale = None if input_scale is None else input_scale * FP8_MAX / INT8_MAX
-    if weight.device.type == "cpu" and _cpu_has_int8_dot():
-        return OneDnnInt8MatMul(weight, scale, input_scale)
+    if weight.device.type == "cpu":
+        from pagefleet.engine.model.quant.cpu_int8 import OneDnnInt8MatMul, onednn_int8_available
+
+        if onednn_int8_available():
+            return OneDnnInt8MatMul(weight, scale, input_scale)
     return Int8MatMul(weight, scale, input_scale)
-
-
-def _cpu_has_int8_dot() -> bool:
-    """VNNI or AMX: int8 products summed straight into int32 (and oneDNN's ops are built)."""
-    if not hasattr(torch.ops.onednn, "qlinear_prepack"):
-        return False
-    caps = torch.cpu.get_capabilities()
-    return any(caps.get(flag, False) for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
 def check_fp8_capability(device: torch.device) -> None:
@@ -116,7 +110,8 @@ def quantize_rows_int8(
 
 class Int8MatMul:
     """INT8 W8A8: activations to int8 per token (or by the static scale), int8 x int8 ->
-    int32 through torch._int_mm, then both scales."""
+    int32 through torch._int_mm, then both scales. The GPU's kernel: on a CPU without VNNI,
+    torch._int_mm's sums saturate (quant/cpu_int8.py)."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, input_scale: float | None):
         self.weight = weight.contiguous()
@@ -136,38 +131,6 @@ class Int8MatMul:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.weight, self.scale]
-
-
-class OneDnnInt8MatMul:
-    """INT8 W8A8 on a CPU with an int8 dot product: the weight reordered once into oneDNN's
-    blocked layout, int8 x int8 summed in int32 and returned as float32, then the same two
-    scalings as `Int8MatMul` in the same order, so both kernels give the same floats bit for
-    bit (a last-bit difference flips activation codes at rounding boundaries in the next
-    layer, and over a model's layers that moves whole tokens). 1.2-2x `Int8MatMul` at decode
-    sizes (benchmarks/quantization.py --kernels)."""
-
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, input_scale: float | None):
-        self.out_features = weight.shape[0]
-        self.packed = torch.ops.onednn.qlinear_prepack(weight.contiguous(), None)
-        self.scale = scale.float()
-        self.input_scale = input_scale
-        self.unscaled = torch.ones(self.out_features)  # oneDNN's scales: none applied
-        self.weight_zero = torch.zeros(self.out_features, dtype=torch.int64)
-        self.one, self.zero = torch.tensor(1.0), torch.tensor(0, dtype=torch.int64)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        shape, dtype = x.shape, x.dtype
-        xq, a = quantize_rows_int8(x.reshape(-1, shape[-1]), self.input_scale)
-        acc = torch.ops.onednn.qlinear_pointwise.tensor(
-            xq, self.one, self.zero, self.packed, self.unscaled, self.weight_zero,
-            None, 1.0, 0, torch.float32, "none", [], "",
-        )  # fmt: skip
-        y = acc.mul_(a).mul_(self.scale).to(dtype)
-        y = y if bias is None else y + bias
-        return y.reshape(*shape[:-1], self.out_features)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.packed, self.scale]
 
 
 class Fp8MatMul:
