@@ -70,16 +70,17 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = inverse_frequencies(self.rotary_dim, params)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
-        cos, sin = freqs.cos(), freqs.sin()
-        # HF's form, x * cos + rotate_half(x) * sin over the rotary dims, with rotate_half's
-        # minus sign folded into the first half of `sin`: a rotation is then a swap of the
-        # halves, two products and a sum, bit for bit the same values.
-        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
-        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [positions, rotary/2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
-        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, rotary_dim]
+        """HF's form, x * cos + rotate_half(x) * sin, with the step's rows widened to the
+        rotary dims and rotate_half's minus sign folded into the first half of `sin`: a
+        rotation is then a swap of the halves, two products and a sum, bit for bit the same
+        values. (Widened per step, not in the table: a long context's table stays half.)"""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, rotary/2]
         sin = self.sin[positions].unsqueeze(1).to(dtype)
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
         return Rotation(cos, sin, self.rotary_dim, self.head_dim)
 
     def forward(
