@@ -60,14 +60,13 @@ def rotary_dim(head_dim: int, params: dict) -> int:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin per position. `at(positions)` looks a step's rows up once for all
-    its layers; the `Rotation` it returns rotates flattened [tokens, heads, head_dim]."""
+    """Precomputed cos/sin per position (buffers, no forward). `at(positions)` looks a step's
+    rows up once for all its layers; the `Rotation` it returns rotates flattened
+    [tokens, heads, head_dim]."""
 
     def __init__(self, head_dim: int, max_positions: int, params: dict) -> None:
         super().__init__()
-        self.rotary_dim = rotary_dim(head_dim, params)
-        self.head_dim = head_dim
-        inv_freq = inverse_frequencies(self.rotary_dim, params)
+        inv_freq = inverse_frequencies(rotary_dim(head_dim, params), params)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [positions, rotary/2]
@@ -81,30 +80,25 @@ class RotaryEmbedding(torch.nn.Module):
         cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, rotary/2]
         sin = self.sin[positions].unsqueeze(1).to(dtype)
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-        return Rotation(cos, sin, self.rotary_dim, self.head_dim)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.at(positions, q.dtype)(q, k)
+        return Rotation(cos, sin)
 
 
 @dataclass(frozen=True)
 class Rotation:
-    """The rotary rows of one step's tokens (what a decoder layer's `rope` is)."""
+    """The rotary rows of one step's tokens (what a decoder layer's `rope` is): `[T, 1,
+    rotary_dim]`; a head's dims past them pass through (partial rotation)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
-    rotary_dim: int
-    head_dim: int
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotate(q), self.rotate(k)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rotary_dim == self.head_dim:
+        rotary, head = self.cos.shape[-1], x.shape[-1]
+        if rotary == head:
             return _rotate(x, self.cos, self.sin)
-        rotated, passed = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        rotated, passed = x.split([rotary, head - rotary], dim=-1)
         return torch.cat((_rotate(rotated, self.cos, self.sin), passed), dim=-1)
 
 

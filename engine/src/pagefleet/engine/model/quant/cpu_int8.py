@@ -78,7 +78,8 @@ class OneDnnInt8MatMul:
         weight = weight.contiguous()
         parts = [weight] if self.signed else weight.split(NIBBLE_COLUMNS, dim=1)
         self.packed = [torch.ops.onednn.qlinear_prepack(p.contiguous(), None) for p in parts]
-        self.offset = 128 * weight.sum(dim=1, dtype=torch.int32)  # the nibbles' +128, taken out
+        # The nibbles' +128 per code, taken back out of their sums.
+        self.offset = None if self.signed else 128 * weight.sum(dim=1, dtype=torch.int32)
         self.scale = scale.float()
         self.input_scale = input_scale
         self.unit = _Unit(self.out_features)
@@ -102,5 +103,5 @@ class OneDnnInt8MatMul:
         return acc
 
     def tensors(self) -> list[torch.Tensor]:
-        kept = [*self.packed, self.scale]
-        return kept if self.signed else [*kept, self.offset]
+        offset = [] if self.offset is None else [self.offset]
+        return [*self.packed, self.scale, *offset]
