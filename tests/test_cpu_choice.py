@@ -1,7 +1,9 @@
 """Per-machine CPU choices (issue 38): the pure rule on made-up measurements (wins, near-ties,
 ties, failed measurements), the per-CPU-model timing cache, and `--linear-path auto` in an
 engine whose cache holds made-up timings: exactly the shapes the timings favour are packed,
-the choice is logged with its reason, and greedy output still equals HF's."""
+the choice is logged with its reason, and greedy output still equals HF's. `--attention-backend
+auto` likewise: both backends timed on the model's decode shape, the engine running the one its
+timings favour (each backend's greedy equality with HF: test_cpu_paged_attention.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import torch
 
 from hf_reference import assert_greedy_equal
 from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.attention.backend import DecodeShape
+from pagefleet.engine.attention.cpu_auto import cpu_backend_choice
 from pagefleet.engine.cpu_choice.decide import Timed, choose
 from pagefleet.engine.cpu_choice.measure import (
     CACHE_FILE,
@@ -329,3 +333,56 @@ def test_moe_experts_are_packed_only_where_packed_won_every_measured_shape(
     experts = [m for m in plain.modules() if hasattr(m, "packed") and hasattr(m, "shard")]
     assert experts
     assert all((e.packed is not None) == plan.others for e in experts)
+
+
+# ---------------------------------------------------------------- the attention backend
+
+TINY_DECODE = DecodeShape(4, 2, 16, 16, torch.float32, torch.float32)
+
+
+def test_auto_times_both_attention_backends_on_the_decode_shape_and_keeps_them(tmp_path):
+    cache = TimingCache(tmp_path / CACHE_FILE)
+    choice = cpu_backend_choice(TINY_DECODE, cache)
+    timings = cache.get(TINY_DECODE.subject())
+    assert [t.label for t in timings] == ["rows=1", "rows=16", "rows=64"]
+    assert all(set(t.seconds) == {"torch", "numba"} for t in timings)
+    assert all(s > 0 for t in timings for s in t.seconds.values())
+    assert choice.name == choose(("torch", "numba"), "torch", timings).name
+    assert "measured now" in choice.reason
+
+
+def test_a_pool_the_kernel_cannot_read_stays_on_torch_unmeasured(tmp_path):
+    cache = TimingCache(tmp_path / CACHE_FILE)
+    fp8 = DecodeShape(4, 2, 16, 16, torch.float32, torch.float8_e4m3fn)
+    choice = cpu_backend_choice(fp8, cache)
+    assert choice.name == "torch"
+    assert "does not read torch.float8_e4m3fn" in choice.reason
+    assert cache.get(fp8.subject()) is None
+
+
+@pytest.mark.parametrize("faster", ["torch", "numba"])
+def test_an_engine_runs_the_attention_backend_its_cached_timings_favour(
+    tiny_checkpoints, tmp_path, monkeypatch, caplog, faster
+):
+    path = tiny_checkpoints["llama"]
+    model = load_model(path, torch.float32, CPU, 64, linear_path="plain")
+    subject = model.decode_shape(16, torch.float32).subject()
+    monkeypatch.setenv("PAGEFLEET_CACHE", str(tmp_path))
+    seconds = {"torch": 3e-5, "numba": 3e-5, faster: 1e-5}
+    TimingCache(tmp_path / CACHE_FILE).put(
+        subject, [Timed(f"rows={r}", dict(seconds)) for r in (1, 16, 64)]
+    )
+    with caplog.at_level(logging.INFO, logger="pagefleet.engine.attention.cpu_auto"):
+        llm = LLM(path, num_gpu_blocks_override=128, max_model_len=256, linear_path="plain")
+    assert llm.engine.runner.backend.name == faster
+    assert any(
+        f"attention backend for {subject}: {faster}" in r.message
+        and "measured earlier on this machine" in r.message
+        for r in caplog.records
+    )
+    llm.engine.close()
+    # The flag overrides what was measured.
+    other = "numba" if faster == "torch" else "torch"
+    llm = LLM(path, num_gpu_blocks_override=128, max_model_len=256, attention_backend=other)
+    assert llm.engine.runner.backend.name == other
+    llm.engine.close()

@@ -18,7 +18,12 @@ import torch
 from hf_reference import assert_greedy_equal
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.attention.backend import AttentionMetadata, SingleGroup
-from pagefleet.engine.attention.numba_paged import NumbaAttentionBackend, kernel_takes
+from pagefleet.engine.attention.numba_paged import (
+    NumbaAttentionBackend,
+    decode_attention,
+    kernel_takes,
+    runs_serially,
+)
 from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
 
 NUM_KV = 2
@@ -69,6 +74,31 @@ def test_kernel_matches_torch_reference(numba_backend, group_size, head_dim, blo
     ours = numba_backend._single(q, k_cache, v_cache, group, scale, None)
     ref = TorchAttentionBackend()._single(q, k_cache, v_cache, group, scale, None)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_the_serial_and_the_parallel_kernel_give_the_same_bits(numba_backend, rows):
+    """Decode steps with fewer work items than two per thread run on the calling thread: the
+    same per-item arithmetic, so the same bits as the threaded kernel, and the reference's
+    attention."""
+    rng = random.Random(rows)
+    lens = edge_lengths(16, 9, rng)[-rows:]
+    group = paged_group(lens, 16, rng)
+    k_cache, v_cache = torch.randn(2, NUM_KV, NUM_BLOCKS, 16, 64).unbind(0)
+    q = torch.randn(rows, 8, 64)
+    lens_t = torch.tensor(lens)
+    serial = decode_attention(q, k_cache, v_cache, group.block_tables, lens_t, 0.125, True)
+    threaded = decode_attention(q, k_cache, v_cache, group.block_tables, lens_t, 0.125, False)
+    assert torch.equal(serial, threaded)
+    ref = TorchAttentionBackend()._single(q, k_cache, v_cache, group, 0.125, None)
+    torch.testing.assert_close(serial, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_few_work_items_run_serially_and_enough_run_on_the_threads():
+    assert runs_serially(rows=1, num_kv_heads=3, threads=2)  # single stream, 3 KV heads
+    assert not runs_serially(rows=1, num_kv_heads=8, threads=2)
+    assert not runs_serially(rows=2, num_kv_heads=2, threads=2)  # two items per thread
+    assert runs_serially(rows=64, num_kv_heads=8, threads=1024)
 
 
 def test_lengths_read_off_the_mask_when_not_given(numba_backend):

@@ -469,7 +469,9 @@ class LLMEngine:
         self.lora = setup_lora(args, model, self.dtype, self.device)
         kv_dtype, kv_scales = self._kv_format()
         num_blocks = self._size_kv_pool(model, kv_dtype)
-        backend = select_backend(args.attention_backend, self.device)
+        backend = select_backend(
+            args.attention_backend, self.device, model.decode_shape(args.block_size, kv_dtype)
+        )
         slots = state_slots_of(args, model)
         runner = ModelRunner(
             model, args.block_size, num_blocks, backend, self.device, kv_dtype, kv_scales, slots
@@ -528,7 +530,8 @@ class LLMEngine:
             self.lora = setup_lora(args, model, self.dtype, self.device)
             kv_dtype, kv_scales = self._kv_format()
             num_blocks = self._size_kv_pool(model, kv_dtype, group)
-            backend = select_backend(args.attention_backend, self.device)
+            shape = model.decode_shape(args.block_size, kv_dtype)
+            backend = select_backend(args.attention_backend, self.device, shape)
             runner = tp_runner.ParallelModelRunner(
                 *(model, args.block_size, num_blocks, backend, kv_dtype, group, executor),
                 *(kv_scales, state_slots_of(args, model)),

@@ -99,23 +99,48 @@ class AttentionBackend(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class DecodeShape:
+    """What a decode step's attention reads, per layer of this rank: query and KV heads, head
+    size, block size, and the dtypes of the queries and of the pool."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+
+    def subject(self) -> str:
+        kv = str(self.kv_dtype).removeprefix("torch.")
+        q = str(self.dtype).removeprefix("torch.")
+        return (
+            f"attention {self.num_heads}/{self.num_kv_heads} heads x {self.head_dim}, "
+            f"block {self.block_size}, {q} over {kv}"
+        )
+
+
 BACKENDS = ("torch", "numba", "triton")
 
 
-def default_backend_name(device: torch.device) -> str:
-    """triton on CUDA, torch on CPU. The in-place paged kernel ("numba") is opt-in: per layer
-    it beats the gather path 1.4-3.7x (benchmarks/cpu_attention.py) and end to end, with the
-    cores to itself, 1.4-1.6x (benchmarks/cpu_attention_engine.py, 64 requests); but beside
-    one busy neighbour it fell to 0.36x while torch held its rate, because its OpenMP runtime
-    and torch's spin against each other for the same cores (docs/benchmarks.md, "Issue 22,
-    final measurements"). A default must not lose 2.8x when a neighbour wakes, so it is torch;
-    pods with dedicated CPUs can choose numba."""
-    return "triton" if device.type == "cuda" else "torch"
+def default_backend_name(device: torch.device, shape: DecodeShape | None = None) -> str:
+    """triton on CUDA. On CPU, the torch gather path or the in-place paged kernel ("numba"),
+    whichever measures faster on this machine for `shape` (attention/cpu_auto.py); torch where
+    no shape is given."""
+    if device.type == "cuda":
+        return "triton"
+    if shape is None:
+        return "torch"
+    from pagefleet.engine.attention.cpu_auto import cpu_backend_choice
+
+    return cpu_backend_choice(shape).name
 
 
-def select_backend(name: str | None, device: torch.device) -> AttentionBackend:
+def select_backend(
+    name: str | None, device: torch.device, shape: DecodeShape | None = None
+) -> AttentionBackend:
     """The backend for `--attention-backend` (None or "auto": see default_backend_name)."""
-    name = default_backend_name(device) if name in (None, "auto") else name
+    name = default_backend_name(device, shape) if name in (None, "auto") else name
     if name == "torch":
         from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
 

@@ -31,7 +31,7 @@ from pagefleet.engine.kv_cache.fp8 import LayerScales
 # assumptions about infinities or NaNs (the running max starts at a finite floor anyway).
 _FAST = {"reassoc", "contract", "nsz", "arcp"}
 _FLOOR = np.float32(-1e30)  # below any real score: exp(_FLOOR - score) is exactly 0
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @numba.njit(fastmath=_FAST, cache=True, nogil=True)
@@ -100,34 +100,52 @@ def _as_f32_for(block, widen):
     return _float32_block if block.dtype == types.float32 else _widened_bf16_block
 
 
+@numba.njit(fastmath=_FAST, cache=True, nogil=True)
+def _decode_item(q, k_cache, v_cache, tables, lens, scale, out, item):
+    """Work item `item` = (row, KV head) of the kernels below."""
+    num_kv = k_cache.shape[0]
+    group = q.shape[1] // num_kv
+    row = item // num_kv
+    kv = item - row * num_kv
+    widen_k = np.empty((k_cache.shape[2], k_cache.shape[3]), np.float32)
+    widen_v = np.empty((k_cache.shape[2], k_cache.shape[3]), np.float32)
+    _attend_group(
+        q[row],
+        k_cache[kv],
+        v_cache[kv],
+        tables[row],
+        lens[row],
+        kv * group,
+        group,
+        scale,
+        out[row],
+        widen_k,
+        widen_v,
+    )
+
+
 @numba.njit(parallel=True, fastmath=_FAST, cache=True, nogil=True)
 def paged_decode(q, k_cache, v_cache, tables, lens, scale, out):
     """out[r] = softmax(q[r] . K_r^T * scale) V_r for single-token rows r, where K_r/V_r are
     the first lens[r] tokens of the blocks tables[r] in k_cache/v_cache
     ([kv_heads, blocks, block_size, d]). q/out: [rows, heads, d] float32; the pool is float32
-    or bfloat16 viewed as uint16."""
-    rows = q.shape[0]
-    num_kv = k_cache.shape[0]
-    group = q.shape[1] // num_kv
-    block_shape = (k_cache.shape[2], k_cache.shape[3])
-    for item in numba.prange(rows * num_kv):
-        row = item // num_kv
-        kv = item - row * num_kv
-        widen_k = np.empty(block_shape, np.float32)
-        widen_v = np.empty(block_shape, np.float32)
-        _attend_group(
-            q[row],
-            k_cache[kv],
-            v_cache[kv],
-            tables[row],
-            lens[row],
-            kv * group,
-            group,
-            scale,
-            out[row],
-            widen_k,
-            widen_v,
-        )
+    or bfloat16 viewed as uint16. One work item per (row, KV head), over numba's threads."""
+    for item in numba.prange(q.shape[0] * k_cache.shape[0]):
+        _decode_item(q, k_cache, v_cache, tables, lens, scale, out, item)
+
+
+@numba.njit(fastmath=_FAST, cache=True, nogil=True)
+def paged_decode_serial(q, k_cache, v_cache, tables, lens, scale, out):
+    """paged_decode on the calling thread alone."""
+    for item in range(q.shape[0] * k_cache.shape[0]):
+        _decode_item(q, k_cache, v_cache, tables, lens, scale, out, item)
+
+
+def runs_serially(rows: int, num_kv_heads: int, threads: int) -> bool:
+    """Whether a step's decode rows run on the calling thread: with fewer than two work items
+    per thread (single-stream decode of a model with few KV heads) the threads cannot share
+    the work evenly, and a parallel launch would only add its start and its barrier."""
+    return rows * num_kv_heads < 2 * threads
 
 
 def decode_attention(
@@ -137,11 +155,14 @@ def decode_attention(
     tables: torch.Tensor,  # [rows, >= max blocks] int64
     lens: torch.Tensor,  # [rows] int64
     scale: float,
+    serial: bool | None = None,
 ) -> torch.Tensor:
     """The kernel on torch tensors (shared memory, no copies of the pool); float32 out, cast
-    back to q's dtype."""
+    back to q's dtype. `serial` None: as runs_serially says."""
     out = torch.empty(q.shape, dtype=torch.float32)
-    paged_decode(
+    if serial is None:
+        serial = runs_serially(q.shape[0], k_cache.shape[0], numba.get_num_threads())
+    (paged_decode_serial if serial else paged_decode)(
         q.float().contiguous().numpy(),
         _pool_array(k_cache),
         _pool_array(v_cache),
@@ -165,20 +186,21 @@ def kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, kv_scale: LayerScales |
     return (
         kv_scale is None
         and q.device.type == "cpu"
-        and k_cache.dtype in _KERNEL_DTYPES
+        and k_cache.dtype in KERNEL_DTYPES
         and k_cache.is_contiguous()
     )
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the kernel for the pools the engine allocates, on
-    a tiny batch: at engine start, not in the first request."""
+    """Compile (or load from numba's cache) both kernels for the pools the engine allocates,
+    on a tiny batch: at engine start, not in the first request."""
     tables = torch.zeros(1, 1, dtype=torch.int64)
     lens = torch.ones(1, dtype=torch.int64)
     q = torch.zeros(1, 2, 4)
-    for dtype in _KERNEL_DTYPES:
+    for dtype in KERNEL_DTYPES:
         cache = torch.zeros(1, 1, 2, 4, dtype=dtype)
-        decode_attention(q, cache, cache, tables, lens, 1.0)
+        for serial in (True, False):
+            decode_attention(q, cache, cache, tables, lens, 1.0, serial)
 
 
 def group_lens(group: SingleGroup) -> torch.Tensor:

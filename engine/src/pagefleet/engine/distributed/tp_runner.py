@@ -314,7 +314,8 @@ def build_worker(job: ShardJob, group: RankGroup) -> ModelRunner:
     lora = setup_lora(dataclasses.replace(job.args, lora_modules=()), model, dtype, group.device)
     kv_dtype, kv_scales = job.kv_format(group.device)
     blocks = kv_pool_blocks(job.args, model, kv_dtype, group.device, job.max_model_len, group)
-    backend = select_backend(job.args.attention_backend, group.device)
+    shape = model.decode_shape(job.args.block_size, kv_dtype)
+    backend = select_backend(job.args.attention_backend, group.device, shape)
     runner = ModelRunner(
         *(model, job.args.block_size, blocks, backend, group.device, kv_dtype, kv_scales),
         state_slots_of(job.args, model),

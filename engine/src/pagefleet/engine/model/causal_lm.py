@@ -14,7 +14,12 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import nn
 
-from pagefleet.engine.attention.backend import AttentionBackend, AttentionMetadata, LayerKV
+from pagefleet.engine.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeShape,
+    LayerKV,
+)
 from pagefleet.engine.model.config import ModelConfig
 from pagefleet.engine.model.layers import RMSNorm, TPParts, embedding, lm_head
 from pagefleet.engine.model.linear import process_weights
@@ -149,3 +154,11 @@ class CausalLM(nn.Module):
     def num_kv_heads(self) -> int:
         """KV heads this model (or rank) keeps in its pool."""
         return self.tp.layout.num_kv_heads if self.tp else self.config.num_kv_heads
+
+    def decode_shape(self, block_size: int, kv_dtype: torch.dtype) -> DecodeShape:
+        """What this model's (or rank's) decode attention reads from a pool of `kv_dtype`."""
+        cfg = self.config
+        group = cfg.num_heads // cfg.num_kv_heads
+        dtype = self.embed_tokens.weight.dtype
+        kv_heads = self.num_kv_heads
+        return DecodeShape(kv_heads * group, kv_heads, cfg.head_dim, block_size, dtype, kv_dtype)
