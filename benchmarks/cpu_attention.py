@@ -23,14 +23,13 @@ import random
 import statistics
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from offline_throughput import memory_bandwidth
 
+from pagefleet.engine.attention.backend import single_groups
 from pagefleet.engine.attention.numba_paged import NumbaAttentionBackend
 from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
-from pagefleet.engine.runner import ModelRunner
 
 NUM_HEADS, NUM_KV, HEAD_DIM, BLOCK_SIZE = 8, 2, 64, 16
 ROTATION_BYTES = 256 << 20
@@ -44,13 +43,7 @@ def decode_groups(num_requests: int, context: int, first_block: int, rng: random
     rng.shuffle(blocks)
     tables = [blocks[i * need : (i + 1) * need] for i in range(num_requests)]
     lens = torch.full((num_requests,), context, dtype=torch.int64)
-    runner = SimpleNamespace(
-        block_size=BLOCK_SIZE,
-        device=torch.device("cpu"),
-        GROUP_TOKENS=ModelRunner.GROUP_TOKENS,
-        GROUP_ROWS=ModelRunner.GROUP_ROWS,
-    )
-    return ModelRunner._single_groups(runner, tables, lens)
+    return single_groups(tables, lens, BLOCK_SIZE, torch.device("cpu"))
 
 
 def time_case(num_requests: int, context: int, repeats: int, rng: random.Random) -> dict:

@@ -383,6 +383,43 @@ def test_an_engine_runs_the_attention_backend_its_cached_timings_favour(
     llm.engine.close()
     # The flag overrides what was measured.
     other = "numba" if faster == "torch" else "torch"
-    llm = LLM(path, num_gpu_blocks_override=128, max_model_len=256, attention_backend=other)
+    llm = LLM(
+        path,
+        num_gpu_blocks_override=128,
+        max_model_len=256,
+        attention_backend=other,
+        linear_path="plain",
+    )
     assert llm.engine.runner.backend.name == other
     llm.engine.close()
+
+
+def test_a_kernel_that_cannot_be_built_keeps_torch_and_is_not_kept(tmp_path, monkeypatch):
+    from pagefleet.engine.attention import numba_paged
+
+    def broken():
+        raise ImportError("numba and NumPy disagree")
+
+    monkeypatch.setattr(numba_paged, "warm_up", broken)
+    cache = TimingCache(tmp_path / CACHE_FILE)
+    choice = cpu_backend_choice(TINY_DECODE, cache)
+    assert choice.name == "torch"
+    assert "the measurement of numba at rows=1 failed (None)" in choice.reason
+    assert cache.get(TINY_DECODE.subject()) is None  # measured again at the next start
+
+
+def test_the_measured_decode_shape_is_this_ranks(tiny_checkpoints):
+    """Under tensor parallelism each rank measures the heads it keeps, also where KV heads are
+    replicated over more ranks than there are KV heads."""
+    from pagefleet.engine.model.parallel import TPLayout
+
+    model = load_model(tiny_checkpoints["llama"], torch.float32, CPU, 64, linear_path="plain")
+    cfg = model.config
+    whole = model.decode_shape(16, torch.bfloat16)
+    assert (whole.num_heads, whole.num_kv_heads) == (cfg.num_heads, cfg.num_kv_heads)
+    assert (whole.dtype, whole.kv_dtype, whole.block_size) == (torch.float32, torch.bfloat16, 16)
+    size = 2 * cfg.num_kv_heads  # replicated KV heads
+    layout = TPLayout.of(cfg, 0, size)
+    model.tp = argparse.Namespace(layout=layout)
+    rank = model.decode_shape(16, torch.float32)
+    assert (rank.num_heads, rank.num_kv_heads) == (cfg.num_heads // size, 1)

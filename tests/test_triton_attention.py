@@ -209,6 +209,7 @@ def test_decode_buffers_pad_rows_as_no_ops():
 
 def test_backend_selection_and_flags(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    # Without a decode shape to measure (no model), auto on CPU is torch.
     assert select_backend(None, torch.device("cpu")).name == "torch"
     assert select_backend("auto", torch.device("cpu")).name == "torch"
     with pytest.raises(ValueError, match="needs a CUDA device"):

@@ -73,7 +73,8 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.92
     device: str = "auto"  # auto = cuda if available, else cpu
-    attention_backend: str = "auto"  # auto = triton on CUDA, torch on CPU
+    # auto = triton on CUDA; on CPU torch or numba by measurement (attention/cpu_auto.py)
+    attention_backend: str = "auto"
     # float32 CPU linears: oneDNN-packed, plain, or auto (per weight shape, measured once per
     # CPU model: model/linear_plan.py).
     linear_path: str = "auto"

@@ -21,7 +21,7 @@ from pagefleet.engine.attention.backend import (
     AttentionMetadata,
     LayerKV,
     PrefillChunk,
-    SingleGroup,
+    single_groups,
 )
 from pagefleet.engine.cuda_graph import DecodeGraphs
 from pagefleet.engine.kv_cache.fp8 import check_fp8_backend
@@ -302,7 +302,7 @@ class ModelRunner:
             slot_mapping=slot_mapping.to(dev),
             write_rows=write_rows,
             num_single=num_single,
-            single_groups=self._single_groups(tables, single_lens),
+            single_groups=single_groups(tables, single_lens, self.block_size, dev),
             prefills=prefills,
         )
         lora = self._lora_rows(out, singles, chunks) if self.lora is not None else None
@@ -333,39 +333,6 @@ class ModelRunner:
         for _, req, n in chunks:
             row_slots += [slots.get(req.lora_name, -1)] * n
         return LoRABatch.build(row_slots, self.device)
-
-    # A group of single rows holds at most this many padded context tokens (about 2.5 MB of
-    # keys and values for a 57M model's layer) or this many rows.
-    GROUP_TOKENS = 16 * 640
-    GROUP_ROWS = 32
-
-    def _single_groups(self, tables: list[list[int]], lens: torch.Tensor) -> list[SingleGroup]:
-        bs = self.block_size
-        groups: list[SingleGroup] = []
-        start = 0
-        while start < len(tables):
-            end = start + 1
-            # Rows are sorted by length, so the last row of a group has its longest table.
-            while (
-                end < len(tables)
-                and end - start < self.GROUP_ROWS
-                and (end + 1 - start) * len(tables[end]) * bs <= self.GROUP_TOKENS
-            ):
-                end += 1
-            width = max(len(t) for t in tables[start:end])  # the last's, sorted by length
-            padded = [t + [0] * (width - len(t)) for t in tables[start:end]]
-            mask = torch.arange(width * bs).unsqueeze(0) < lens[start:end].unsqueeze(1)
-            groups.append(
-                SingleGroup(
-                    start,
-                    end,
-                    torch.tensor(padded, dtype=torch.int64, device=self.device),
-                    mask.view(1, end - start, 1, width * bs).to(self.device),
-                    lens[start:end],
-                )
-            )
-            start = end
-        return groups
 
     @staticmethod
     def _note_rows(req, k, row, start, n, sample_row_of, prompt_rows) -> None:

@@ -35,6 +35,45 @@ class SingleGroup:
     seq_lens: torch.Tensor | None = None  # [rows] int64
 
 
+# A group of single rows holds at most this many padded context tokens (about 2.5 MB of keys
+# and values for a 57M model's layer) or this many rows.
+GROUP_TOKENS = 16 * 640
+GROUP_ROWS = 32
+
+
+def single_groups(
+    tables: list[list[int]], lens: torch.Tensor, block_size: int, device: torch.device
+) -> list[SingleGroup]:
+    """A step's single-token rows (sorted by context length: `tables` their block tables,
+    `lens` their context lengths) in groups of at most GROUP_ROWS rows and GROUP_TOKENS padded
+    tokens."""
+    groups: list[SingleGroup] = []
+    start = 0
+    while start < len(tables):
+        end = start + 1
+        # Rows are sorted by length, so the last row of a group has its longest table.
+        while (
+            end < len(tables)
+            and end - start < GROUP_ROWS
+            and (end + 1 - start) * len(tables[end]) * block_size <= GROUP_TOKENS
+        ):
+            end += 1
+        width = max(len(t) for t in tables[start:end])  # the last's, sorted by length
+        padded = [t + [0] * (width - len(t)) for t in tables[start:end]]
+        mask = torch.arange(width * block_size).unsqueeze(0) < lens[start:end].unsqueeze(1)
+        groups.append(
+            SingleGroup(
+                start,
+                end,
+                torch.tensor(padded, dtype=torch.int64, device=device),
+                mask.view(1, end - start, 1, width * block_size).to(device),
+                lens[start:end],
+            )
+        )
+        start = end
+    return groups
+
+
 @dataclass
 class PagedBatch:
     """The step as flat sequences, for kernels that take the whole batch in one launch (the
@@ -121,6 +160,7 @@ class DecodeShape:
 
 
 BACKENDS = ("torch", "numba", "triton")
+NUMBA_KV_DTYPES = (torch.float32, torch.bfloat16)  # the pools the in-place kernel reads
 
 
 def default_backend_name(device: torch.device, shape: DecodeShape | None = None) -> str:
@@ -129,7 +169,7 @@ def default_backend_name(device: torch.device, shape: DecodeShape | None = None)
     no shape is given."""
     if device.type == "cuda":
         return "triton"
-    if shape is None:
+    if device.type != "cpu" or shape is None:
         return "torch"
     from pagefleet.engine.attention.cpu_auto import cpu_backend_choice
 

@@ -2,12 +2,12 @@
 timing both on this model's decode shape on this machine.
 
 Which is faster depends on the CPU, the head layout and the threads (docs/benchmarks.md,
-issues 22 and 38), so `auto` times the decode attention of both backends (`_single`, what a
-decode step runs per layer) at 1, 16 and 64 rows of CONTEXT tokens each, over block tables
-scattered through a pool of POOL_BYTES, and the pure rule (cpu_choice/decide.py)
-keeps torch, the default, unless numba wins by its margin. The times are kept per CPU model
-(cpu_choice/measure.py): a machine measures each shape once. Pools the kernel does not read
-(fp8, float16) stay on torch without measuring.
+issues 22 and 38), so `auto` times the decode attention of both backends (`_single` over the
+groups the runner makes: what a decode step runs per layer) at 1, 16 and 64 rows of CONTEXT
+tokens each, their blocks drawn at random from a pool of POOL_BYTES, and the pure rule
+(cpu_choice/decide.py) keeps torch, the default, unless numba wins by its margin (or fails to
+build here). The times are kept per CPU model (cpu_choice/measure.py): a machine measures each
+shape once. Pools the kernel does not read (fp8, float16) stay on torch without measuring.
 """
 
 from __future__ import annotations
@@ -17,7 +17,12 @@ from functools import partial
 
 import torch
 
-from pagefleet.engine.attention.backend import DecodeShape, SingleGroup
+from pagefleet.engine.attention.backend import (
+    NUMBA_KV_DTYPES,
+    DecodeShape,
+    SingleGroup,
+    single_groups,
+)
 from pagefleet.engine.cpu_choice.decide import Choice, Timed, choose
 from pagefleet.engine.cpu_choice.measure import TimingCache, cached_timings, time_alternately
 
@@ -27,14 +32,12 @@ CANDIDATES = ("torch", "numba")
 DEFAULT = "torch"  # needs no measurement to be safe: a tie or a failure keeps it
 ROWS = (1, 16, 64)
 CONTEXT = 256  # tokens each measured row attends to
-POOL_BYTES = 64 << 20  # keys plus values of the measuring pool (more where 64 rows need it)
+POOL_BYTES = 64 << 20  # keys plus values of the measuring pool (one row's blocks at least)
 
 
 def cpu_backend_choice(shape: DecodeShape, cache: TimingCache | None = None) -> Choice:
     """torch or numba for this shape (see the module docstring), logged with the reason."""
-    from pagefleet.engine.attention.numba_paged import KERNEL_DTYPES
-
-    if shape.kv_dtype not in KERNEL_DTYPES:
+    if shape.kv_dtype not in NUMBA_KV_DTYPES:
         choice = Choice(DEFAULT, f"{DEFAULT}: the in-place kernel does not read {shape.kv_dtype}")
     else:
         cache = cache if cache is not None else TimingCache()
@@ -46,33 +49,50 @@ def cpu_backend_choice(shape: DecodeShape, cache: TimingCache | None = None) -> 
 
 
 def measure(shape: DecodeShape) -> list[Timed]:
-    """Seconds per decode attention call of each backend at each of ROWS."""
-    from pagefleet.engine.attention.numba_paged import NumbaAttentionBackend
+    """Seconds per step of decode attention (one layer's groups, as the runner makes them) of
+    each backend at each of ROWS; numba's times None where its kernel cannot be built here."""
     from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
 
-    backends = {"torch": TorchAttentionBackend(), "numba": NumbaAttentionBackend()}
-    blocks_per_row = -(-CONTEXT // shape.block_size)
-    block_bytes = shape.num_kv_heads * shape.block_size * shape.head_dim * 2
-    block_bytes *= torch.tensor([], dtype=shape.kv_dtype).element_size()
-    num_blocks = max(max(ROWS) * blocks_per_row, POOL_BYTES // block_bytes)
-    pool_shape = (shape.num_kv_heads, num_blocks, shape.block_size, shape.head_dim)
+    backends = {"torch": TorchAttentionBackend(), "numba": _numba_backend()}
+    bs = shape.block_size
+    blocks_per_row = -(-CONTEXT // bs)
+    itemsize = torch.empty((), dtype=shape.kv_dtype).element_size()
+    block_bytes = 2 * shape.num_kv_heads * bs * shape.head_dim * itemsize
+    num_blocks = max(blocks_per_row, POOL_BYTES // block_bytes)
     generator = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(pool_shape, generator=generator).to(shape.kv_dtype)
-    v_cache = torch.randn(pool_shape, generator=generator).to(shape.kv_dtype)
+    pool = torch.empty(2, shape.num_kv_heads, num_blocks, bs, shape.head_dim, dtype=shape.kv_dtype)
+    k_cache, v_cache = pool.normal_(generator=generator).unbind(0)
     scale = shape.head_dim**-0.5
     timings = []
     for rows in ROWS:
-        order = torch.randperm(num_blocks, generator=generator)[: rows * blocks_per_row]
-        tables = order.view(rows, blocks_per_row)
-        width = blocks_per_row * shape.block_size
+        # Blocks drawn at random (with replacement where the pool is smaller than the rows').
+        tables = torch.randint(num_blocks, (rows, blocks_per_row), generator=generator)
         lens = torch.full((rows,), CONTEXT, dtype=torch.int64)
-        mask = (torch.arange(width) < CONTEXT).expand(rows, width).reshape(1, rows, 1, width)
-        group = SingleGroup(0, rows, tables, mask, lens)
+        groups = single_groups(tables.tolist(), lens, bs, torch.device("cpu"))
         q = torch.randn(rows, shape.num_heads, shape.head_dim, generator=generator)
         q = q.to(shape.dtype)
         calls = {
-            name: partial(b._single, q, k_cache, v_cache, group, scale, None)
-            for name, b in backends.items()
+            name: partial(_attend, backend, q, k_cache, v_cache, groups, scale)
+            for name, backend in backends.items()
+            if backend is not None
         }
-        timings.append(Timed(f"rows={rows}", time_alternately(calls)))
+        seconds = time_alternately(calls)
+        timings.append(Timed(f"rows={rows}", {name: seconds.get(name) for name in CANDIDATES}))
     return timings
+
+
+def _numba_backend():
+    """The numba backend, or None where numba or its kernel fails here (an import or a
+    compile error of any kind: the choice then keeps torch, saying that numba failed)."""
+    try:
+        from pagefleet.engine.attention.numba_paged import NumbaAttentionBackend
+
+        return NumbaAttentionBackend()
+    except Exception as e:  # whatever numba raises, torch still serves
+        logger.warning("the in-place attention kernel is unavailable: %r", e)
+        return None
+
+
+def _attend(backend, q, k_cache, v_cache, groups: list[SingleGroup], scale: float) -> None:
+    for group in groups:
+        backend._single(q[group.start : group.end], k_cache, v_cache, group, scale, None)

@@ -23,7 +23,7 @@ import torch
 from numba.core import types
 from numba.extending import overload
 
-from pagefleet.engine.attention.backend import SingleGroup
+from pagefleet.engine.attention.backend import NUMBA_KV_DTYPES, SingleGroup
 from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
 from pagefleet.engine.kv_cache.fp8 import LayerScales
 
@@ -31,7 +31,6 @@ from pagefleet.engine.kv_cache.fp8 import LayerScales
 # assumptions about infinities or NaNs (the running max starts at a finite floor anyway).
 _FAST = {"reassoc", "contract", "nsz", "arcp"}
 _FLOOR = np.float32(-1e30)  # below any real score: exp(_FLOOR - score) is exactly 0
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @numba.njit(fastmath=_FAST, cache=True, nogil=True)
@@ -186,7 +185,7 @@ def kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, kv_scale: LayerScales |
     return (
         kv_scale is None
         and q.device.type == "cpu"
-        and k_cache.dtype in KERNEL_DTYPES
+        and k_cache.dtype in NUMBA_KV_DTYPES
         and k_cache.is_contiguous()
     )
 
@@ -197,7 +196,7 @@ def warm_up() -> None:
     tables = torch.zeros(1, 1, dtype=torch.int64)
     lens = torch.ones(1, dtype=torch.int64)
     q = torch.zeros(1, 2, 4)
-    for dtype in KERNEL_DTYPES:
+    for dtype in NUMBA_KV_DTYPES:
         cache = torch.zeros(1, 1, 2, 4, dtype=dtype)
         for serial in (True, False):
             decode_attention(q, cache, cache, tables, lens, 1.0, serial)

@@ -44,6 +44,11 @@ class TorchAttentionBackend:
         kv_scale: LayerScales | None = None,
     ):
         write_cache(k, v, k_cache, v_cache, meta, kv_scale)
+        groups = meta.single_groups
+        if not meta.prefills and len(groups) == 1 and groups[0].end - groups[0].start == len(q):
+            # A decode-only step of one group (a step of few requests): its rows are the output,
+            # with no copy into a buffer of the step's shape.
+            return self._single(q, k_cache, v_cache, groups[0], scale, kv_scale)
         out = torch.empty_like(q)
         for group in meta.single_groups:
             rows = slice(group.start, group.end)

@@ -158,7 +158,6 @@ class CausalLM(nn.Module):
     def decode_shape(self, block_size: int, kv_dtype: torch.dtype) -> DecodeShape:
         """What this model's (or rank's) decode attention reads from a pool of `kv_dtype`."""
         cfg = self.config
-        group = cfg.num_heads // cfg.num_kv_heads
+        heads = self.tp.layout.num_heads if self.tp else cfg.num_heads
         dtype = self.embed_tokens.weight.dtype
-        kv_heads = self.num_kv_heads
-        return DecodeShape(kv_heads * group, kv_heads, cfg.head_dim, block_size, dtype, kv_dtype)
+        return DecodeShape(heads, self.num_kv_heads, cfg.head_dim, block_size, dtype, kv_dtype)

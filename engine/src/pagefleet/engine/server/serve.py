@@ -258,7 +258,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     flag(
         "attention_backend",
-        "paged-attention kernels (auto: triton on CUDA, torch on CPU; numba: in-place CPU decode)",
+        "paged-attention kernels (auto: triton on CUDA; on CPU torch or numba, the in-place "
+        "decode kernel, whichever measures faster for the model on this CPU, kept and logged)",
         choices=["auto", "triton", "numba", "torch"],
     )
     p.add_argument(

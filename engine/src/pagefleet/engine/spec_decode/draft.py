@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagefleet.engine.attention.backend import AttentionMetadata, PrefillChunk
+from pagefleet.engine.attention.backend import AttentionMetadata, PrefillChunk, single_groups
 from pagefleet.engine.request import Request
 from pagefleet.engine.runner import ModelRunner
 
@@ -155,7 +155,7 @@ class DraftModelProposer:
             torch.tensor(slots, dtype=torch.int64, device=dev),
             None,
             len(rows),
-            self.runner._single_groups(tables, lens),
+            single_groups(tables, lens, self.runner.block_size, dev),
             [],
         )
         ids = [tokens[i] for i in order]
