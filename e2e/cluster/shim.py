@@ -92,7 +92,10 @@ def make_mount_point(target: str, is_file: bool, created: list[str]) -> None:
         if part == target and is_file:
             open(part, "a").close()
         else:
-            os.mkdir(part, 0o755)
+            try:
+                os.mkdir(part, 0o755)
+            except FileExistsError:  # a container starting beside this one made it first
+                continue
         created.append(part)
 
 

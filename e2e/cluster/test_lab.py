@@ -4,6 +4,7 @@ selectors, probes, API semantics, garbage collection, volumes, network isolation
 from __future__ import annotations
 
 import json
+import os
 import socket
 import ssl
 import textwrap
@@ -116,6 +117,27 @@ def test_container_env_and_argv_as_the_kubelet_builds_them():
     ]
     with pytest.raises(ConfigError):
         container_env(pod_, {"env": [container["env"][6]]}, {}, lambda kind, name: None)
+
+
+def test_containers_starting_together_share_a_missing_mount_point(tmp_path, monkeypatch):
+    """Two replicas of a pod start at once and both find /var/run/secrets missing: the one that
+    loses the race to create it still starts (one restarted with "File exists" before), and only
+    the parts it made are noted for the lab to remove."""
+    from . import shim
+
+    target = tmp_path / "var" / "run" / "secrets" / "token"
+    real_mkdir = os.mkdir
+
+    def beaten_to_it(path, mode=0o777):
+        if path == str(tmp_path / "var" / "run"):
+            real_mkdir(path, mode)  # the other container, between our check and our mkdir
+        real_mkdir(path, mode)
+
+    monkeypatch.setattr(shim.os, "mkdir", beaten_to_it)
+    created: list[str] = []
+    shim.make_mount_point(str(target), False, created)
+    assert target.is_dir()
+    assert created == [str(tmp_path / "var"), str(target.parent), str(target)]
 
 
 def test_label_selectors():
