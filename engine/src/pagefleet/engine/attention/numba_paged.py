@@ -3,7 +3,8 @@
 The torch reference backend gathers every decode row's blocks into one padded tensor before
 its matmuls: a copy of all the keys and values each step. This backend's single-token rows go
 through a numba-compiled kernel instead (numba's wheel bundles LLVM, so no compiler is needed
-where it runs): one work item per (row, KV head), spread over threads with prange; each item
+where it runs): one work item per (row, KV head), spread over threads with prange (or run on
+the calling thread where there are too few to share: `runs_serially`); each item
 walks the row's block table, reads each key/value block once for all the query heads of its
 GQA group, and keeps an online softmax (running max, running sum, rescaled accumulator), so
 nothing the size of the context is ever written. Prompt chunks, fp8 pools and dtypes the
