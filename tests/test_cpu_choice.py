@@ -161,7 +161,7 @@ def test_a_machine_measures_once_and_a_failed_measurement_is_not_kept(tmp_path):
         cached_timings(cache, "linear 8x4", lambda: calls.append(1) or timed((1.0, 2.0)))
     assert calls == [1]
 
-    def broken():
+    def broken(*_):
         raise RuntimeError("oneDNN refused the shape")
 
     timings, source = cached_timings(cache, "linear 4x4", broken)
@@ -397,7 +397,7 @@ def test_an_engine_runs_the_attention_backend_its_cached_timings_favour(
 def test_a_kernel_that_cannot_be_built_keeps_torch_and_is_not_kept(tmp_path, monkeypatch):
     from pagefleet.engine.attention import numba_paged
 
-    def broken():
+    def broken(*_):
         raise ImportError("numba and NumPy disagree")
 
     monkeypatch.setattr(numba_paged, "warm_up", broken)

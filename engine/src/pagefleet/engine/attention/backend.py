@@ -188,7 +188,7 @@ def select_backend(
     if name == "numba":
         from pagefleet.engine.attention.numba_paged import NumbaAttentionBackend
 
-        return NumbaAttentionBackend()
+        return NumbaAttentionBackend(shape.kv_dtype if shape is not None else None)
     if name == "triton":
         from pagefleet.engine.attention.triton_backend import TritonAttentionBackend
 

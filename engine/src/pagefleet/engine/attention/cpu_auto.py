@@ -53,7 +53,7 @@ def measure(shape: DecodeShape) -> list[Timed]:
     each backend at each of ROWS; numba's times None where its kernel cannot be built here."""
     from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
 
-    backends = {"torch": TorchAttentionBackend(), "numba": _numba_backend()}
+    backends = {"torch": TorchAttentionBackend(), "numba": _numba_backend(shape.kv_dtype)}
     bs = shape.block_size
     blocks_per_row = -(-CONTEXT // bs)
     itemsize = torch.empty((), dtype=shape.kv_dtype).element_size()
@@ -81,13 +81,13 @@ def measure(shape: DecodeShape) -> list[Timed]:
     return timings
 
 
-def _numba_backend():
+def _numba_backend(kv_dtype: torch.dtype):
     """The numba backend, or None where numba or its kernel fails here (an import or a
     compile error of any kind: the choice then keeps torch, saying that numba failed)."""
     try:
         from pagefleet.engine.attention.numba_paged import NumbaAttentionBackend
 
-        return NumbaAttentionBackend()
+        return NumbaAttentionBackend(kv_dtype)
     except Exception as e:  # whatever numba raises, torch still serves
         logger.warning("the in-place attention kernel is unavailable: %r", e)
         return None

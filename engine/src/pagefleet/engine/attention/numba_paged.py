@@ -191,13 +191,14 @@ def kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, kv_scale: LayerScales |
     )
 
 
-def warm_up() -> None:
-    """Compile (or load from numba's cache) both kernels for the pools the engine allocates,
-    on a tiny batch: at engine start, not in the first request."""
+def warm_up(pool_dtypes: tuple[torch.dtype, ...] = NUMBA_KV_DTYPES) -> None:
+    """Compile (or load from numba's cache) both kernels for pools of `pool_dtypes`, on a tiny
+    batch: at engine start, not in the first request (each takes a second or more to compile
+    where numba's cache is cold, as in a fresh pod)."""
     tables = torch.zeros(1, 1, dtype=torch.int64)
     lens = torch.ones(1, dtype=torch.int64)
     q = torch.zeros(1, 2, 4)
-    for dtype in NUMBA_KV_DTYPES:
+    for dtype in pool_dtypes:
         cache = torch.zeros(1, 1, 2, 4, dtype=dtype)
         for serial in (True, False):
             decode_attention(q, cache, cache, tables, lens, 1.0, serial)
@@ -216,8 +217,9 @@ class NumbaAttentionBackend(TorchAttentionBackend):
 
     name = "numba"
 
-    def __init__(self) -> None:
-        warm_up()
+    def __init__(self, kv_dtype: torch.dtype | None = None) -> None:
+        """`kv_dtype`: the pool's, the only one compiled now (None: every one it reads)."""
+        warm_up((kv_dtype,) if kv_dtype in NUMBA_KV_DTYPES else NUMBA_KV_DTYPES)
 
     def _single(
         self, q, k_cache, v_cache, group: SingleGroup, scale: float, kv_scale: LayerScales | None
