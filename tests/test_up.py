@@ -114,3 +114,21 @@ def test_engines_share_the_cores_unless_the_user_set_omp_num_threads(monkeypatch
     assert [s.env for s in specs] == [{"OMP_NUM_THREADS": "1"}] * 3 + [{}]  # not the router
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     assert threads_per_engine(3, 2) is None
+
+
+def test_picked_ports_stay_out_of_the_kernels_ephemeral_range(tmp_path, monkeypatch):
+    """A fleet's router binds the port picked for it seconds later, after the engines started:
+    a port from the ephemeral range could meanwhile go to any socket bound to port 0 (one CI
+    run lost the router's so). Where the range leaves no room below it, any free port does."""
+    from pagefleet.fleet import up
+
+    ranges = tmp_path / "ip_local_port_range"
+    monkeypatch.setattr(up, "EPHEMERAL_RANGE", ranges)
+    ranges.write_text("32768\t60999\n")
+    picked = {up.free_port() for _ in range(20)}
+    assert all(up.LOWEST_PICKED <= p < 32768 for p in picked)
+    assert len(picked) > 1  # drawn, not one fixed port
+    ranges.write_text("1024\t65535\n")
+    assert 1024 <= up.free_port() <= 65535
+    ranges.unlink()  # no procfs: the kernel's choice
+    assert up.free_port() > 0

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -79,11 +80,36 @@ class FleetOptions:
     threads_per_engine: int | None = None
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PICKED = 10000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now (tests, benchmarks and `pagefleet up` pick ports so)."""
+    """A port nobody listens on now (tests, benchmarks and `pagefleet up` pick ports so),
+    below the kernel's ephemeral range where it has room there: a port picked now is bound
+    later by another process, and one in the ephemeral range may meanwhile be handed to any
+    socket bound to port 0 (UCX's listeners, say: a fleet's router lost its port so)."""
+    low = _ephemeral_low()
+    if low is not None and low - LOWEST_PICKED >= 1000:
+        rng = random.SystemRandom()
+        for _ in range(100):
+            port = rng.randrange(LOWEST_PICKED, low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int | None:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def free_port_pair(host: str = "127.0.0.1") -> int:
