@@ -7,7 +7,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from pagefleet.fleet.up import free_port
 
 RAY_BIN = Path(sys.executable).parent / "ray"
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -26,12 +27,6 @@ def wait_until(condition, what: str, timeout_s: float = DEADLINE_S) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def session_pids(session_id: int) -> list[int]:
@@ -54,7 +49,7 @@ def start_ray_node(args: list[str], temp_dir: str, sessions: list[int]) -> None:
         "start",
         "--num-cpus=1",
         f"--temp-dir={temp_dir}",
-        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port('')}",
         "--disable-usage-stats",
         *args,
     ]
@@ -80,14 +75,14 @@ def ray_cluster_of_two_nodes() -> Iterator[str]:
 
     sessions: list[int] = []
     temp_dirs = [tempfile.mkdtemp(prefix=f"pf-ray-{n}-", dir="/tmp") for n in "hw"]
-    address = f"{ray.util.get_node_ip_address()}:{free_port()}"
+    address = f"{ray.util.get_node_ip_address()}:{free_port('')}"
     try:
         start_ray_node(
             [
                 "--head",
                 f"--port={address.rsplit(':', 1)[1]}",
-                f"--ray-client-server-port={free_port()}",
-                f"--dashboard-port={free_port()}",
+                f"--ray-client-server-port={free_port('')}",
+                f"--dashboard-port={free_port('')}",
                 "--include-dashboard=false",
             ],
             temp_dirs[0],

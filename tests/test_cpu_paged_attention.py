@@ -186,3 +186,21 @@ def test_greedy_equals_hf_on_each_cpu_backend(tiny_checkpoints, backend):
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs, strict=True):
         assert_greedy_equal(path, prompt, out.outputs[0].token_ids, 24)
+
+
+def test_a_request_at_the_context_limit_stays_inside_its_blocks_on_the_kernel(tiny_checkpoints):
+    """The in-place kernel has no bounds checks of its own: what a client sends must never
+    give it a context past its block table. A request asking past max_model_len decodes HF's
+    tokens up to the limit and stops there ("length"); a prompt that fills the limit is refused
+    before any step runs."""
+    path = tiny_checkpoints["llama"]
+    llm = LLM(path, num_gpu_blocks_override=64, max_model_len=48, attention_backend="numba")
+    assert llm.engine.runner.backend.name == "numba"
+    prompt = [random.Random(9).randrange(5, 500) for _ in range(41)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (7, "length")
+    assert_greedy_equal(path, prompt, out.token_ids, 7)
+    with pytest.raises(ValueError, match="maximum context length is 48"):
+        llm.generate([prompt + prompt[:7]], params, use_tqdm=False)
+    llm.engine.close()
