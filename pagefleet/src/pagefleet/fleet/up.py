@@ -81,7 +81,8 @@ class FleetOptions:
 
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-LOWEST_PICKED = 10000
+# Above Ray's worker ports (10002-19999 by default): a TP engine's Ray node binds those.
+LOWEST_PICKED = 20000
 
 
 def free_port(host: str = "127.0.0.1") -> int:
