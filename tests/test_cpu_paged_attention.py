@@ -20,6 +20,7 @@ from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.attention.backend import AttentionMetadata, SingleGroup
 from pagefleet.engine.attention.numba_paged import (
     NumbaAttentionBackend,
+    context_parts,
     decode_attention,
     kernel_takes,
     runs_serially,
@@ -77,20 +78,25 @@ def test_kernel_matches_torch_reference(numba_backend, group_size, head_dim, blo
 
 
 @pytest.mark.parametrize("rows", [1, 9])
-def test_the_serial_and_the_threaded_kernel_agree(numba_backend, rows):
-    """Decode steps with fewer work items than two per thread run on the calling thread: the
-    same per-item arithmetic as the threaded kernel, and the reference's attention."""
+def test_the_serial_the_threaded_and_the_split_kernel_agree(numba_backend, rows):
+    """Decode steps with fewer work items than two per thread run on the calling thread or
+    with each context cut into runs of blocks merged afterwards: the reference's attention
+    either way, including runs left without blocks (more runs than a short row has)."""
     rng = random.Random(rows)
     lens = edge_lengths(16, 9, rng)[-rows:]
     group = paged_group(lens, 16, rng)
     k_cache, v_cache = torch.randn(2, NUM_KV, NUM_BLOCKS, 16, 64).unbind(0)
     q = torch.randn(rows, 8, 64)
     lens_t = torch.tensor(lens)
-    serial = decode_attention(q, k_cache, v_cache, group.block_tables, lens_t, 0.125, True)
-    threaded = decode_attention(q, k_cache, v_cache, group.block_tables, lens_t, 0.125, False)
+    tables = group.block_tables
+    serial = decode_attention(q, k_cache, v_cache, tables, lens_t, 0.125, True, 1)
+    threaded = decode_attention(q, k_cache, v_cache, tables, lens_t, 0.125, False, 1)
     torch.testing.assert_close(serial, threaded, rtol=1e-6, atol=1e-7)
     ref = TorchAttentionBackend()._single(q, k_cache, v_cache, group, 0.125, None)
     torch.testing.assert_close(serial, ref, rtol=1e-5, atol=1e-5)
+    for parts in (2, 3, 7):
+        split = decode_attention(q, k_cache, v_cache, tables, lens_t, 0.125, False, parts)
+        torch.testing.assert_close(split, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_few_work_items_run_serially_and_enough_run_on_the_threads():
@@ -98,6 +104,15 @@ def test_few_work_items_run_serially_and_enough_run_on_the_threads():
     assert not runs_serially(rows=1, num_kv_heads=8, threads=2)
     assert not runs_serially(rows=2, num_kv_heads=2, threads=2)  # two items per thread
     assert runs_serially(rows=64, num_kv_heads=8, threads=1024)
+
+
+def test_few_work_items_cut_their_contexts_until_each_thread_has_two():
+    assert context_parts(rows=1, num_kv_heads=3, threads=2, blocks=16) == 2  # 6 runs
+    assert context_parts(rows=1, num_kv_heads=1, threads=4, blocks=16) == 8
+    assert context_parts(rows=1, num_kv_heads=1, threads=4, blocks=3) == 3  # a run per block
+    assert context_parts(rows=1, num_kv_heads=3, threads=2, blocks=1) == 1  # nothing to cut
+    assert context_parts(rows=2, num_kv_heads=2, threads=2, blocks=16) == 1  # enough items
+    assert context_parts(rows=1, num_kv_heads=1, threads=1, blocks=16) == 1  # one thread
 
 
 def test_lengths_read_off_the_mask_when_not_given(numba_backend):

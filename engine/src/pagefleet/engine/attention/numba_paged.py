@@ -3,11 +3,14 @@
 The torch reference backend gathers every decode row's blocks into one padded tensor before
 its matmuls: a copy of all the keys and values each step. This backend's single-token rows go
 through a numba-compiled kernel instead (numba's wheel bundles LLVM, so no compiler is needed
-where it runs): one work item per (row, KV head), spread over threads with prange (or run on
-the calling thread where there are too few to share: `runs_serially`); each item
+where it runs): one work item per (row, KV head), spread over threads with prange; each item
 walks the row's block table, reads each key/value block once for all the query heads of its
 GQA group, and keeps an online softmax (running max, running sum, rescaled accumulator), so
-nothing the size of the context is ever written. Prompt chunks, fp8 pools and dtypes the
+nothing the size of the context is ever written. It prefetches the next block while it
+computes one (a table's blocks are scattered pages). A step with too few items to give each
+thread two (single-stream decode) cuts each context into runs of blocks, one item each,
+merged afterwards (`context_parts`), or runs on the calling thread where there is nothing to
+cut (`runs_serially`). Prompt chunks, fp8 pools and dtypes the
 kernel does not take stay on the torch path (`TorchAttentionBackend`, the oracle).
 
 The kernel is compiled once per machine (numba's on-disk cache) and loaded when the backend
@@ -21,8 +24,9 @@ import math
 import numba
 import numpy as np
 import torch
-from numba.core import types
-from numba.extending import overload
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic, overload
 
 from pagefleet.engine.attention.backend import NUMBA_KV_DTYPES, SingleGroup
 from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
@@ -32,24 +36,65 @@ from pagefleet.engine.kv_cache.fp8 import LayerScales
 # assumptions about infinities or NaNs (the running max starts at a finite floor anyway).
 _FAST = {"reassoc", "contract", "nsz", "arcp"}
 _FLOOR = np.float32(-1e30)  # below any real score: exp(_FLOOR - score) is exactly 0
+_LINE_BYTES = 64
+
+
+@intrinsic
+def _prefetch(typingctx, array, index):
+    """A hint that array.flat[index]'s cache line will be read soon (LLVM's prefetch: never
+    faults, whatever the address)."""
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [data.type, i32, i32, i32])
+        prefetch = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        # read (0), keep in every cache level (3), data (1)
+        flags = [ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)]
+        builder.call(prefetch, [builder.gep(data, [args[1]]), *flags])
+        return context.get_dummy_value()
+
+    return types.void(array, index), codegen
+
+
+@numba.njit(inline="always")
+def _prefetch_block(pool, block):
+    """Prefetch one [block_size, d] block of a [blocks, block_size, d] pool, line by line: the
+    blocks of a table are scattered pages, which the hardware prefetcher does not follow."""
+    flat = pool.reshape(-1)
+    size = pool.shape[1] * pool.shape[2]
+    for i in range(0, size, _LINE_BYTES // pool.itemsize):
+        _prefetch(flat, block * size + i)
 
 
 @numba.njit(fastmath=_FAST, cache=True, nogil=True)
-def _attend_group(q, keys, values, table, length, first, group, scale, out, widen_k, widen_v):
-    """Attention of query heads first..first+group (q: [heads, d]) over one KV head's paged
-    keys/values (keys, values: [blocks, block_size, d]) for `length` tokens, into out."""
+def _attend_blocks(q, k_cache, v_cache, tables, lens, row, kv, start, end, scale, state):
+    """Attention of row `row`'s query heads of KV head `kv`'s GQA group (q: [rows, heads, d])
+    over blocks start..end of the row's paged keys/values (pools: [kv_heads, blocks,
+    block_size, d]), folded into `state` (best, total, acc: the running max, the sum of
+    exponentials and the unnormalised output of each query head of the group)."""
+    best, total, acc = state
+    group = q.shape[1] // k_cache.shape[0]
+    first = kv * group
+    q, keys, values = q[row], k_cache[kv], v_cache[kv]
+    table, length = tables[row], lens[row]
     head_dim = q.shape[1]
     block_size = keys.shape[1]
     queries = np.empty((group, head_dim), np.float32)
     for g in range(group):
         for d in range(head_dim):
             queries[g, d] = np.float32(q[first + g, d]) * scale
-    best = np.full(group, _FLOOR, np.float32)
-    total = np.zeros(group, np.float32)
-    acc = np.zeros((group, head_dim), np.float32)
     scores = np.empty(block_size, np.float32)
-    for b in range((length + block_size - 1) // block_size):
+    widen_k = np.empty((block_size, head_dim), np.float32)
+    widen_v = np.empty((block_size, head_dim), np.float32)
+    if start < end:
+        _prefetch_block(keys, table[start])
+        _prefetch_block(values, table[start])
+    for b in range(start, end):
         block = table[b]
+        if b + 1 < end:  # the next block arrives while this one is computed
+            _prefetch_block(keys, table[b + 1])
+            _prefetch_block(values, table[b + 1])
         count = min(block_size, length - b * block_size)
         k_block = _as_f32(keys[block], widen_k)
         v_block = _as_f32(values[block], widen_v)
@@ -71,10 +116,6 @@ def _attend_group(q, keys, values, table, length, first, group, scale, out, wide
                 total[g] += p
                 for d in range(head_dim):
                     acc[g, d] += p * v_block[t, d]
-    for g in range(group):
-        inv = np.float32(1.0) / total[g]
-        for d in range(head_dim):
-            out[first + g, d] = acc[g, d] * inv
 
 
 def _as_f32(block, widen):
@@ -100,51 +141,77 @@ def _as_f32_for(block, widen):
     return _float32_block if block.dtype == types.float32 else _widened_bf16_block
 
 
-@numba.njit(fastmath=_FAST, cache=True, nogil=True)
-def _decode_item(q, k_cache, v_cache, tables, lens, scale, out, item):
-    """Work item `item` = (row, KV head) of the kernels below."""
-    num_kv = k_cache.shape[0]
-    group = q.shape[1] // num_kv
-    row = item // num_kv
-    kv = item - row * num_kv
-    widen_k = np.empty((k_cache.shape[2], k_cache.shape[3]), np.float32)
-    widen_v = np.empty((k_cache.shape[2], k_cache.shape[3]), np.float32)
-    _attend_group(
-        q[row],
-        k_cache[kv],
-        v_cache[kv],
-        tables[row],
-        lens[row],
-        kv * group,
-        group,
-        scale,
-        out[row],
-        widen_k,
-        widen_v,
-    )
-
-
 @numba.njit(parallel=True, fastmath=_FAST, cache=True, nogil=True)
-def paged_decode(q, k_cache, v_cache, tables, lens, scale, out):
+def paged_decode(q, k_cache, v_cache, tables, lens, scale, out, parts):
     """out[r] = softmax(q[r] . K_r^T * scale) V_r for single-token rows r, where K_r/V_r are
     the first lens[r] tokens of the blocks tables[r] in k_cache/v_cache
     ([kv_heads, blocks, block_size, d]). q/out: [rows, heads, d] float32; the pool is float32
-    or bfloat16 viewed as uint16. One work item per (row, KV head), over numba's threads."""
-    for item in numba.prange(q.shape[0] * k_cache.shape[0]):
-        _decode_item(q, k_cache, v_cache, tables, lens, scale, out, item)
+    or bfloat16 viewed as uint16. One work item per (row, KV head) and run of blocks (each
+    context cut into `parts` runs; their partial maxima, sums and outputs merged afterwards),
+    over numba's threads."""
+    num_kv, block_size = k_cache.shape[0], k_cache.shape[2]
+    group = q.shape[1] // num_kv
+    pieces = q.shape[0] * num_kv * parts
+    best = np.full((pieces, group), _FLOOR, np.float32)
+    total = np.zeros((pieces, group), np.float32)
+    acc = np.zeros((pieces, group, q.shape[2]), np.float32)
+    for piece in numba.prange(pieces):
+        item, part = piece // parts, piece % parts
+        row, kv = item // num_kv, item % num_kv
+        blocks = (lens[row] + block_size - 1) // block_size
+        per = (blocks + parts - 1) // parts
+        start, end = min(blocks, part * per), min(blocks, (part + 1) * per)
+        state = (best[piece], total[piece], acc[piece])
+        _attend_blocks(q, k_cache, v_cache, tables, lens, row, kv, start, end, scale, state)
+        if parts == 1:  # the item's whole context: its output is final
+            for g in range(group):
+                inv = np.float32(1.0) / total[piece, g]
+                for d in range(q.shape[2]):
+                    out[row, kv * group + g, d] = acc[piece, g, d] * inv
+    if parts > 1:
+        _merge_runs(best, total, acc, parts, out)
 
 
 @numba.njit(fastmath=_FAST, cache=True, nogil=True)
-def paged_decode_serial(q, k_cache, v_cache, tables, lens, scale, out):
-    """paged_decode on the calling thread alone."""
-    for item in range(q.shape[0] * k_cache.shape[0]):
-        _decode_item(q, k_cache, v_cache, tables, lens, scale, out, item)
+def _merge_runs(best, total, acc, parts, out):
+    """out[row, head] from the runs of each (row, KV head): each run's sum and output rescaled
+    to the largest running max (a run with no blocks weighs exactly 0)."""
+    group, head_dim = best.shape[1], acc.shape[2]
+    num_kv = out.shape[1] // group
+    for item in range(best.shape[0] // parts):
+        row, kv = item // num_kv, item % num_kv
+        first = item * parts
+        for g in range(group):
+            top = _FLOOR
+            for p in range(first, first + parts):
+                top = max(top, best[p, g])
+            denominator = np.float32(0.0)
+            merged = np.zeros(head_dim, np.float32)
+            for p in range(first, first + parts):
+                weight = np.float32(math.exp(best[p, g] - top))
+                denominator += weight * total[p, g]
+                for d in range(head_dim):
+                    merged[d] += weight * acc[p, g, d]
+            inv = np.float32(1.0) / denominator
+            for d in range(head_dim):
+                out[row, kv * group + g, d] = merged[d] * inv
+
+
+def context_parts(rows: int, num_kv_heads: int, threads: int, blocks: int) -> int:
+    """How many runs of blocks each (row, KV head) work item is cut into: 1 where the items
+    already give each thread two (or there is one thread); otherwise enough runs that they do,
+    at most one per block of the longest context. 1 with too few items to share means
+    `runs_serially`."""
+    items = rows * num_kv_heads
+    if threads < 2 or items >= 2 * threads:
+        return 1
+    return max(1, min(blocks, -(-2 * threads // items)))
 
 
 def runs_serially(rows: int, num_kv_heads: int, threads: int) -> bool:
     """Whether a step's decode rows run on the calling thread: with fewer than two work items
-    per thread (single-stream decode of a model with few KV heads) the threads cannot share
-    the work evenly, and a parallel launch would only add its start and its barrier."""
+    per thread (single-stream decode of a model with few KV heads) and no context long enough
+    to cut, a parallel launch would only add its start and its barrier."""
     return rows * num_kv_heads < 2 * threads
 
 
@@ -156,13 +223,18 @@ def decode_attention(
     lens: torch.Tensor,  # [rows] int64
     scale: float,
     serial: bool | None = None,
+    parts: int | None = None,
 ) -> torch.Tensor:
     """The kernel on torch tensors (shared memory, no copies of the pool); float32 out, cast
-    back to q's dtype. `serial` None: as runs_serially says."""
+    back to q's dtype. `parts` None: as context_parts says; `serial` None: on the calling
+    thread where the context is not cut and runs_serially says so."""
     out = torch.empty(q.shape, dtype=torch.float32)
+    threads = numba.get_num_threads()
+    if parts is None:
+        parts = context_parts(q.shape[0], k_cache.shape[0], threads, tables.shape[1])
     if serial is None:
-        serial = runs_serially(q.shape[0], k_cache.shape[0], numba.get_num_threads())
-    (paged_decode_serial if serial else paged_decode)(
+        serial = parts == 1 and runs_serially(q.shape[0], k_cache.shape[0], threads)
+    args = (
         q.float().contiguous().numpy(),
         _pool_array(k_cache),
         _pool_array(v_cache),
@@ -170,7 +242,16 @@ def decode_attention(
         lens.contiguous().numpy(),
         np.float32(scale),
         out.numpy(),
+        parts,
     )
+    if serial:  # one kernel to compile: the parallel one, on one thread
+        numba.set_num_threads(1)
+        try:
+            paged_decode(*args)
+        finally:
+            numba.set_num_threads(threads)
+    else:
+        paged_decode(*args)
     return out.to(q.dtype)
 
 
@@ -192,16 +273,15 @@ def kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, kv_scale: LayerScales |
 
 
 def warm_up(pool_dtypes: tuple[torch.dtype, ...] = NUMBA_KV_DTYPES) -> None:
-    """Compile (or load from numba's cache) both kernels for pools of `pool_dtypes`, on a tiny
-    batch: at engine start, not in the first request (each takes a second or more to compile
-    where numba's cache is cold, as in a fresh pod)."""
+    """Compile (or load from numba's cache) the kernel for pools of `pool_dtypes`, on a tiny
+    batch: at engine start, not in the first request (each takes seconds to compile where
+    numba's cache is cold, as in a fresh pod)."""
     tables = torch.zeros(1, 1, dtype=torch.int64)
     lens = torch.ones(1, dtype=torch.int64)
     q = torch.zeros(1, 2, 4)
     for dtype in pool_dtypes:
         cache = torch.zeros(1, 1, 2, 4, dtype=dtype)
-        for serial in (True, False):
-            decode_attention(q, cache, cache, tables, lens, 1.0, serial)
+        decode_attention(q, cache, cache, tables, lens, 1.0, serial=False, parts=1)
 
 
 def group_lens(group: SingleGroup) -> torch.Tensor:
