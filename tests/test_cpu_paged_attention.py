@@ -169,8 +169,9 @@ def test_rows_see_keys_written_in_the_same_step(numba_backend):
     )
     q = torch.randn(len(lens), 8, head_dim)
     k = torch.randn(len(lens), NUM_KV, head_dim)
-    v = torch.randn(len(lens), NUM_KV, head_dim)
-    outs = []
+    # v as the model passes it: a strided view of the fused q/k/v projection's output
+    v = torch.randn(len(lens), 3, NUM_KV, head_dim)[:, 1]
+    outs, pools = [], []
     for backend in (numba_backend, TorchAttentionBackend()):
         torch.manual_seed(11)
         k_cache = torch.randn(NUM_KV, NUM_BLOCKS, block_size, head_dim)
@@ -179,7 +180,10 @@ def test_rows_see_keys_written_in_the_same_step(numba_backend):
             k_cache.view(NUM_KV, -1, head_dim)[:, slot] = 0
             v_cache.view(NUM_KV, -1, head_dim)[:, slot] = 0
         outs.append(backend.forward(q, k, v, k_cache, v_cache, meta, 0.125))
+        pools.append((k_cache, v_cache))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    # The kernel stores the step's keys and values itself: the same pool, bit for bit.
+    assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
     # The last row attends to its own fresh value: with a huge score it copies it.
     q_peak = k[-1].repeat_interleave(4, dim=0).unsqueeze(0) * 1e3
     k_cache = torch.zeros(NUM_KV, NUM_BLOCKS, block_size, head_dim)

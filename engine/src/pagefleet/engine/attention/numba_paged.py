@@ -58,13 +58,14 @@ def _prefetch(typingctx, array, index):
 
 
 @numba.njit(inline="always")
-def _prefetch_block(pool, block):
-    """Prefetch one [block_size, d] block of a [blocks, block_size, d] pool, line by line: the
-    blocks of a table are scattered pages, which the hardware prefetcher does not follow."""
-    flat = pool.reshape(-1)
-    size = pool.shape[1] * pool.shape[2]
-    for i in range(0, size, _LINE_BYTES // pool.itemsize):
-        _prefetch(flat, block * size + i)
+def _prefetch_block(keys, values, block):
+    """Prefetch one [block_size, d] block of each [blocks, block_size, d] pool, line by line:
+    the blocks of a table are scattered pages, which the hardware prefetcher does not follow."""
+    size = keys.shape[1] * keys.shape[2]
+    k_flat, v_flat = keys.reshape(-1), values.reshape(-1)
+    for i in range(block * size, (block + 1) * size, _LINE_BYTES // keys.itemsize):
+        _prefetch(k_flat, i)
+        _prefetch(v_flat, i)
 
 
 @numba.njit(fastmath=_FAST, cache=True, nogil=True)
@@ -87,14 +88,10 @@ def _attend_blocks(q, k_cache, v_cache, tables, lens, row, kv, start, end, scale
     scores = np.empty(block_size, np.float32)
     widen_k = np.empty((block_size, head_dim), np.float32)
     widen_v = np.empty((block_size, head_dim), np.float32)
-    if start < end:
-        _prefetch_block(keys, table[start])
-        _prefetch_block(values, table[start])
     for b in range(start, end):
         block = table[b]
         if b + 1 < end:  # the next block arrives while this one is computed
-            _prefetch_block(keys, table[b + 1])
-            _prefetch_block(values, table[b + 1])
+            _prefetch_block(keys, values, table[b + 1])
         count = min(block_size, length - b * block_size)
         k_block = _as_f32(keys[block], widen_k)
         v_block = _as_f32(values[block], widen_v)
