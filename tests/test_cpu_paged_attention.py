@@ -19,6 +19,7 @@ from hf_reference import assert_greedy_equal
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.attention.backend import AttentionMetadata, SingleGroup
 from pagefleet.engine.attention.numba_paged import (
+    MIN_RUN_BLOCKS,
     NumbaAttentionBackend,
     context_parts,
     decode_attention,
@@ -107,12 +108,13 @@ def test_few_work_items_run_serially_and_enough_run_on_the_threads():
 
 
 def test_few_work_items_cut_their_contexts_until_each_thread_has_two():
-    assert context_parts(rows=1, num_kv_heads=3, threads=2, blocks=16) == 2  # 6 runs
-    assert context_parts(rows=1, num_kv_heads=1, threads=4, blocks=16) == 8
-    assert context_parts(rows=1, num_kv_heads=1, threads=4, blocks=3) == 3  # a run per block
-    assert context_parts(rows=1, num_kv_heads=3, threads=2, blocks=1) == 1  # nothing to cut
-    assert context_parts(rows=2, num_kv_heads=2, threads=2, blocks=16) == 1  # enough items
-    assert context_parts(rows=1, num_kv_heads=1, threads=1, blocks=16) == 1  # one thread
+    runs = MIN_RUN_BLOCKS
+    assert context_parts(rows=1, num_kv_heads=3, threads=2, blocks=64) == 2  # 6 runs
+    assert context_parts(rows=1, num_kv_heads=1, threads=4, blocks=8 * runs) == 8
+    assert context_parts(rows=1, num_kv_heads=1, threads=4, blocks=3 * runs) == 3
+    assert context_parts(rows=1, num_kv_heads=3, threads=2, blocks=2 * runs - 1) == 1  # short
+    assert context_parts(rows=2, num_kv_heads=2, threads=2, blocks=64) == 1  # enough items
+    assert context_parts(rows=1, num_kv_heads=1, threads=1, blocks=64) == 1  # one thread
 
 
 def test_lengths_read_off_the_mask_when_not_given(numba_backend):

@@ -138,6 +138,39 @@ def _as_f32_for(block, widen):
     return _float32_block if block.dtype == types.float32 else _widened_bf16_block
 
 
+@numba.njit(fastmath=_FAST, cache=True, nogil=True)
+def _piece_states(q, num_kv, parts):
+    """Running max, sum and output of every (row, KV head, run) work item, fresh."""
+    group = q.shape[1] // num_kv
+    pieces = q.shape[0] * num_kv * parts
+    return (
+        np.full((pieces, group), _FLOOR, np.float32),
+        np.zeros((pieces, group), np.float32),
+        np.zeros((pieces, group, q.shape[2]), np.float32),
+    )
+
+
+@numba.njit(fastmath=_FAST, cache=True, nogil=True)
+def _decode_piece(q, k_cache, v_cache, tables, lens, scale, out, parts, states, piece):
+    """Work item `piece` = (row, KV head, run) of the kernels below. An item with its whole
+    context (one run) writes its output; runs wait for `_merge_runs`."""
+    best, total, acc = states
+    num_kv, block_size = k_cache.shape[0], k_cache.shape[2]
+    group = q.shape[1] // num_kv
+    item, part = piece // parts, piece % parts
+    row, kv = item // num_kv, item % num_kv
+    blocks = (lens[row] + block_size - 1) // block_size
+    per = (blocks + parts - 1) // parts
+    start, end = min(blocks, part * per), min(blocks, (part + 1) * per)
+    state = (best[piece], total[piece], acc[piece])
+    _attend_blocks(q, k_cache, v_cache, tables, lens, row, kv, start, end, scale, state)
+    if parts == 1:
+        for g in range(group):
+            inv = np.float32(1.0) / total[piece, g]
+            for d in range(q.shape[2]):
+                out[row, kv * group + g, d] = acc[piece, g, d] * inv
+
+
 @numba.njit(parallel=True, fastmath=_FAST, cache=True, nogil=True)
 def paged_decode(q, k_cache, v_cache, tables, lens, scale, out, parts):
     """out[r] = softmax(q[r] . K_r^T * scale) V_r for single-token rows r, where K_r/V_r are
@@ -146,27 +179,22 @@ def paged_decode(q, k_cache, v_cache, tables, lens, scale, out, parts):
     or bfloat16 viewed as uint16. One work item per (row, KV head) and run of blocks (each
     context cut into `parts` runs; their partial maxima, sums and outputs merged afterwards),
     over numba's threads."""
-    num_kv, block_size = k_cache.shape[0], k_cache.shape[2]
-    group = q.shape[1] // num_kv
-    pieces = q.shape[0] * num_kv * parts
-    best = np.full((pieces, group), _FLOOR, np.float32)
-    total = np.zeros((pieces, group), np.float32)
-    acc = np.zeros((pieces, group, q.shape[2]), np.float32)
-    for piece in numba.prange(pieces):
-        item, part = piece // parts, piece % parts
-        row, kv = item // num_kv, item % num_kv
-        blocks = (lens[row] + block_size - 1) // block_size
-        per = (blocks + parts - 1) // parts
-        start, end = min(blocks, part * per), min(blocks, (part + 1) * per)
-        state = (best[piece], total[piece], acc[piece])
-        _attend_blocks(q, k_cache, v_cache, tables, lens, row, kv, start, end, scale, state)
-        if parts == 1:  # the item's whole context: its output is final
-            for g in range(group):
-                inv = np.float32(1.0) / total[piece, g]
-                for d in range(q.shape[2]):
-                    out[row, kv * group + g, d] = acc[piece, g, d] * inv
+    states = _piece_states(q, k_cache.shape[0], parts)
+    for piece in numba.prange(q.shape[0] * k_cache.shape[0] * parts):
+        _decode_piece(q, k_cache, v_cache, tables, lens, scale, out, parts, states, piece)
     if parts > 1:
-        _merge_runs(best, total, acc, parts, out)
+        _merge_runs(*states, parts, out)
+
+
+@numba.njit(fastmath=_FAST, cache=True, nogil=True)
+def paged_decode_serial(q, k_cache, v_cache, tables, lens, scale, out, parts):
+    """paged_decode on the calling thread alone (a parallel launch on one thread costs more
+    in a step than the work of a one-stream decode at a short context)."""
+    states = _piece_states(q, k_cache.shape[0], parts)
+    for piece in range(q.shape[0] * k_cache.shape[0] * parts):
+        _decode_piece(q, k_cache, v_cache, tables, lens, scale, out, parts, states, piece)
+    if parts > 1:
+        _merge_runs(*states, parts, out)
 
 
 @numba.njit(fastmath=_FAST, cache=True, nogil=True)
@@ -194,15 +222,21 @@ def _merge_runs(best, total, acc, parts, out):
                 out[row, kv * group + g, d] = merged[d] * inv
 
 
+# A run shorter than this many blocks is not worth a thread of its own: at a short context
+# the parallel launch and the merge cost more than the second thread's reads gain (one stream
+# of SmolLM2 at 100-170 tokens ran 2-3% slower cut in two).
+MIN_RUN_BLOCKS = 16
+
+
 def context_parts(rows: int, num_kv_heads: int, threads: int, blocks: int) -> int:
     """How many runs of blocks each (row, KV head) work item is cut into: 1 where the items
     already give each thread two (or there is one thread); otherwise enough runs that they do,
-    at most one per block of the longest context. 1 with too few items to share means
-    `runs_serially`."""
+    each at least MIN_RUN_BLOCKS of the longest context's `blocks`. 1 with too few items to
+    share means `runs_serially`."""
     items = rows * num_kv_heads
     if threads < 2 or items >= 2 * threads:
         return 1
-    return max(1, min(blocks, -(-2 * threads // items)))
+    return max(1, min(blocks // MIN_RUN_BLOCKS, -(-2 * threads // items)))
 
 
 def runs_serially(rows: int, num_kv_heads: int, threads: int) -> bool:
@@ -241,14 +275,7 @@ def decode_attention(
         out.numpy(),
         parts,
     )
-    if serial:  # one kernel to compile: the parallel one, on one thread
-        numba.set_num_threads(1)
-        try:
-            paged_decode(*args)
-        finally:
-            numba.set_num_threads(threads)
-    else:
-        paged_decode(*args)
+    (paged_decode_serial if serial else paged_decode)(*args)
     return out.to(q.dtype)
 
 
@@ -270,7 +297,7 @@ def kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, kv_scale: LayerScales |
 
 
 def warm_up(pool_dtypes: tuple[torch.dtype, ...] = NUMBA_KV_DTYPES) -> None:
-    """Compile (or load from numba's cache) the kernel for pools of `pool_dtypes`, on a tiny
+    """Compile (or load from numba's cache) both kernels for pools of `pool_dtypes`, on a tiny
     batch: at engine start, not in the first request (each takes seconds to compile where
     numba's cache is cold, as in a fresh pod)."""
     tables = torch.zeros(1, 1, dtype=torch.int64)
@@ -278,7 +305,8 @@ def warm_up(pool_dtypes: tuple[torch.dtype, ...] = NUMBA_KV_DTYPES) -> None:
     q = torch.zeros(1, 2, 4)
     for dtype in pool_dtypes:
         cache = torch.zeros(1, 1, 2, 4, dtype=dtype)
-        decode_attention(q, cache, cache, tables, lens, 1.0, serial=False, parts=1)
+        for serial in (True, False):
+            decode_attention(q, cache, cache, tables, lens, 1.0, serial, parts=1)
 
 
 def group_lens(group: SingleGroup) -> torch.Tensor:
