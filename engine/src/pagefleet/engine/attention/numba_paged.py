@@ -210,8 +210,9 @@ def _merge_runs(best, total, acc, parts, out):
             top = _FLOOR
             for p in range(first, first + parts):
                 top = max(top, best[p, g])
+            merged = out[row, kv * group + g]  # summed in place: no buffer per head
+            merged[:] = 0.0
             denominator = np.float32(0.0)
-            merged = np.zeros(head_dim, np.float32)
             for p in range(first, first + parts):
                 weight = np.float32(math.exp(best[p, g] - top))
                 denominator += weight * total[p, g]
@@ -219,7 +220,7 @@ def _merge_runs(best, total, acc, parts, out):
                     merged[d] += weight * acc[p, g, d]
             inv = np.float32(1.0) / denominator
             for d in range(head_dim):
-                out[row, kv * group + g, d] = merged[d] * inv
+                merged[d] *= inv
 
 
 # A run shorter than this many blocks is not worth a thread of its own: at a short context
@@ -241,8 +242,8 @@ def context_parts(rows: int, num_kv_heads: int, threads: int, blocks: int) -> in
 
 def runs_serially(rows: int, num_kv_heads: int, threads: int) -> bool:
     """Whether a step's decode rows run on the calling thread: with fewer than two work items
-    per thread (single-stream decode of a model with few KV heads) and no context long enough
-    to cut, a parallel launch would only add its start and its barrier."""
+    per thread (single-stream decode of a model with few KV heads) a parallel launch would
+    only add its start and its barrier. Asked only where `context_parts` cut nothing."""
     return rows * num_kv_heads < 2 * threads
 
 
