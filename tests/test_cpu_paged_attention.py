@@ -100,6 +100,23 @@ def test_the_serial_the_threaded_and_the_split_kernel_agree(numba_backend, rows)
         torch.testing.assert_close(split, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_each_step_s_groups_get_their_own_plan():
+    """The backend plans a group's kernel call once for all the layers of its step (each
+    group keeps its own plan): groups of other rows and lengths, taken in turn as a step's
+    layers take them, each attend over their own contexts."""
+    backend = NumbaAttentionBackend()
+    rng = random.Random(5)
+    k_cache, v_cache = torch.randn(2, NUM_KV, NUM_BLOCKS, 16, 64).unbind(0)
+    reference = TorchAttentionBackend()
+    one_long = paged_group([40 * 16 - 3], 16, rng)  # a context the plan cuts into runs
+    several = paged_group([5, 17, 33], 16, rng)
+    for group in (one_long, several, one_long, one_long):
+        q = torch.randn(group.end - group.start, NUM_KV * 4, 64)
+        ours = backend._single(q, k_cache, v_cache, group, 0.125, None)
+        ref = reference._single(q, k_cache, v_cache, group, 0.125, None)
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_few_work_items_run_serially_and_enough_run_on_the_threads():
     assert runs_serially(rows=1, num_kv_heads=3, threads=2)  # single stream, 3 KV heads
     assert not runs_serially(rows=1, num_kv_heads=8, threads=2)

@@ -189,18 +189,36 @@ def test_a_pod_without_the_fleet_secret_gets_no_kv_and_no_requests(tmp_path, mod
         md = for_cpu(example("disaggregated.yaml"))
         md["spec"]["pools"] = {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
         lab.kube.create(md)
-        wait_serving(lab, NS, "llama-pd", engines=2)
+        # The rogue is made from the decode pod as the API server holds it (spec and labels
+        # are set at creation) and starts beside the real pods rather than after them: one
+        # round of engine starts fewer, and the router's discovery sees it from the start.
+        decode = lab.wait_for(
+            lambda: [
+                p
+                for p in md_pods(lab, NS, "llama-pd")
+                if p["metadata"]["labels"]["pagefleet.io/role"] == "decode"
+            ],
+            60,
+            "the decode pod",
+        )[0]
+        lab.kube.create(rogue_pod(decode))
+        wait_serving(lab, NS, "llama-pd", engines=3)  # the rogue has the labels md_pods selects
         pods = {
-            p["metadata"]["labels"]["pagefleet.io/role"]: p for p in md_pods(lab, NS, "llama-pd")
+            p["metadata"]["labels"]["pagefleet.io/role"]: p
+            for p in md_pods(lab, NS, "llama-pd")
+            if p["metadata"].get("ownerReferences")
         }
         prefill, decode = pods["prefill"], pods["decode"]
         url = router_url(lab, NS, "llama-pd")
-
-        lab.kube.create(rogue_pod(decode))
         rogue = lab.wait_for(
             lambda: ready([lab.kube.get("v1", "Pod", NS, "rogue-decode")]), 180, "the rogue Ready"
         )[0]
         assert rogue["metadata"]["labels"] == decode["metadata"]["labels"]
+
+        # A decode pod that starts after the rogue (Ready): once the router knows it, it has
+        # seen the rogue's events too (one watch, in order), and routes to the real pods only.
+        # It starts while the rogue tries the prefill pod (which it does not touch).
+        lab.kube.patch(md, {"spec": {"pools": {"decode": {"replicas": 2}}}})
 
         outcome = in_pod(lab, rogue, steal_kv, prefill["status"]["podIP"])
         assert outcome["handshake"].startswith("refused"), outcome
@@ -210,9 +228,6 @@ def test_a_pod_without_the_fleet_secret_gets_no_kv_and_no_requests(tmp_path, mod
         assert outcome["release"] == "UNAUTHENTICATED", outcome
         assert outcome["hold"] == "401", outcome
 
-        # A decode pod that starts after the rogue: once the router knows it, it has seen the
-        # rogue's events too (one watch, in order), and routes to the real pods only.
-        lab.kube.patch(md, {"spec": {"pools": {"decode": {"replicas": 2}}}})
         wait_serving(lab, NS, "llama-pd", engines=4)  # the rogue has the labels md_pods selects
         real = [p for p in md_pods(lab, NS, "llama-pd") if p["metadata"].get("ownerReferences")]
         assert len(real) == 3 and decode["metadata"]["name"] in {

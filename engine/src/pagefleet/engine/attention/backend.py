@@ -8,7 +8,7 @@ they do these two things (torch reference on CPU, Triton on GPU).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import torch
@@ -33,6 +33,9 @@ class SingleGroup:
     mask: torch.Tensor  # [1, rows, 1, max_blocks * block_size] bool, True = attend
     # Context length of each row, on the host (the in-place kernel's bound); None: read the mask.
     seq_lens: torch.Tensor | None = None  # [rows] int64
+    # What a backend works out once for all the layers of the step, by its key (the in-place
+    # kernel's plan per KV-head count: attention/numba_paged.py). Filled on first use.
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 # A group of single rows holds at most this many padded context tokens (about 2.5 MB of keys

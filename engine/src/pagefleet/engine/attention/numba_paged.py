@@ -20,6 +20,7 @@ is built, at engine start, so no request pays for it.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -247,37 +248,71 @@ def runs_serially(rows: int, num_kv_heads: int, threads: int) -> bool:
     return rows * num_kv_heads < 2 * threads
 
 
-def decode_attention(
+@dataclass(frozen=True)
+class KernelPlan:
+    """What every layer's kernel call of one step shares: the rows' block tables and context
+    lengths as arrays, and how the contexts run (`context_parts`, `runs_serially`)."""
+
+    tables: np.ndarray  # [rows, >= max blocks] int64
+    lens: np.ndarray  # [rows] int64
+    parts: int
+    serial: bool
+
+
+def plan_kernel(
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    num_kv_heads: int,
+    serial: bool | None = None,
+    parts: int | None = None,
+) -> KernelPlan:
+    """`parts` None: as context_parts says; `serial` None: on the calling thread where the
+    context is not cut and runs_serially says so."""
+    threads = numba.get_num_threads()
+    if parts is None:
+        parts = context_parts(len(lens), num_kv_heads, threads, tables.shape[1])
+    if serial is None:
+        serial = parts == 1 and runs_serially(len(lens), num_kv_heads, threads)
+    return KernelPlan(tables.contiguous().numpy(), lens.contiguous().numpy(), parts, serial)
+
+
+def run_kernel(
     q: torch.Tensor,  # [rows, heads, d]
     k_cache: torch.Tensor,  # [kv_heads, blocks, block_size, d]
     v_cache: torch.Tensor,
-    tables: torch.Tensor,  # [rows, >= max blocks] int64
-    lens: torch.Tensor,  # [rows] int64
+    plan: KernelPlan,
+    scale: float,
+) -> torch.Tensor:
+    """The kernel on torch tensors (shared memory, no copies of the pool); float32 out, cast
+    back to q's dtype."""
+    out = np.empty(q.shape, np.float32)
+    kernel = paged_decode_serial if plan.serial else paged_decode
+    pools = _pool_array(k_cache), _pool_array(v_cache)
+    kernel(
+        q.float().contiguous().numpy(),
+        *pools,
+        plan.tables,
+        plan.lens,
+        np.float32(scale),
+        out,
+        plan.parts,
+    )
+    return torch.from_numpy(out).to(q.dtype)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
     scale: float,
     serial: bool | None = None,
     parts: int | None = None,
 ) -> torch.Tensor:
-    """The kernel on torch tensors (shared memory, no copies of the pool); float32 out, cast
-    back to q's dtype. `parts` None: as context_parts says; `serial` None: on the calling
-    thread where the context is not cut and runs_serially says so."""
-    out = torch.empty(q.shape, dtype=torch.float32)
-    threads = numba.get_num_threads()
-    if parts is None:
-        parts = context_parts(q.shape[0], k_cache.shape[0], threads, tables.shape[1])
-    if serial is None:
-        serial = parts == 1 and runs_serially(q.shape[0], k_cache.shape[0], threads)
-    args = (
-        q.float().contiguous().numpy(),
-        _pool_array(k_cache),
-        _pool_array(v_cache),
-        tables.contiguous().numpy(),
-        lens.contiguous().numpy(),
-        np.float32(scale),
-        out.numpy(),
-        parts,
-    )
-    (paged_decode_serial if serial else paged_decode)(*args)
-    return out.to(q.dtype)
+    """One call of the kernel, planned for itself (see plan_kernel and run_kernel)."""
+    plan = plan_kernel(tables, lens, k_cache.shape[0], serial, parts)
+    return run_kernel(q, k_cache, v_cache, plan, scale)
 
 
 def _pool_array(cache: torch.Tensor) -> np.ndarray:
@@ -332,5 +367,9 @@ class NumbaAttentionBackend(TorchAttentionBackend):
     ):
         if not kernel_takes(q, k_cache, kv_scale):
             return super()._single(q, k_cache, v_cache, group, scale, kv_scale)
-        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-        return decode_attention(q, k_cache, v_cache, group.block_tables, group_lens(group), scale)
+        num_kv = k_cache.shape[0]
+        plan = group.plans.get(num_kv)
+        if plan is None:  # the step's first layer: every other one reuses it
+            numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+            plan = group.plans[num_kv] = plan_kernel(group.block_tables, group_lens(group), num_kv)
+        return run_kernel(q, k_cache, v_cache, plan, scale)

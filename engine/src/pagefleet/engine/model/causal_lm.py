@@ -118,6 +118,10 @@ class CausalLM(nn.Module):
         choice). PACK_NONE keeps the plain float reference."""
         process_weights(self, plan.packs)
         weight = self.embed_tokens.weight
+        if weight.device.type == "cpu" and weight.dtype == torch.float32:
+            from pagefleet.engine.model import numba_ops  # the norms' and rotations' kernels
+
+            numba_ops.warm_up()  # at load, not in the first request
         if plan.others and prepack_supported(weight.device, weight.dtype):
             for layer in self.layers:
                 hook = getattr(layer, "prepack", None)

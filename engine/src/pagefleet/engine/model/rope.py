@@ -92,6 +92,11 @@ class Rotation:
     sin: torch.Tensor
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.device.type == "cpu":
+            from pagefleet.engine.model import numba_ops  # imported where a CPU step needs it
+
+            if numba_ops.takes(q) and numba_ops.takes(k) and self.cos.dtype == torch.float32:
+                return numba_ops.rotate(q, k, self.cos, self.sin)
         return self.rotate(q), self.rotate(k)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,116 @@
+"""A float32 CPU step's small per-layer ops (RMSNorm, the rotary rotation) as numba kernels.
+
+At a decode step's few rows torch spends more on dispatching an op's several kernels than on
+the arithmetic: RMSNorm of one 576-wide row takes ~13 us as torch runs it and ~4 us here, the
+rotation of one token's q and k ~24 us against ~8 us (benchmarks/cpu_small_ops.py). The
+layers call these where the tensors are float32 on the CPU and keep torch's ops elsewhere
+(other dtypes, GPUs, autograd).
+
+The rotation does HF's operations in HF's order, without contraction into fused multiply-adds,
+so it is bit for bit torch's (tests/test_numba_ops.py). The norm's sum of squares is
+reassociated (vectorised), as torch's own reduction is: its last bits differ from torch's the
+way torch's differ from HF's.
+
+The kernels have explicit signatures: compiled (or loaded from numba's on-disk cache) when
+this module is first imported, which the model does once its float32 CPU weights are loaded
+(`warm_up`), so no request pays for a compile.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+_FAST = {"reassoc", "contract", "nsz", "arcp"}
+
+# C-contiguous signatures: LLVM vectorises the inner loops only over unit strides.
+_ROWS = numba.float32[:, ::1]
+_VECTOR = numba.float32[::1]
+_HEADS = numba.float32[:, :, ::1]
+_INT = numba.int64
+
+
+@numba.njit(numba.void(_ROWS, _VECTOR, numba.float32, _ROWS), fastmath=_FAST, cache=True)
+def _rms_norm(x, weight, eps, out):
+    """out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps))."""
+    rows, dim = x.shape
+    for r in range(rows):
+        squares = np.float32(0.0)
+        for d in range(dim):
+            squares += x[r, d] * x[r, d]
+        inv = np.float32(1.0) / np.sqrt(squares / np.float32(dim) + eps)
+        for d in range(dim):
+            out[r, d] = weight[d] * (x[r, d] * inv)
+
+
+@numba.njit(inline="always")
+def _rotate(flat, row_stride, cos, sin, out):
+    """out = x * cos + swap_halves(x) * sin over each head's first cos.shape[2] dims (the
+    rest copied), where x [tokens, heads, head_dim] is read from `flat` with tokens
+    `row_stride` apart (a view of a fused q/k/v output) and its heads packed in a row;
+    cos/sin [tokens, 1, rotary] have rotate_half's minus sign already in sin's first half
+    (model/rope.py's `Rotation`)."""
+    tokens, heads, head_dim = out.shape
+    rotary = cos.shape[2]
+    half = rotary // 2
+    for t in range(tokens):
+        c, s = cos[t, 0], sin[t, 0]
+        for h in range(heads):
+            src = flat[t * row_stride + h * head_dim : t * row_stride + (h + 1) * head_dim]
+            dst = out[t, h]
+            for d in range(half):
+                dst[d] = src[d + half] * s[d] + src[d] * c[d]
+                dst[d + half] = src[d] * s[d + half] + src[d + half] * c[d + half]
+            for d in range(rotary, head_dim):
+                dst[d] = src[d]
+
+
+@numba.njit(numba.void(_VECTOR, _INT, _VECTOR, _INT, _HEADS, _HEADS, _HEADS, _HEADS), cache=True)
+def _rotate_pair(q_flat, q_stride, k_flat, k_stride, cos, sin, q_out, k_out):
+    """q and k of a step rotated in one call (see _rotate)."""
+    _rotate(q_flat, q_stride, cos, sin, q_out)
+    _rotate(k_flat, k_stride, cos, sin, k_out)
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether these kernels cover `x`: float32 on the CPU, outside autograd (a caller
+    holding weights that want gradients keeps torch's ops)."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of a 2-D float32 CPU tensor's rows (a new tensor)."""
+    out = np.empty(x.shape, np.float32)
+    _rms_norm(x.contiguous().numpy(), weight.detach().contiguous().numpy(), np.float32(eps), out)
+    return torch.from_numpy(out)
+
+
+def rotate(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k [tokens, heads, head_dim] rotated (new tensors). Each may be a view of a wider
+    row (of a fused q/k/v output): read in place where each row's heads are packed, copied
+    first otherwise."""
+    (q_flat, q_stride), (k_flat, k_stride) = _rows(q), _rows(k)
+    q_out, k_out = np.empty(q.shape, np.float32), np.empty(k.shape, np.float32)
+    trig = cos.contiguous().numpy(), sin.contiguous().numpy()
+    _rotate_pair(q_flat, q_stride, k_flat, k_stride, *trig, q_out, k_out)
+    return torch.from_numpy(q_out), torch.from_numpy(k_out)
+
+
+def _rows(x: torch.Tensor) -> tuple[np.ndarray, int]:
+    """x [tokens, heads, head_dim] as one flat array over its rows, and the rows' stride."""
+    tokens, heads, head_dim = x.shape
+    strides = x.stride()
+    if strides[2] != 1 or strides[1] != head_dim:
+        x, strides = x.contiguous(), (heads * head_dim, head_dim, 1)
+    row_stride = strides[0] if tokens > 1 else heads * head_dim
+    return x.as_strided(((tokens - 1) * row_stride + heads * head_dim,), (1,)).numpy(), row_stride
+
+
+def warm_up() -> None:
+    """Run each kernel once on a tiny input (importing this module compiled or loaded them)."""
+    x = torch.ones(1, 2, 4)
+    rms_norm(x[0], torch.ones(4), 1e-6)
+    rotate(x, x, torch.ones(1, 1, 2), torch.zeros(1, 1, 2))

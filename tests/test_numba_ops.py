@@ -1,0 +1,71 @@
+"""The small per-layer ops' numba kernels (model/numba_ops.py) a float32 CPU step runs.
+
+The rotation must be bit for bit HF's (x * cos + rotate_half(x) * sin), full and partial,
+on the strided q/k views a fused q/k/v projection gives; the norm must be torch's RMSNorm to
+float32 rounding; the layers must take the kernels only where they apply (float32 on the
+CPU, no gradients wanted) and keep torch's ops elsewhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagefleet.engine.model import numba_ops
+from pagefleet.engine.model.layers import RMSNorm
+from pagefleet.engine.model.rope import RotaryEmbedding
+
+
+def hf_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF Llama's apply_rotary_pos_emb on [tokens, heads, dims] with partial rotation."""
+    rotary = cos.shape[-1]
+    rot, passed = x[..., :rotary], x[..., rotary:]
+    half = rotary // 2
+    rotate_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    return torch.cat((rot * cos + rotate_half * sin, passed), dim=-1)
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.25])
+def test_the_rotation_is_bit_for_bit_hfs(partial):
+    head_dim, heads, kv_heads, tokens = 64, 6, 2, 37
+    params = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial}
+    rope = RotaryEmbedding(head_dim, 512, params)
+    positions = torch.randint(0, 512, (tokens,))
+    rotation = rope.at(positions, torch.float32)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim) * 3
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)  # strided
+    half_cos = rope.cos[positions].unsqueeze(1)
+    half_sin = rope.sin[positions].unsqueeze(1)
+    cos, sin = torch.cat((half_cos, half_cos), -1), torch.cat((half_sin, half_sin), -1)
+    ours_q, ours_k = rotation(q, k)
+    assert torch.equal(ours_q, hf_rotation(q, cos, sin))
+    assert torch.equal(ours_k, hf_rotation(k, cos, sin))
+    kernel_q, kernel_k = numba_ops.rotate(q, k, rotation.cos, rotation.sin)
+    assert torch.equal(kernel_q, ours_q) and torch.equal(kernel_k, ours_k)  # the kernel ran
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_the_norm_is_torchs_to_float32_rounding(rows):
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576))
+    wide = torch.randn(rows, 2 * 576) * 4
+    x = wide[:, ::2]  # a strided view as well
+    with torch.inference_mode():
+        ours = norm(x)
+    assert torch.equal(ours, numba_ops.rms_norm(x, norm.weight, 1e-5))  # the kernel ran
+    torch.testing.assert_close(ours, F.rms_norm(x, (576,), norm.weight, 1e-5), rtol=2e-6, atol=2e-6)
+
+
+def test_other_dtypes_and_gradients_keep_torchs_ops():
+    norm = RMSNorm(64, 1e-6)
+    x = torch.randn(3, 64)
+    half = x.to(torch.bfloat16)
+    assert torch.equal(norm.to(torch.bfloat16)(half), F.rms_norm(half, (64,), norm.weight, 1e-6))
+    norm = RMSNorm(64, 1e-6)
+    learning = x.clone().requires_grad_()
+    norm(learning).sum().backward()  # autograd still sees the op
+    assert learning.grad is not None and norm.weight.grad is not None
+    assert not numba_ops.takes(learning) and not numba_ops.takes(half)
