@@ -13,7 +13,8 @@ process (a neighbour's burst falls on both) and the median of rounds kept:
 
 At SmolLM2-135M's shape (hidden 576, 9 query heads and 3 KV heads of 64) and a Llama-3-8B
 shape (4096, 32 and 8 of 128), at 1, 16, 64 and 512 rows (attention: 1, 16 and 64 decode
-rows of 128 tokens each). The speed-up column is torch (or per-call planning) over the new.
+rows of 128 tokens each). "before" is torch's op (for the attention call: planned at each
+call), "after" the kernel (planned once); the speed-up is before / after.
 
     .venv/bin/python benchmarks/cpu_small_ops.py [--rounds 7] [--threads 2]
 """
@@ -107,7 +108,7 @@ def main() -> None:
     NumbaAttentionBackend(torch.float32)  # compiles (or loads) the attention kernel
     numba_ops.warm_up()
     print(f"{cpu_model()}, {args.threads} threads, median of {args.rounds} rounds")
-    print("| shape | op | rows | torch / per call us | numba / per step us | speed-up |")
+    print("| shape | op | rows | before us | after us | speed-up |")
     print("|---|---|---:|---:|---:|---:|")
     for name, (hidden, heads, kv_heads, head_dim) in SHAPES.items():
         cases = [("RMSNorm", rows, norm_case(hidden, rows)) for rows in ROWS]
