@@ -59,13 +59,28 @@ def test_the_norm_is_torchs_to_float32_rounding(rows):
     torch.testing.assert_close(ours, F.rms_norm(x, (576,), norm.weight, 1e-5), rtol=2e-6, atol=2e-6)
 
 
-def test_other_dtypes_and_gradients_keep_torchs_ops():
+def test_other_dtypes_gradients_and_odd_shapes_keep_torchs_ops():
     norm = RMSNorm(64, 1e-6)
     x = torch.randn(3, 64)
     half = x.to(torch.bfloat16)
     assert torch.equal(norm.to(torch.bfloat16)(half), F.rms_norm(half, (64,), norm.weight, 1e-6))
     norm = RMSNorm(64, 1e-6)
     learning = x.clone().requires_grad_()
-    norm(learning).sum().backward()  # autograd still sees the op
+    norm(learning).sum().backward()  # autograd still sees the op, for the input
     assert learning.grad is not None and norm.weight.grad is not None
-    assert not numba_ops.takes(learning) and not numba_ops.takes(half)
+    norm.weight.grad = None
+    norm(x).sum().backward()  # and for the weight alone
+    assert norm.weight.grad is not None
+    with torch.no_grad():
+        assert numba_ops.norm_applies(x, norm.weight)
+        assert not numba_ops.norm_applies(half, norm.weight)
+        assert not numba_ops.norm_applies(torch.randn(3, 32), norm.weight)  # torch raises
+    with pytest.raises(RuntimeError), torch.no_grad():
+        norm(torch.randn(3, 32))
+    q, k = torch.randn(4, 2, 8), torch.randn(4, 1, 8)
+    one_row = torch.ones(1, 1, 8)  # broadcast over the tokens by torch; not the kernel's case
+    with torch.no_grad():
+        assert numba_ops.rotation_applies(q, k, torch.ones(4, 1, 8))
+        assert not numba_ops.rotation_applies(q, k, one_row)
+        assert not numba_ops.rotation_applies(q, k, torch.ones(4, 1, 16))
+        assert not numba_ops.rotation_applies(q.bfloat16(), k.bfloat16(), one_row.bfloat16())

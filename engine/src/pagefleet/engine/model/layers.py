@@ -48,11 +48,11 @@ class RMSNorm(nn.Module):
         set_weight_loader(self, "weight", whole_loader())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dim() == 2:
-            # numba is imported where a CPU step needs it, not by every importer of the model
+        if x.dtype == torch.float32 and x.device.type == "cpu":
+            # numba is imported where a float32 CPU step needs it, not by every importer
             from pagefleet.engine.model import numba_ops
 
-            if numba_ops.takes(x) and self.weight.dtype == torch.float32:
+            if numba_ops.norm_applies(x, self.weight):
                 return numba_ops.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 

@@ -73,10 +73,36 @@ def _rotate_pair(q_flat, q_stride, k_flat, k_stride, cos, sin, q_out, k_out):
     _rotate(k_flat, k_stride, cos, sin, k_out)
 
 
-def takes(x: torch.Tensor) -> bool:
-    """Whether these kernels cover `x`: float32 on the CPU, outside autograd (a caller
-    holding weights that want gradients keeps torch's ops)."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad
+def norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_norm` covers this RMSNorm: float32 rows on the CPU, as wide as the float32
+    weight, no gradient wanted (autograd keeps torch's ops)."""
+    return (
+        x.dim() == 2
+        and x.dtype == weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.shape[-1] == weight.shape[-1]
+        and _no_gradient(x, weight)
+    )
+
+
+def rotation_applies(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether `rotate` covers this rotation: float32 q and k on the CPU of one head size, the
+    step's cos/sin one float32 row per token (as model/rope.py's `at` makes them) over at most
+    a head's dims, no gradient wanted."""
+    tokens, _, head_dim = q.shape
+    return (
+        q.dtype == k.dtype == cos.dtype == torch.float32
+        and q.device.type == "cpu"
+        and k.shape[0] == tokens
+        and k.shape[2] == head_dim
+        and cos.shape[0] == tokens
+        and cos.shape[2] <= head_dim
+        and _no_gradient(q, k)
+    )
+
+
+def _no_gradient(*tensors: torch.Tensor) -> bool:
+    return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -92,10 +92,10 @@ class Rotation:
     sin: torch.Tensor
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if q.device.type == "cpu":
-            from pagefleet.engine.model import numba_ops  # imported where a CPU step needs it
+        if q.dtype == torch.float32 and q.device.type == "cpu":
+            from pagefleet.engine.model import numba_ops  # where a float32 CPU step needs it
 
-            if numba_ops.takes(q) and numba_ops.takes(k) and self.cos.dtype == torch.float32:
+            if numba_ops.rotation_applies(q, k, self.cos):
                 return numba_ops.rotate(q, k, self.cos, self.sin)
         return self.rotate(q), self.rotate(k)
 
