@@ -177,7 +177,7 @@ def test_holds_answer_as_vllm_and_end_by_release_or_deadline():
         rings = []
         producer.wake = lambda: rings.append(1)
         now = time.monotonic()  # blocks_of checks deadlines against the clock
-        params = producer.hold("r1", [4, 5], now=now)
+        params = producer.hold("req.1", [4, 5], now=now)
         g1 = params["remote_request_id"]
         assert params == {
             "do_remote_prefill": True,
@@ -188,18 +188,20 @@ def test_holds_answer_as_vllm_and_end_by_release_or_deadline():
             "remote_block_ids": [4, 5],
             "remote_request_id": g1,
         }
-        assert "r1" not in g1
-        g2 = producer.hold("r2", [6], now=now)["remote_request_id"]
+        # a grant is random, not the request id: "." is outside its base64 alphabet, so the
+        # check cannot fail by chance
+        assert "req.1" not in g1
+        g2 = producer.hold("req.2", [6], now=now)["remote_request_id"]
         assert producer.blocks_of(g1, reader) == [4, 5]
-        assert producer.blocks_of("r1", reader) is None  # the request id is no grant
+        assert producer.blocks_of("req.1", reader) is None  # the request id is no grant
         assert producer.blocks_of("nope", reader) is None
         assert producer.release("nope", reader) is False and rings == []
         assert producer.release(g1, reader) is True and rings == [1]
-        assert producer.due_releases(now=now) == ["r1"]
+        assert producer.due_releases(now=now) == ["req.1"]
         assert producer.due_releases(now=now) == []
         timeout = producer.config.hold_timeout
         assert producer.due_releases(now=now + timeout - 0.001) == []
-        assert producer.due_releases(now=now + timeout) == ["r2"]
+        assert producer.due_releases(now=now + timeout) == ["req.2"]
         assert producer.blocks_of(g2, reader) is None
 
 
