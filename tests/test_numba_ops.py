@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from pagefleet.engine.model import numba_ops
 from pagefleet.engine.model.layers import RMSNorm
+from pagefleet.engine.model.quant.kernels import quantize_rows_int8
 from pagefleet.engine.model.rope import RotaryEmbedding
 
 
@@ -84,3 +85,32 @@ def test_other_dtypes_gradients_and_odd_shapes_keep_torchs_ops():
         assert not numba_ops.rotation_applies(q, k, one_row)
         assert not numba_ops.rotation_applies(q, k, torch.ones(4, 1, 16))
         assert not numba_ops.rotation_applies(q.bfloat16(), k.bfloat16(), one_row.bfloat16())
+
+
+def test_int8_activation_codes_and_scales_are_bit_for_bit_torchs():
+    """The W8A8 CPU kernel's one-call quantization must give quantize_rows_int8's codes and
+    scales exactly: a code off by one at a rounding tie flips later layers' codes and, over a
+    model's layers, whole tokens. Rows hold halves (ties, rounded to even), a zero row (the
+    1e-12 floor) and magnitudes from 1e-3 to 1e3."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 333, generator=gen) * torch.logspace(-3, 3, 7).unsqueeze(1)
+    x[1] = torch.round(x[1] * 2) / 2
+    x[2] = torch.arange(333) % 254 - 126.5  # largest 126.5: not a tie...
+    x[2, 0] = 127.0  # ...but with 127 the factor is exactly 1.0, so every k + 0.5 is one
+    x[3] = 0.0
+    assert (x[2] * (x[2].abs().max().reciprocal() * 127) % 1 == 0.5).sum() > 100
+    codes, scales = numba_ops.int8_rows(x)
+    want_codes, want_scales = quantize_rows_int8(x, None)
+    assert codes.dtype == torch.int8 and torch.equal(codes, want_codes)
+    assert torch.equal(scales, want_scales)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_sums_are_scaled_as_torch_rounds_them(with_bias):
+    gen = torch.Generator().manual_seed(4)
+    sums = torch.randint(-(2**22), 2**22, (5, 48), generator=gen).float()
+    row_scales, scales = torch.rand(5, 1, generator=gen), torch.rand(48, generator=gen)
+    bias = torch.randn(48, generator=gen) if with_bias else None
+    want = (sums * row_scales).mul_(scales)
+    want = want if bias is None else want + bias
+    assert torch.equal(numba_ops.scale_sums(sums, row_scales, scales, bias), want)

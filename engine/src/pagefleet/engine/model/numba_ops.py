@@ -1,4 +1,5 @@
-"""A float32 CPU step's small per-layer ops (RMSNorm, the rotary rotation) as numba kernels.
+"""A float32 CPU step's small per-layer ops (RMSNorm, the rotary rotation, a W8A8 linear's
+activation quantization and output scaling) as numba kernels.
 
 At a decode step's few rows torch spends more on dispatching an op's several kernels than on
 the arithmetic: RMSNorm of one 576-wide row takes ~13 us as torch runs it and ~4 us here, the
@@ -7,9 +8,10 @@ layers call these where the tensors are float32 on the CPU and keep torch's ops 
 (other dtypes, GPUs, autograd).
 
 The rotation does HF's operations in HF's order, without contraction into fused multiply-adds,
-so it is bit for bit torch's (tests/test_numba_ops.py). The norm's sum of squares is
-reassociated (vectorised), as torch's own reduction is: its last bits differ from torch's the
-way torch's differ from HF's.
+so it is bit for bit torch's (tests/test_numba_ops.py), as are the int8 codes, scales and
+scaled sums (quant/cpu_int8.py: two calls where torch dispatched a dozen ops per linear). The
+norm's sum of squares is reassociated (vectorised), as torch's own reduction is: its last bits
+differ from torch's the way torch's differ from HF's.
 
 The kernels have explicit signatures: compiled (or loaded from numba's on-disk cache) when
 this module is first imported, which the model does once its float32 CPU weights are loaded
@@ -73,6 +75,39 @@ def _rotate_pair(q_flat, q_stride, k_flat, k_stride, cos, sin, q_out, k_out):
     _rotate(k_flat, k_stride, cos, sin, k_out)
 
 
+@numba.njit(numba.void(_ROWS, numba.int8[:, ::1], _ROWS), cache=True)
+def _int8_rows(x, codes, scales):
+    """Each row's int8 codes and scale, op for op as quant/kernels.py's quantize_rows_int8
+    (dynamic scales) computes them in torch: largest magnitude (at least 1e-12), factor =
+    reciprocal(largest) * 127, codes = round-half-even(x * factor), scale = largest * (1/127),
+    each a float32 operation, no fused multiply-add: the same codes and scales bit for bit."""
+    rows, cols = x.shape
+    for r in range(rows):
+        largest = np.float32(0.0)
+        for c in range(cols):
+            largest = max(largest, abs(x[r, c]))
+        largest = max(largest, np.float32(1e-12))
+        factor = (np.float32(1.0) / largest) * np.float32(127.0)
+        for c in range(cols):
+            codes[r, c] = np.int8(np.rint(x[r, c] * factor))
+        scales[r, 0] = largest * np.float32(1.0 / 127.0)
+
+
+@numba.njit(numba.void(_ROWS, _ROWS, _VECTOR, _VECTOR, _ROWS), cache=True)
+def _scale_sums(sums, row_scales, scales, bias, out):
+    """out = sums * row scale * column scale (+ bias where given), in that order, as torch's
+    `(acc * a).mul_(scale) + bias` rounds it."""
+    rows, cols = sums.shape
+    for r in range(rows):
+        a = row_scales[r, 0]
+        if bias.shape[0]:
+            for c in range(cols):
+                out[r, c] = (sums[r, c] * a) * scales[c] + bias[c]
+        else:
+            for c in range(cols):
+                out[r, c] = (sums[r, c] * a) * scales[c]
+
+
 def norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `rms_norm` covers this RMSNorm: float32 rows on the CPU, as wide as the float32
     weight, no gradient wanted (autograd keeps torch's ops)."""
@@ -133,6 +168,28 @@ def _rows(x: torch.Tensor) -> tuple[np.ndarray, int]:
         x, strides = x.contiguous(), (heads * head_dim, head_dim, 1)
     row_stride = strides[0] if tokens > 1 else heads * head_dim
     return x.as_strided(((tokens - 1) * row_stride + heads * head_dim,), (1,)).numpy(), row_stride
+
+
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row int8 codes [rows, in] and float32 scales [rows, 1] of float32 CPU rows
+    (quantize_rows_int8's, in one call)."""
+    codes = np.empty(x.shape, np.int8)
+    scales = np.empty((x.shape[0], 1), np.float32)
+    _int8_rows(x.contiguous().numpy(), codes, scales)
+    return torch.from_numpy(codes), torch.from_numpy(scales)
+
+
+_NO_BIAS = np.empty(0, np.float32)
+
+
+def scale_sums(
+    sums: torch.Tensor, row_scales: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """float32 int8-product sums [rows, out] scaled per row and per column, plus the bias."""
+    out = np.empty(sums.shape, np.float32)
+    extra = _NO_BIAS if bias is None else bias.detach().float().contiguous().numpy()
+    _scale_sums(sums.contiguous().numpy(), row_scales.numpy(), scales.numpy(), extra, out)
+    return torch.from_numpy(out)
 
 
 def warm_up() -> None:

@@ -86,11 +86,22 @@ class OneDnnInt8MatMul:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
-        codes, a = quantize_rows_int8(x.reshape(-1, shape[-1]), self.input_scale)
-        acc = _sums(self.packed[0], codes, self.unit) if self.signed else self._nibble_sums(codes)
-        y = (acc * a).mul_(self.scale).to(dtype)  # as Int8MatMul: float(sum) * a * scale
+        rows = x.reshape(-1, shape[-1])
+        if dtype == torch.float32 and self.input_scale is None:
+            # numba is imported where a float32 step needs it; its kernels do torch's float32
+            # operations in torch's order, one call each instead of a dozen dispatched ops
+            from pagefleet.engine.model import numba_ops
+
+            codes, a = numba_ops.int8_rows(rows)
+            y = numba_ops.scale_sums(self._sums(codes).float(), a, self.scale, bias)
+            return y.reshape(*shape[:-1], self.out_features)
+        codes, a = quantize_rows_int8(rows, self.input_scale)
+        y = (self._sums(codes) * a).mul_(self.scale).to(dtype)  # Int8MatMul's: sum * a * scale
         y = y if bias is None else y + bias
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _sums(self, codes: torch.Tensor) -> torch.Tensor:
+        return _sums(self.packed[0], codes, self.unit) if self.signed else self._nibble_sums(codes)
 
     def _nibble_sums(self, codes: torch.Tensor) -> torch.Tensor:
         """The exact int32 sums from unsigned nibbles (no int16 pair sum can saturate)."""
