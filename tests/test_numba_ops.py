@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from pagefleet.engine.model import numba_ops
 from pagefleet.engine.model.layers import RMSNorm
+from pagefleet.engine.model.quant.cpu_int8 import OneDnnInt8MatMul
 from pagefleet.engine.model.quant.kernels import quantize_rows_int8
 from pagefleet.engine.model.rope import RotaryEmbedding
 
@@ -114,3 +115,16 @@ def test_int8_sums_are_scaled_as_torch_rounds_them(with_bias):
     want = (sums * row_scales).mul_(scales)
     want = want if bias is None else want + bias
     assert torch.equal(numba_ops.scale_sums(sums, row_scales, scales, bias), want)
+
+
+def test_a_w8a8_input_that_wants_a_gradient_keeps_torchs_ops():
+    """Outside inference mode a norm's weight wants a gradient, so the next linear's input
+    does too: the int8 kernel must not take it (numpy refuses such tensors) and must give the
+    same floats as for the same input without one."""
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randint(-127, 128, (16, 64), generator=gen, dtype=torch.int8)
+    matmul = OneDnnInt8MatMul(weight, torch.rand(16, generator=gen) + 0.5, None)
+    x = torch.randn(3, 64, generator=gen)
+    got = matmul(x.clone().requires_grad_(), None)
+    assert got.requires_grad
+    assert torch.equal(got.detach(), matmul(x, None))

@@ -136,6 +136,13 @@ def rotation_applies(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> boo
     )
 
 
+def int8_applies(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `int8_rows` and `scale_sums` cover a W8A8 linear's float32 CPU rows: no
+    gradient wanted (autograd keeps torch's ops)."""
+    extra = () if bias is None else (bias,)
+    return x.dtype == torch.float32 and x.device.type == "cpu" and _no_gradient(x, *extra)
+
+
 def _no_gradient(*tensors: torch.Tensor) -> bool:
     return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
 
@@ -188,7 +195,8 @@ def scale_sums(
     """float32 int8-product sums [rows, out] scaled per row and per column, plus the bias."""
     out = np.empty(sums.shape, np.float32)
     extra = _NO_BIAS if bias is None else bias.detach().float().contiguous().numpy()
-    _scale_sums(sums.contiguous().numpy(), row_scales.numpy(), scales.numpy(), extra, out)
+    rows, columns = row_scales.contiguous().numpy(), scales.contiguous().numpy()
+    _scale_sums(sums.contiguous().numpy(), rows, columns, extra, out)
     return torch.from_numpy(out)
 
 

@@ -92,9 +92,10 @@ class OneDnnInt8MatMul:
             # operations in torch's order, one call each instead of a dozen dispatched ops
             from pagefleet.engine.model import numba_ops
 
-            codes, a = numba_ops.int8_rows(rows)
-            y = numba_ops.scale_sums(self._sums(codes).float(), a, self.scale, bias)
-            return y.reshape(*shape[:-1], self.out_features)
+            if numba_ops.int8_applies(rows, bias):
+                codes, a = numba_ops.int8_rows(rows)
+                y = numba_ops.scale_sums(self._sums(codes).float(), a, self.scale, bias)
+                return y.reshape(*shape[:-1], self.out_features)
         codes, a = quantize_rows_int8(rows, self.input_scale)
         y = (self._sums(codes) * a).mul_(self.scale).to(dtype)  # Int8MatMul's: sum * a * scale
         y = y if bias is None else y + bias
