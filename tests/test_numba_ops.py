@@ -92,7 +92,8 @@ def test_int8_activation_codes_and_scales_are_bit_for_bit_torchs():
     """The W8A8 CPU kernel's one-call quantization must give quantize_rows_int8's codes and
     scales exactly: a code off by one at a rounding tie flips later layers' codes and, over a
     model's layers, whole tokens. Rows hold halves (ties, rounded to even), a zero row (the
-    1e-12 floor) and magnitudes from 1e-3 to 1e3."""
+    1e-12 floor), a NaN, an inf, a value that tells torch's factor from a plain division, and
+    magnitudes from 1e-20 to 1e20."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(7, 333, generator=gen) * torch.logspace(-3, 3, 7).unsqueeze(1)
     x[1] = torch.round(x[1] * 2) / 2
@@ -100,10 +101,19 @@ def test_int8_activation_codes_and_scales_are_bit_for_bit_torchs():
     x[2, 0] = 127.0  # ...but with 127 the factor is exactly 1.0, so every k + 0.5 is one
     x[3] = 0.0
     assert (x[2] * (x[2].abs().max().reciprocal() * 127) % 1 == 0.5).sum() > 100
-    codes, scales = numba_ops.int8_rows(x)
-    want_codes, want_scales = quantize_rows_int8(x, None)
-    assert codes.dtype == torch.int8 and torch.equal(codes, want_codes)
-    assert torch.equal(scales, want_scales)
+    x[4, 5], x[5, 7] = float("nan"), float("inf")  # a NaN spreads over its row; inf -> 0s
+    # a row whose code differs between reciprocal(largest) * 127 (torch's) and 127 / largest
+    x[6], x[6, 0], x[6, 1] = 0.0, 0.9847743511199951, 0.0116311926394701
+    largest = x[6, :1]
+    assert torch.round(x[6, 1] * (largest.reciprocal() * 127)) != torch.round(
+        x[6, 1] * (torch.tensor(127.0) / largest)
+    )
+    wide = torch.randn(2000, 64, generator=gen) * torch.logspace(-20, 20, 2000).unsqueeze(1)
+    for rows in (x, wide):  # the wide sweep tells 1/127 apart from a division by 127
+        codes, scales = numba_ops.int8_rows(rows)
+        want_codes, want_scales = quantize_rows_int8(rows, None)
+        assert codes.dtype == torch.int8 and torch.equal(codes, want_codes)
+        torch.testing.assert_close(scales, want_scales, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

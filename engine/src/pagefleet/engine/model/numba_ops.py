@@ -85,11 +85,16 @@ def _int8_rows(x, codes, scales):
     for r in range(rows):
         largest = np.float32(0.0)
         for c in range(cols):
-            largest = max(largest, abs(x[r, c]))
-        largest = max(largest, np.float32(1e-12))
+            magnitude = abs(x[r, c])
+            if magnitude > largest or magnitude != magnitude:  # a NaN spreads, as in amax
+                largest = magnitude
+        largest = max(largest, np.float32(1e-12))  # keeps a NaN: NaN > 1e-12 is false
         factor = (np.float32(1.0) / largest) * np.float32(127.0)
         for c in range(cols):
-            codes[r, c] = np.int8(np.rint(x[r, c] * factor))
+            code = np.rint(x[r, c] * factor)
+            # NaN (a NaN row, or inf times a factor of 0) -> 0, what torch's cast gives on
+            # x86; LLVM leaves the cast of a NaN undefined
+            codes[r, c] = np.int8(code) if code == code else np.int8(0)
         scales[r, 0] = largest * np.float32(1.0 / 127.0)
 
 
