@@ -75,26 +75,57 @@ def _rotate_pair(q_flat, q_stride, k_flat, k_stride, cos, sin, q_out, k_out):
     _rotate(k_flat, k_stride, cos, sin, k_out)
 
 
+@numba.njit(numba.boolean(_VECTOR), fastmath={"reassoc"}, cache=True)
+def _finite_row(row):
+    """Whether a row holds no NaN and no infinity: v - v is 0 for a finite v and NaN
+    otherwise, and a NaN survives any order of the sum (so LLVM may vectorise it)."""
+    total = np.float32(0.0)
+    for v in row:
+        total += v - v
+    return total == 0
+
+
+_LANES = 16  # running maxima side by side: LLVM vectorises these, not a single running max
+
+
+@numba.njit(numba.float32(_VECTOR, _VECTOR), cache=True)
+def _largest_magnitude(row, lanes):
+    """max |row| of a finite row (`lanes`: scratch of _LANES floats)."""
+    lanes[:] = 0
+    whole = row.shape[0] - row.shape[0] % _LANES
+    for start in range(0, whole, _LANES):
+        for j in range(_LANES):
+            magnitude = abs(row[start + j])
+            lanes[j] = magnitude if magnitude > lanes[j] else lanes[j]
+    largest = np.float32(0.0)
+    for v in lanes:
+        largest = v if v > largest else largest
+    for v in row[whole:]:
+        largest = abs(v) if abs(v) > largest else largest
+    return largest
+
+
 @numba.njit(numba.void(_ROWS, numba.int8[:, ::1], _ROWS), cache=True)
 def _int8_rows(x, codes, scales):
     """Each row's int8 codes and scale, op for op as quant/kernels.py's quantize_rows_int8
     (dynamic scales) computes them in torch: largest magnitude (at least 1e-12), factor =
     reciprocal(largest) * 127, codes = round-half-even(x * factor), scale = largest * (1/127),
-    each a float32 operation, no fused multiply-add: the same codes and scales bit for bit."""
+    each a float32 operation, no fused multiply-add: the same codes and scales bit for bit.
+    A row holding a NaN or an infinity gets torch's answer for it: its scale NaN or inf, its
+    codes 0 (every product is 0 or NaN, and torch casts a NaN to 0)."""
     rows, cols = x.shape
+    lanes = np.empty(_LANES, np.float32)
     for r in range(rows):
-        largest = np.float32(0.0)
-        for c in range(cols):
-            magnitude = abs(x[r, c])
-            if magnitude > largest or magnitude != magnitude:  # a NaN spreads, as in amax
-                largest = magnitude
-        largest = max(largest, np.float32(1e-12))  # keeps a NaN: NaN > 1e-12 is false
+        row = x[r]
+        if not _finite_row(row):
+            largest = np.float32(np.nan) if np.isnan(row).any() else np.float32(np.inf)
+            codes[r, :] = 0
+            scales[r, 0] = largest * np.float32(1.0 / 127.0)
+            continue
+        largest = max(_largest_magnitude(row, lanes), np.float32(1e-12))
         factor = (np.float32(1.0) / largest) * np.float32(127.0)
         for c in range(cols):
-            code = np.rint(x[r, c] * factor)
-            # NaN (a NaN row, or inf times a factor of 0) -> 0, what torch's cast gives on
-            # x86; LLVM leaves the cast of a NaN undefined
-            codes[r, c] = np.int8(code) if code == code else np.int8(0)
+            codes[r, c] = np.int8(np.rint(row[c] * factor))
         scales[r, 0] = largest * np.float32(1.0 / 127.0)
 
 
@@ -141,11 +172,21 @@ def rotation_applies(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> boo
     )
 
 
+# Up to this many activations the one-thread kernels beat torch's ops; past it (prompt chunks,
+# large batches) torch's ops run on every thread and win (64 x 1536: 110 against 81 us here).
+INT8_KERNEL_ELEMENTS = 32768
+
+
 def int8_applies(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `int8_rows` and `scale_sums` cover a W8A8 linear's float32 CPU rows: no
-    gradient wanted (autograd keeps torch's ops)."""
+    """Whether `int8_rows` and `scale_sums` cover a W8A8 linear's float32 CPU rows: decode
+    sizes, no gradient wanted (autograd keeps torch's ops)."""
     extra = () if bias is None else (bias,)
-    return x.dtype == torch.float32 and x.device.type == "cpu" and _no_gradient(x, *extra)
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.numel() <= INT8_KERNEL_ELEMENTS
+        and _no_gradient(x, *extra)
+    )
 
 
 def _no_gradient(*tensors: torch.Tensor) -> bool:
