@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from pagefleet.engine.model import numba_ops
 from pagefleet.engine.model.layers import RMSNorm
+from pagefleet.engine.model.quant import int8_numba
 from pagefleet.engine.model.quant.cpu_int8 import OneDnnInt8MatMul
 from pagefleet.engine.model.quant.kernels import quantize_rows_int8
 from pagefleet.engine.model.rope import RotaryEmbedding
@@ -110,7 +111,7 @@ def test_int8_activation_codes_and_scales_are_bit_for_bit_torchs():
     )
     wide = torch.randn(2000, 64, generator=gen) * torch.logspace(-20, 20, 2000).unsqueeze(1)
     for rows in (x, wide):  # the wide sweep tells 1/127 apart from a division by 127
-        codes, scales = numba_ops.int8_rows(rows)
+        codes, scales = int8_numba.int8_rows(rows)
         want_codes, want_scales = quantize_rows_int8(rows, None)
         assert codes.dtype == torch.int8 and torch.equal(codes, want_codes)
         torch.testing.assert_close(scales, want_scales, rtol=0, atol=0, equal_nan=True)
@@ -124,7 +125,7 @@ def test_int8_sums_are_scaled_as_torch_rounds_them(with_bias):
     bias = torch.randn(48, generator=gen) if with_bias else None
     want = (sums * row_scales).mul_(scales)
     want = want if bias is None else want + bias
-    assert torch.equal(numba_ops.scale_sums(sums, row_scales, scales, bias), want)
+    assert torch.equal(int8_numba.scale_sums(sums, row_scales, scales, bias), want)
 
 
 def test_a_w8a8_input_that_wants_a_gradient_keeps_torchs_ops():

@@ -1,5 +1,4 @@
-"""A float32 CPU step's small per-layer ops (RMSNorm, the rotary rotation, a W8A8 linear's
-activation quantization and output scaling) as numba kernels.
+"""A float32 CPU step's small per-layer ops (RMSNorm, the rotary rotation) as numba kernels.
 
 At a decode step's few rows torch spends more on dispatching an op's several kernels than on
 the arithmetic: RMSNorm of one 576-wide row takes ~13 us as torch runs it and ~4 us here, the
@@ -8,10 +7,9 @@ layers call these where the tensors are float32 on the CPU and keep torch's ops 
 (other dtypes, GPUs, autograd).
 
 The rotation does HF's operations in HF's order, without contraction into fused multiply-adds,
-so it is bit for bit torch's (tests/test_numba_ops.py), as are the int8 codes, scales and
-scaled sums (quant/cpu_int8.py: two calls where torch dispatched a dozen ops per linear). The
-norm's sum of squares is reassociated (vectorised), as torch's own reduction is: its last bits
-differ from torch's the way torch's differ from HF's.
+so it is bit for bit torch's (tests/test_numba_ops.py). The norm's sum of squares is
+reassociated (vectorised), as torch's own reduction is: its last bits differ from torch's the
+way torch's differ from HF's.
 
 The kernels have explicit signatures: compiled (or loaded from numba's on-disk cache) when
 this module is first imported, which the model does once its float32 CPU weights are loaded
@@ -75,75 +73,6 @@ def _rotate_pair(q_flat, q_stride, k_flat, k_stride, cos, sin, q_out, k_out):
     _rotate(k_flat, k_stride, cos, sin, k_out)
 
 
-@numba.njit(numba.boolean(_VECTOR), fastmath={"reassoc"}, cache=True)
-def _finite_row(row):
-    """Whether a row holds no NaN and no infinity: v - v is 0 for a finite v and NaN
-    otherwise, and a NaN survives any order of the sum (so LLVM may vectorise it)."""
-    total = np.float32(0.0)
-    for v in row:
-        total += v - v
-    return total == 0
-
-
-_LANES = 16  # running maxima side by side: LLVM vectorises these, not a single running max
-
-
-@numba.njit(numba.float32(_VECTOR, _VECTOR), cache=True)
-def _largest_magnitude(row, lanes):
-    """max |row| of a finite row (`lanes`: scratch of _LANES floats)."""
-    lanes[:] = 0
-    whole = row.shape[0] - row.shape[0] % _LANES
-    for start in range(0, whole, _LANES):
-        for j in range(_LANES):
-            magnitude = abs(row[start + j])
-            lanes[j] = magnitude if magnitude > lanes[j] else lanes[j]
-    largest = np.float32(0.0)
-    for v in lanes:
-        largest = v if v > largest else largest
-    for v in row[whole:]:
-        largest = abs(v) if abs(v) > largest else largest
-    return largest
-
-
-@numba.njit(numba.void(_ROWS, numba.int8[:, ::1], _ROWS), cache=True)
-def _int8_rows(x, codes, scales):
-    """Each row's int8 codes and scale, op for op as quant/kernels.py's quantize_rows_int8
-    (dynamic scales) computes them in torch: largest magnitude (at least 1e-12), factor =
-    reciprocal(largest) * 127, codes = round-half-even(x * factor), scale = largest * (1/127),
-    each a float32 operation, no fused multiply-add: the same codes and scales bit for bit.
-    A row holding a NaN or an infinity gets torch's answer for it: its scale NaN or inf, its
-    codes 0 (every product is 0 or NaN, and torch casts a NaN to 0)."""
-    rows, cols = x.shape
-    lanes = np.empty(_LANES, np.float32)
-    for r in range(rows):
-        row = x[r]
-        if not _finite_row(row):
-            largest = np.float32(np.nan) if np.isnan(row).any() else np.float32(np.inf)
-            codes[r, :] = 0
-            scales[r, 0] = largest * np.float32(1.0 / 127.0)
-            continue
-        largest = max(_largest_magnitude(row, lanes), np.float32(1e-12))
-        factor = (np.float32(1.0) / largest) * np.float32(127.0)
-        for c in range(cols):
-            codes[r, c] = np.int8(np.rint(row[c] * factor))
-        scales[r, 0] = largest * np.float32(1.0 / 127.0)
-
-
-@numba.njit(numba.void(_ROWS, _ROWS, _VECTOR, _VECTOR, _ROWS), cache=True)
-def _scale_sums(sums, row_scales, scales, bias, out):
-    """out = sums * row scale * column scale (+ bias where given), in that order, as torch's
-    `(acc * a).mul_(scale) + bias` rounds it."""
-    rows, cols = sums.shape
-    for r in range(rows):
-        a = row_scales[r, 0]
-        if bias.shape[0]:
-            for c in range(cols):
-                out[r, c] = (sums[r, c] * a) * scales[c] + bias[c]
-        else:
-            for c in range(cols):
-                out[r, c] = (sums[r, c] * a) * scales[c]
-
-
 def norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `rms_norm` covers this RMSNorm: float32 rows on the CPU, as wide as the float32
     weight, no gradient wanted (autograd keeps torch's ops)."""
@@ -152,7 +81,7 @@ def norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.dtype == weight.dtype == torch.float32
         and x.device.type == "cpu"
         and x.shape[-1] == weight.shape[-1]
-        and _no_gradient(x, weight)
+        and no_gradient(x, weight)
     )
 
 
@@ -168,28 +97,12 @@ def rotation_applies(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> boo
         and k.shape[2] == head_dim
         and cos.shape[0] == tokens
         and cos.shape[2] <= head_dim
-        and _no_gradient(q, k)
+        and no_gradient(q, k)
     )
 
 
-# Up to this many activations the one-thread kernels beat torch's ops; past it (prompt chunks,
-# large batches) torch's ops run on every thread and win (64 x 1536: 110 against 81 us here).
-INT8_KERNEL_ELEMENTS = 32768
-
-
-def int8_applies(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `int8_rows` and `scale_sums` cover a W8A8 linear's float32 CPU rows: decode
-    sizes, no gradient wanted (autograd keeps torch's ops)."""
-    extra = () if bias is None else (bias,)
-    return (
-        x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and x.numel() <= INT8_KERNEL_ELEMENTS
-        and _no_gradient(x, *extra)
-    )
-
-
-def _no_gradient(*tensors: torch.Tensor) -> bool:
+def no_gradient(*tensors: torch.Tensor) -> bool:
+    """Whether autograd wants nothing of these tensors (a kernel's output would not record)."""
     return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
 
 
@@ -221,29 +134,6 @@ def _rows(x: torch.Tensor) -> tuple[np.ndarray, int]:
         x, strides = x.contiguous(), (heads * head_dim, head_dim, 1)
     row_stride = strides[0] if tokens > 1 else heads * head_dim
     return x.as_strided(((tokens - 1) * row_stride + heads * head_dim,), (1,)).numpy(), row_stride
-
-
-def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-row int8 codes [rows, in] and float32 scales [rows, 1] of float32 CPU rows
-    (quantize_rows_int8's, in one call)."""
-    codes = np.empty(x.shape, np.int8)
-    scales = np.empty((x.shape[0], 1), np.float32)
-    _int8_rows(x.contiguous().numpy(), codes, scales)
-    return torch.from_numpy(codes), torch.from_numpy(scales)
-
-
-_NO_BIAS = np.empty(0, np.float32)
-
-
-def scale_sums(
-    sums: torch.Tensor, row_scales: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """float32 int8-product sums [rows, out] scaled per row and per column, plus the bias."""
-    out = np.empty(sums.shape, np.float32)
-    extra = _NO_BIAS if bias is None else bias.detach().float().contiguous().numpy()
-    rows, columns = row_scales.contiguous().numpy(), scales.contiguous().numpy()
-    _scale_sums(sums.contiguous().numpy(), rows, columns, extra, out)
-    return torch.from_numpy(out)
 
 
 def warm_up() -> None:

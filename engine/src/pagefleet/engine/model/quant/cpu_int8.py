@@ -21,6 +21,7 @@ import functools
 
 import torch
 
+from pagefleet.engine.model.quant import int8_numba
 from pagefleet.engine.model.quant.kernels import quantize_rows_int8
 
 # 15 * 127 * 8192 < 2**24: a nibble's sums over this many columns stay exact in float32,
@@ -87,15 +88,10 @@ class OneDnnInt8MatMul:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         rows = x.reshape(-1, shape[-1])
-        if dtype == torch.float32 and self.input_scale is None:
-            # numba is imported where a float32 step needs it; its kernels do torch's float32
-            # operations in torch's order, one call each instead of a dozen dispatched ops
-            from pagefleet.engine.model import numba_ops
-
-            if numba_ops.int8_applies(rows, bias):
-                codes, a = numba_ops.int8_rows(rows)
-                y = numba_ops.scale_sums(self._sums(codes).float(), a, self.scale, bias)
-                return y.reshape(*shape[:-1], self.out_features)
+        if self.input_scale is None and int8_numba.int8_applies(rows, bias):
+            codes, a = int8_numba.int8_rows(rows)  # torch's codes, in one call (int8_numba.py)
+            y = int8_numba.scale_sums(self._sums(codes).float(), a, self.scale, bias)
+            return y.reshape(*shape[:-1], self.out_features)
         codes, a = quantize_rows_int8(rows, self.input_scale)
         y = (self._sums(codes) * a).mul_(self.scale).to(dtype)  # Int8MatMul's: sum * a * scale
         y = y if bias is None else y + bias
