@@ -21,8 +21,10 @@ import functools
 
 import torch
 
-from pagefleet.engine.model.quant import int8_numba
-from pagefleet.engine.model.quant.kernels import quantize_rows_int8
+# Compiles (or loads) the decode-size int8 kernels when a CPU W8A8 model loads, not in its first
+# request: quantize_rows_int8 and scale_sums take them (quant/int8_numba.py).
+from pagefleet.engine.model.quant import int8_numba  # noqa: F401
+from pagefleet.engine.model.quant.kernels import quantize_rows_int8, scale_sums
 
 # 15 * 127 * 8192 < 2**24: a nibble's sums over this many columns stay exact in float32,
 # the dtype oneDNN returns them in.
@@ -87,18 +89,9 @@ class OneDnnInt8MatMul:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
-        rows = x.reshape(-1, shape[-1])
-        if self.input_scale is None and int8_numba.int8_applies(rows, bias):
-            codes, a = int8_numba.int8_rows(rows)  # torch's codes, in one call (int8_numba.py)
-            y = int8_numba.scale_sums(self._sums(codes).float(), a, self.scale, bias)
-            return y.reshape(*shape[:-1], self.out_features)
-        codes, a = quantize_rows_int8(rows, self.input_scale)
-        y = (self._sums(codes) * a).mul_(self.scale).to(dtype)  # Int8MatMul's: sum * a * scale
-        y = y if bias is None else y + bias
-        return y.reshape(*shape[:-1], self.out_features)
-
-    def _sums(self, codes: torch.Tensor) -> torch.Tensor:
-        return _sums(self.packed[0], codes, self.unit) if self.signed else self._nibble_sums(codes)
+        codes, a = quantize_rows_int8(x.reshape(-1, shape[-1]), self.input_scale)
+        acc = _sums(self.packed[0], codes, self.unit) if self.signed else self._nibble_sums(codes)
+        return scale_sums(acc, a, self.scale, bias, dtype).reshape(*shape[:-1], self.out_features)
 
     def _nibble_sums(self, codes: torch.Tensor) -> torch.Tensor:
         """The exact int32 sums from unsigned nibbles (no int16 pair sum can saturate)."""

@@ -10,7 +10,8 @@ multiply-add), so the codes, scales and outputs are bit for bit quantize_rows_in
 Int8MatMul's (tests/test_numba_ops.py): a code off by one at a rounding tie would flip later
 layers' codes.
 
-Only a CPU W8A8 model imports this module (quant/cpu_int8.py does, at load), so no other
+quant/kernels.py's quantize_rows_int8 and scale_sums, which every W8A8 kernel calls, take these
+where they apply. A CPU W8A8 model imports this module at load (quant/cpu_int8.py); no other
 model compiles these kernels.
 """
 
@@ -100,15 +101,14 @@ def _scale_sums(sums, row_scales, scales, bias, out):
 INT8_KERNEL_ELEMENTS = 32768
 
 
-def int8_applies(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `int8_rows` and `scale_sums` cover a W8A8 linear's float32 CPU rows: decode
-    sizes, no gradient wanted (autograd keeps torch's ops)."""
-    extra = () if bias is None else (bias,)
+def kernels_take(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether these kernels cover an operand `x` (activations, or a product's sums): on the
+    CPU, decode-sized, no gradient wanted of it or of `others` (autograd keeps torch's ops).
+    The callers (quant/kernels.py) check the dtypes."""
     return (
-        x.dtype == torch.float32
-        and x.device.type == "cpu"
+        x.device.type == "cpu"
         and x.numel() <= INT8_KERNEL_ELEMENTS
-        and no_gradient(x, *extra)
+        and no_gradient(x, *(t for t in others if t is not None))
     )
 
 

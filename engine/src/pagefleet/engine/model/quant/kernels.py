@@ -103,9 +103,33 @@ def quantize_rows_int8(
     if input_scale is not None:
         codes = (x.float() * (1.0 / input_scale)).round_().clamp_(-128, 127)
         return codes.to(torch.int8), input_scale
+    if x.dtype == torch.float32 and x.device.type == "cpu":
+        from pagefleet.engine.model.quant import int8_numba  # only where a CPU step needs it
+
+        if int8_numba.kernels_take(x):
+            return int8_numba.int8_rows(x)  # the same codes and scales, in one call
     largest = x.abs().amax(dim=-1, keepdim=True).float().clamp_(min=1e-12)
     codes = (x * (INT8_MAX / largest)).round_().to(torch.int8)
     return codes, largest.mul_(1.0 / INT8_MAX)
+
+
+def scale_sums(
+    acc: torch.Tensor,
+    a: torch.Tensor | float,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """A W8A8 product's output from its integer sums `[rows, out]` (int32, or float32 holding
+    integers): float(sum) * row scale * column scale, then the bias, in `dtype`: the order
+    every W8A8 kernel keeps, so each gives the same floats bit for bit."""
+    if isinstance(a, torch.Tensor) and dtype == torch.float32 and acc.device.type == "cpu":
+        from pagefleet.engine.model.quant import int8_numba
+
+        if int8_numba.kernels_take(acc, a, bias):
+            return int8_numba.scale_sums(acc.float(), a, scale, bias)
+    y = (acc * a).mul_(scale).to(dtype)  # int32 x float32 -> float32
+    return y if bias is None else y + bias
 
 
 class Int8MatMul:
@@ -125,8 +149,7 @@ class Int8MatMul:
         if x.device.type == "cuda" and rows < CUDA_INT_MM_MIN_ROWS:
             xq = torch.nn.functional.pad(xq, (0, 0, 0, CUDA_INT_MM_MIN_ROWS - rows))
         acc = torch._int_mm(xq, self.weight.t())[:rows]
-        y = (acc * a).mul_(self.scale).to(dtype)  # int32 x float32 -> float32
-        y = y if bias is None else y + bias
+        y = scale_sums(acc, a, self.scale, bias, dtype)
         return y.reshape(*shape[:-1], self.weight.shape[0])
 
     def tensors(self) -> list[torch.Tensor]:
