@@ -20,11 +20,13 @@ from hf_reference import assert_greedy_equal
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.attention.backend import DecodeShape
 from pagefleet.engine.attention.cpu_auto import cpu_backend_choice
+from pagefleet.engine.cpu_choice import measure
 from pagefleet.engine.cpu_choice.decide import Timed, choose
 from pagefleet.engine.cpu_choice.measure import (
     CACHE_FILE,
     TimingCache,
     cached_timings,
+    describe_cpu,
     machine_key,
 )
 from pagefleet.engine.model import linear_plan as plan_module
@@ -127,6 +129,32 @@ def test_timings_are_kept_per_machine_and_read_back(tmp_path):
     other = TimingCache(tmp_path / CACHE_FILE)
     other.machine = "another CPU | 2 threads | torch 0"
     assert other.get("linear 8x4") is None
+
+
+def cpuinfo(model: int, flags: str, name: str = "AMD EPYC") -> str:
+    """A two-processor /proc/cpuinfo text; the second processor differs, to be ignored."""
+    block = (
+        "processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: {m}\n"
+        "model name\t: {name}\nstepping\t: 1\ncache size\t: 512 KB\nflags\t\t: {flags}\n"
+    )
+    first = block.format(n=0, m=model, name=name, flags=flags)
+    return first + "\n" + block.format(n=1, m=99, name="other", flags="avx512f") + "\n"
+
+
+def test_cpus_sharing_a_model_name_are_told_apart_and_keep_separate_timings(tmp_path, monkeypatch):
+    zen3 = describe_cpu(cpuinfo(1, "fpu sse2 avx2 fma"))
+    zen4 = describe_cpu(cpuinfo(17, "fpu avx2 fma avx512f avx512_vnni avx512_bf16"))
+    assert zen3 == "AMD EPYC (family 25, model 1, stepping 1; avx2 fma; cache 512 KB)"
+    assert zen4 == (
+        "AMD EPYC (family 25, model 17, stepping 1; avx2 fma avx512f avx512_vnni avx512_bf16; "
+        "cache 512 KB)"
+    )
+    assert describe_cpu("processor : 0\nmodel name : Old\n").startswith("Old (no AVX2")
+    monkeypatch.setattr(measure, "cpu_model", lambda: zen4)
+    TimingCache(tmp_path / CACHE_FILE).put("linear 8x4", timed((2.0, 1.0)))
+    assert TimingCache(tmp_path / CACHE_FILE).get("linear 8x4") == timed((2.0, 1.0))
+    monkeypatch.setattr(measure, "cpu_model", lambda: zen3)  # AVX-512 times do not apply
+    assert TimingCache(tmp_path / CACHE_FILE).get("linear 8x4") is None
 
 
 @pytest.mark.parametrize(

@@ -33,13 +33,42 @@ ROUNDS = 5  # timed rounds per candidate, alternated so a neighbour's burst hits
 ROUND_SECONDS = 0.002  # calls per round are batched to about this long
 
 
+# Instruction sets that change which kernels win: the same model name ("AMD EPYC", "Intel(R)
+# Xeon(R) Processor" in a cloud VM) covers CPUs with and without them.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+
+
 def cpu_model() -> str:
-    """The CPU's model name (every choice and recorded figure names the machine it came from)."""
+    """This CPU, named well enough to tell apart the machines a choice or a figure came from."""
     with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        return describe_cpu(Path("/proc/cpuinfo").read_text())
     return platform.processor() or "unknown CPU"
+
+
+def describe_cpu(cpuinfo: str) -> str:
+    """The first processor of a /proc/cpuinfo text: its model name, then family, model and
+    stepping, the instruction sets of ISA_FLAGS it has, and its cache size. A VM's model name
+    alone can hide a different generation ("AMD EPYC" with or without AVX-512)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block ends
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or "unknown CPU"
+    ids = ", ".join(
+        f"{key.split()[-1]} {fields[key]}"
+        for key in ("cpu family", "model", "stepping")
+        if fields.get(key)
+    )
+    flags = set(fields.get("flags", "").split())
+    details = [ids] if ids else []
+    details.append(" ".join(f for f in ISA_FLAGS if f in flags) or "no AVX2")
+    if fields.get("cache size"):
+        details.append(f"cache {fields['cache size']}")
+    return f"{name} ({'; '.join(details)})"
 
 
 def machine_key() -> str:
