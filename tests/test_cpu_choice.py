@@ -30,14 +30,19 @@ from pagefleet.engine.cpu_choice.measure import (
     machine_key,
 )
 from pagefleet.engine.model import linear_plan as plan_module
+from pagefleet.engine.model.linear import plain_linear
 from pagefleet.engine.model.linear_plan import (
     PACK_ALL,
     PACK_NONE,
+    choose_paths,
+    fit_second_layouts,
     float_weights_by_shape,
     linear_plan,
     rotation,
+    second_layout_budget,
 )
 from pagefleet.engine.model.loader import load_model
+from pagefleet.engine.model.numba_ops import linear_one_row
 from pagefleet.engine.server.serve import add_serve_parser
 
 PATHS = ("plain", "packed")
@@ -210,8 +215,11 @@ def test_auto_measures_the_real_weights_of_every_shape_and_keeps_them(tiny_check
     for out, inp in shapes:
         timings = cache.get(f"linear {out}x{inp}")
         assert [t.label for t in timings] == ["rows=1", "rows=16", "rows=64"]
+        assert set(timings[0].seconds) == {"plain", "packed", "gemv"}  # the GEMV at one row
         assert all(s > 0 for t in timings for s in t.seconds.values())
-        assert plan.packs((out, inp)) == (choose(PATHS, "plain", timings).name == "packed")
+        paths = choose_paths(timings)  # the tiny model's copies fit this machine's budget
+        assert plan.packs((out, inp)) == (paths.layout == "packed")
+        assert plan.one_row_path((out, inp)) == paths.one_row
 
 
 def test_explicit_paths_override_the_measurement():
@@ -219,6 +227,67 @@ def test_explicit_paths_override_the_measurement():
     assert linear_plan("plain", {}) is PACK_NONE
     with pytest.raises(ValueError, match="--linear-path 'fast'"):
         linear_plan("fast", {})
+
+
+def one_row_timed(plain: float, packed: float, gemv: float | None, many=(2.0, 1.0)):
+    """rows=1 with the GEMV, then 16 and 64 rows at (plain, packed) `many`."""
+    return [
+        Timed("rows=1", {"plain": plain, "packed": packed, "gemv": gemv}),
+        *(Timed(f"rows={r}", {"plain": many[0], "packed": many[1]}) for r in (16, 64)),
+    ]
+
+
+def test_the_layout_comes_from_batches_and_the_one_row_path_from_one_row():
+    paths = choose_paths(one_row_timed(3.0, 2.0, 1.0))
+    assert (paths.layout, paths.one_row, paths.second_layout) == ("packed", "gemv", True)
+    assert paths.saves == 1.0  # seconds per weight a one-row step saves over packed
+    assert "one row: gemv is 2.00x faster than packed" in paths.reason
+    on_plain = choose_paths(one_row_timed(2.0, 3.0, 1.0, many=(1.0, 2.0)))
+    assert (on_plain.layout, on_plain.one_row, on_plain.second_layout) == ("plain", "gemv", False)
+    mkl = choose_paths(one_row_timed(1.0, 2.0, 1.5))  # Intel's case: MKL's sgemv at one row
+    assert (mkl.layout, mkl.one_row, mkl.second_layout) == ("packed", "plain", True)
+
+
+@pytest.mark.parametrize(
+    "gemv", [1.98, None, float("nan")], ids=["within-margin", "missing", "nan"]
+)
+def test_a_one_row_path_needs_a_clear_measured_win_to_leave_the_layout(gemv):
+    paths = choose_paths(one_row_timed(3.0, 2.0, gemv))
+    assert (paths.layout, paths.one_row, paths.second_layout) == ("packed", None, False)
+    if gemv is not None and gemv == gemv:
+        assert "within the 5% margin" in paths.reason
+    else:
+        assert "gemv at rows=1 failed" in paths.reason
+
+
+def test_second_copies_go_to_the_most_time_saved_per_byte_within_the_budget():
+    wanted = {(8, 4): (1.0, 100), (16, 4): (3.0, 200), (32, 4): (1.0, 50)}
+    assert fit_second_layouts(wanted, 250) == {(16, 4), (32, 4)}  # 0.015 and 0.02 s/byte
+    assert fit_second_layouts(wanted, 350) == set(wanted)
+    assert fit_second_layouts(wanted, 0) == set()
+
+
+def test_the_budget_is_a_share_of_the_available_memory(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  8000000 kB\nMemAvailable:  4000000 kB\n")
+    assert second_layout_budget(meminfo) == 4000000 * 1024 // 4
+    meminfo.write_text("MemTotal:  8000000 kB\n")
+    assert second_layout_budget(meminfo) == 0  # unknown: no second copies
+    assert second_layout_budget(tmp_path / "absent") == 0
+
+
+def test_without_room_for_a_copy_one_layout_is_chosen_over_every_row_count(tmp_path, caplog):
+    """Packed wins batches by 1.1x but loses one row by 2x: with a copy, packed and a plain
+    one-row path; without room, one layout over all three classes (plain here)."""
+    weights = {(8, 4): [torch.randn(8, 4)]}
+    cache = TimingCache(tmp_path / CACHE_FILE)
+    cache.put("linear 8x4", one_row_timed(1.0, 2.0, 1.5, many=(1.1, 1.0)))
+    roomy = linear_plan("auto", weights, cache, budget=1 << 20)
+    assert roomy.packs((8, 4)) and roomy.one_row_path((8, 4)) == "plain"
+    with caplog.at_level(logging.INFO, logger="pagefleet.engine.model.linear_plan"):
+        tight = linear_plan("auto", weights, cache, budget=64)
+    assert not tight.packs((8, 4)) and tight.one_row_path((8, 4)) is None
+    assert "no room for a plain copy" in caplog.text
 
 
 def write_made_up_timings(cache_root, shapes, packed_wins) -> None:
@@ -264,6 +333,50 @@ def test_an_engine_packs_exactly_the_shapes_its_cached_timings_favour(
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for prompt, out in zip(prompts, llm.generate(prompts, greedy, use_tqdm=False), strict=True):
         assert_greedy_equal(path, prompt, out.outputs[0].token_ids, 16)
+
+
+def test_one_row_steps_run_their_own_path_and_still_equal_hf(
+    tiny_checkpoints, tmp_path, monkeypatch
+):
+    """Made-up timings give the shapes each one-row arrangement: the GEMV beside packed
+    weights, the GEMV on a plain layout, MKL's sgemv beside packed weights, packed alone.
+    Single-stream decode runs one-row steps, two prompts run two-row ones: HF's greedy
+    output either way."""
+    path = tiny_checkpoints["llama"]
+    shapes = sorted(
+        float_weights_by_shape(load_model(path, torch.float32, CPU, 64, linear_path="plain"))
+    )
+    arrangements = [
+        (("packed", "gemv"), one_row_timed(3e-5, 2e-5, 1e-5)),
+        (("plain", "gemv"), one_row_timed(2e-5, 3e-5, 1e-5, many=(1e-5, 2e-5))),
+        (("packed", "plain"), one_row_timed(1e-5, 2e-5, 1.5e-5)),
+        (("packed", None), one_row_timed(3e-5, 1e-5, 2e-5)),
+    ]
+    wanted = {shape: arrangements[i % len(arrangements)] for i, shape in enumerate(shapes)}
+    cache = TimingCache(tmp_path / CACHE_FILE)
+    for shape, (_, timings) in wanted.items():
+        cache.put(f"linear {shape[0]}x{shape[1]}", timings)
+    monkeypatch.setenv("PAGEFLEET_CACHE", str(tmp_path))
+    llm = LLM(path, num_gpu_blocks_override=128, max_model_len=256)
+    seen = set()
+    for module in llm.engine.runner.model.modules():
+        shape = (getattr(module, "out_features", 0), getattr(module, "in_features", 0))
+        if not hasattr(module, "one_row_path") or shape not in wanted:
+            continue
+        seen.add(shape)
+        (layout, one_row), _ = wanted[shape]
+        assert module.one_row_path == one_row, shape
+        assert (
+            module.one_row is {None: None, "gemv": linear_one_row, "plain": plain_linear}[one_row]
+        )
+        assert (getattr(module, "packed", None) is not None) == (layout == "packed"), shape
+        assert (module.weight is not None) == (layout == "plain" or one_row is not None), shape
+    assert seen == set(shapes)
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for batch in ([[5, 9, 33, 2, 71, 8]], [[7, 7, 1, 40], list(range(10, 40))]):
+        for prompt, out in zip(batch, llm.generate(batch, greedy, use_tqdm=False), strict=True):
+            assert_greedy_equal(path, prompt, out.outputs[0].token_ids, 12)
 
 
 def test_a_cache_that_cannot_be_written_still_lets_the_engine_choose(tmp_path):

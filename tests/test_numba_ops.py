@@ -139,3 +139,33 @@ def test_a_w8a8_input_that_wants_a_gradient_keeps_torchs_ops():
     got = matmul(x.clone().requires_grad_(), None)
     assert got.requires_grad
     assert torch.equal(got.detach(), matmul(x, None))
+
+
+@pytest.mark.parametrize("shape", [(37, 19), (576, 1536)], ids=["odd", "down-proj"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_the_one_row_gemv_is_torchs_linear_to_float32_rounding(shape, with_bias):
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(*shape, generator=gen)
+    x = torch.randn(1, shape[1], generator=gen)
+    bias = torch.randn(shape[0], generator=gen) if with_bias else None
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    got = numba_ops.linear_one_row(x, weight, bias)
+    assert got.shape == (1, shape[0]) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    residual = torch.randn(1, shape[0], generator=gen)
+    into = residual.clone()
+    added = numba_ops.linear_one_row(x, weight, bias, into)
+    assert added.data_ptr() == into.data_ptr()  # in place, as the fused residual add is
+    torch.testing.assert_close(added.double(), residual.double() + expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_gemv_leaves_gradients_and_strided_outputs_to_torch():
+    weight, x = torch.randn(8, 4), torch.randn(1, 4, requires_grad=True)
+    out = numba_ops.linear_one_row(x, weight, None)
+    assert out.grad_fn is not None  # autograd recorded: torch's linear ran
+    residual = torch.zeros(1, 16)[:, ::2]  # (1, 8), every other element
+    assert not residual.is_contiguous()
+    with torch.no_grad():
+        got = numba_ops.linear_one_row(x, weight, None, residual)
+    assert got.data_ptr() == residual.data_ptr()
+    torch.testing.assert_close(got, F.linear(x.detach(), weight))

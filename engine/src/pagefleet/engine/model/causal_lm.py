@@ -116,7 +116,7 @@ class CausalLM(nn.Module):
         then pack what else they hold (`prepack()`: a MoE's experts, a linear-attention
         layer's plain linears; the seam's linears are processed by then and keep the plan's
         choice). PACK_NONE keeps the plain float reference."""
-        process_weights(self, plan.packs)
+        process_weights(self, plan.packs, plan.one_row_path)
         weight = self.embed_tokens.weight
         if weight.device.type == "cpu" and weight.dtype == torch.float32:
             from pagefleet.engine.model import numba_ops  # the norms' and rotations' kernels

@@ -160,7 +160,10 @@ class LinearMethod:
 
 class FloatLinearMethod(LinearMethod):
     """Weights in the model's dtype. On a float32 CPU model `process_weights` reorders each
-    weight once into oneDNN's blocked layout and releases the plain one (model/packed.py)."""
+    weight once into oneDNN's blocked layout and releases the plain one (model/packed.py),
+    unless the plan gives the layer's one-row steps a path on the plain weight
+    (`one_row_path`, model/linear_plan.py: "plain" for torch's, "gemv" for numba's): then
+    both are kept, the packed one for the steps of several rows."""
 
     name = "float"
 
@@ -173,22 +176,45 @@ class FloatLinearMethod(LinearMethod):
 
     def process_weights(self, layer: Linear, prepack: bool) -> None:
         weight = layer.weight
-        if weight is None or not prepack or not prepack_supported(weight.device, weight.dtype):
+        if weight is None or not prepack_supported(weight.device, weight.dtype):
             return
-        layer.register_buffer("packed", pack_weight(weight), persistent=False)
-        layer.weight = None  # a tied embedding keeps its own reference
+        if layer.one_row_path == "gemv":
+            from pagefleet.engine.model import numba_ops  # compiled with the norms' kernels
+
+            layer.one_row = numba_ops.linear_one_row
+        elif layer.one_row_path == "plain":
+            layer.one_row = plain_linear
+        if prepack:
+            layer.register_buffer("packed", pack_weight(weight), persistent=False)
+            if layer.one_row is None:
+                layer.weight = None  # a tied embedding keeps its own reference
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.one_row is not None and x.shape[0] == 1:
+            return layer.one_row(x, layer.weight, bias)
         packed = getattr(layer, "packed", None)
         if packed is not None:
             return packed_linear(x, packed, bias)
         return F.linear(x, layer.weight, bias)
 
     def apply_add(self, layer, x, bias, residual):
+        if layer.one_row is not None and x.shape[0] == 1:
+            return layer.one_row(x, layer.weight, bias, residual)
         packed = getattr(layer, "packed", None)
         if packed is not None:  # oneDNN adds the residual as the GEMM writes its output
             return packed_linear_add(x, packed, bias, residual)
         return residual.add_(F.linear(x, layer.weight, bias))
+
+
+def plain_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """torch's linear on the plain weight (MKL's sgemv at one row), added into `residual`."""
+    out = F.linear(x, weight, bias)
+    return out if residual is None else residual.add_(out)
 
 
 FLOAT = FloatLinearMethod()
@@ -208,6 +234,10 @@ class Linear(nn.Module):
             bias_read = read_float_part(LinearSpec(spec.in_features, spec.parts, spec.rows))
             set_weight_loader(self, "bias", rows_loader(spec, bias_read), spec.parts)
         self.processed = False
+        # The plan's path for one-row steps (None: the method's own) and the kernel the float
+        # method took for it (model/linear_plan.py).
+        self.one_row_path: str | None = None
+        self.one_row: Callable | None = None
         self.use_method(method, torch.get_default_dtype())
 
     def use_method(self, method: LinearMethod, dtype: torch.dtype) -> None:
@@ -222,9 +252,11 @@ class Linear(nn.Module):
         self.method = method
         method.create_weights(self, dtype)
 
-    def process_weights(self, prepack: bool = True) -> None:
-        """Once, after loading (later calls do nothing)."""
+    def process_weights(self, prepack: bool = True, one_row: str | None = None) -> None:
+        """Once, after loading (later calls do nothing); `one_row`: the plan's path for
+        one-row steps, "plain" or "gemv" (None: the method's own)."""
         if not self.processed:
+            self.one_row_path = one_row
             self.method.process_weights(self, prepack)
             self.processed = True
 
@@ -300,12 +332,18 @@ def set_methods(model: nn.Module, choose: MethodChooser, dtype: torch.dtype) -> 
                 raise ValueError(f"{name} ({method.name}): {e}") from e
 
 
-def process_weights(model: nn.Module, prepack: Callable[[tuple[int, int]], bool]) -> None:
+def process_weights(
+    model: nn.Module,
+    prepack: Callable[[tuple[int, int]], bool],
+    one_row: Callable[[tuple[int, int]], str | None] = lambda shape: None,
+) -> None:
     """After loading: every linear layer's weights into the form its kernel reads;
-    `prepack(shape)` says whether a float weight of that (out, in) shape may be packed."""
+    `prepack(shape)` says whether a float weight of that (out, in) shape may be packed, and
+    `one_row(shape)` what its one-row steps run (Linear.process_weights)."""
     for module in model.modules():
         if isinstance(module, Linear):
-            module.process_weights(prepack((module.out_features, module.in_features)))
+            shape = (module.out_features, module.in_features)
+            module.process_weights(prepack(shape), one_row(shape))
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -1,69 +1,159 @@
 """Which float32 CPU weights are oneDNN-packed (`--linear-path`): torch's plain weight (MKL
-sgemm, sgemv at one row) or oneDNN's prepacked one (model/packed.py), per weight shape.
+sgemm, sgemv at one row) or oneDNN's prepacked one (model/packed.py), per weight shape; and what
+a step of one row (single-stream decode) runs on them.
 
-Which wins depends on the CPU and the shape. On an AMD EPYC the packed weights ran the model's
-shapes about 2x faster from 8 rows up and even at one row; on an Intel Xeon they ran 0.54-1.05x
-at one row and 0.83-1.59x at 16 and 64 (docs/benchmarks.md, issue 38). A weight holds one
-layout, so `auto` times both paths on this rank's own weights of each shape of the linear seam
-(model/linear.py) at 1, 16 and 64 rows (single-stream decode, a moderate batch, a large one),
-taking turns over up to 256 MiB of them so they come from memory as in a step, and packs a
-shape only where the pure rule (cpu_choice/decide.py) says packed wins over the rows. The
-times are kept per CPU model (cpu_choice/measure.py): a machine measures each shape once.
+Which wins depends on the CPU and the shape. On an AMD EPYC with AVX-512 the packed weights ran
+the model's shapes about 2x faster from 8 rows up and even at one row; on an Intel Xeon they ran
+0.54-1.05x at one row and 0.83-1.59x at 16 and 64; on an AVX2 EPYC (Zen 3) packed won from 16
+rows, and at one row a numba GEMV on the plain weight (model/numba_ops.py) beat both MKL and
+oneDNN by 1.4-2x (docs/benchmarks.md, issue 38). So `auto` times the paths on this rank's own
+weights of each shape of the linear seam (model/linear.py) at 1, 16 and 64 rows, taking turns
+over up to 256 MiB of them so they come from memory as in a step. The pure rule
+(cpu_choice/decide.py) picks the layout from the steps of 16 and 64 rows and the one-row path
+(plain, packed or gemv) from one row's; a one-row path on the plain weight beside a packed
+layout keeps both copies, where the copies fit in SECOND_LAYOUT_SHARE of the memory available
+at load (the most time saved per byte first). A shape left without room falls back to one
+layout chosen over all three row counts. The times are kept per CPU (cpu_choice/measure.py): a
+machine measures each shape once.
 
 The families' parts outside the seam (MoE experts, a router's gate, a linear-attention layer's
 plain projections) are not measured: `auto` packs them only where packed won every measured
-shape, as it did on the EPYC; otherwise they keep the plain default.
+shape's layout; otherwise they keep the plain default.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.engine.config import LINEAR_PATHS
-from pagefleet.engine.cpu_choice.decide import Timed, choose
+from pagefleet.engine.cpu_choice.decide import Choice, Timed, choose
 from pagefleet.engine.cpu_choice.measure import TimingCache, cached_timings, time_alternately
 from pagefleet.engine.model.linear import FloatLinearMethod, Linear
 from pagefleet.engine.model.packed import pack_weight, packed_linear, prepack_supported
 
 logger = logging.getLogger(__name__)
 
-CANDIDATES = ("plain", "packed")
+LAYOUTS = ("plain", "packed")
+ONE_ROW_PATHS = ("plain", "packed", "gemv")  # gemv: numba's, on the plain weight
 DEFAULT = "plain"  # torch's own path: what a tie or a failed measurement keeps
 ROWS = (1, 16, 64)
+ONE_ROW = "rows=1"
 # Weights of one shape are timed in turn, up to this many bytes of them: in a step each layer's
 # weight comes from memory, not from the cache the previous call left it in (a 1-row product
 # is bandwidth-bound, and the paths differ in how close they get to the bandwidth).
 ROTATION_BYTES = 256 << 20
+# Plain copies kept beside packed weights for one-row steps may take this share of the memory
+# available at load: the engine's KV pool and other processes need the rest.
+SECOND_LAYOUT_SHARE = 0.25
 
 Shape = tuple[int, int]
 
 
 @dataclass(frozen=True)
 class LinearPlan:
-    """Which float weight shapes of the seam are packed (`everything`: all), and whether the
-    families' unmeasured parts are (`others`)."""
+    """Which float weight shapes of the seam are packed (`everything`: all), whether the
+    families' unmeasured parts are (`others`), and the one-row path of the shapes whose
+    one-row steps run other than their layout's own path (`one_row`: "plain" or "gemv")."""
 
     packed: frozenset[Shape] = frozenset()
     everything: bool = False
     others: bool = False
+    one_row: Mapping[Shape, str] = field(default_factory=dict)
 
     def packs(self, shape: Shape) -> bool:
         return self.everything or shape in self.packed
+
+    def one_row_path(self, shape: Shape) -> str | None:
+        return self.one_row.get(shape)
 
 
 PACK_ALL = LinearPlan(everything=True, others=True)
 PACK_NONE = LinearPlan()
 
 
-def linear_plan(path: str, weights: dict[Shape, list[torch.Tensor]], cache=None) -> LinearPlan:
+@dataclass(frozen=True)
+class ShapePaths:
+    """One shape's choice: its layout, its one-row path where that is not the layout's own
+    (None), why, and the seconds per weight that path saves a one-row step."""
+
+    layout: str
+    one_row: str | None
+    reason: str
+    saves: float = 0.0
+
+    @property
+    def second_layout(self) -> bool:
+        """Whether it keeps the plain weight beside the packed one."""
+        return self.layout == "packed" and self.one_row is not None
+
+
+def choose_paths(timings: Sequence[Timed]) -> ShapePaths:
+    """The layout from the classes of several rows, the one-row path from one row's: the
+    best of all three paths on a packed layout, of the two that read a plain one."""
+    many = [t for t in timings if t.label != ONE_ROW] or list(timings)
+    layout = choose(LAYOUTS, DEFAULT, many)
+    return _with_one_row(layout, timings, ONE_ROW_PATHS if layout.name == "packed" else ON_PLAIN)
+
+
+def one_layout(timings: Sequence[Timed]) -> ShapePaths:
+    """Where no second copy fits: one layout chosen over every class, one row included, and
+    its one-row path among those that read that layout."""
+    layout = choose(LAYOUTS, DEFAULT, timings)
+    return _with_one_row(layout, timings, ("packed",) if layout.name == "packed" else ON_PLAIN)
+
+
+ON_PLAIN = ("plain", "gemv")  # the one-row paths that read the plain weight
+
+
+def _with_one_row(layout: Choice, timings: Sequence[Timed], candidates: Sequence[str]):
+    one = [t for t in timings if t.label == ONE_ROW]
+    if not one or len(candidates) < 2:
+        return ShapePaths(layout.name, None, layout.reason)
+    row = choose(candidates, layout.name, one)
+    reason = f"{layout.reason}; one row: {row.reason}"
+    if row.name == layout.name:
+        return ShapePaths(layout.name, None, reason)
+    saves = one[0].seconds[layout.name] - one[0].seconds[row.name]
+    return ShapePaths(layout.name, row.name, reason, saves)
+
+
+def fit_second_layouts(wanted: Mapping[Shape, tuple[float, int]], budget: int) -> set[Shape]:
+    """The shapes that keep a plain copy beside their packed weights, from `wanted`: shape ->
+    (seconds a one-row step saves, bytes of its copies); the most seconds saved per byte
+    first, while the copies fit in `budget` bytes."""
+    kept, used = set(), 0
+    for shape, (_, size) in sorted(wanted.items(), key=lambda kv: -kv[1][0] / max(kv[1][1], 1)):
+        if used + size <= budget:
+            kept.add(shape)
+            used += size
+    return kept
+
+
+def second_layout_budget(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """Bytes the plain copies may take: SECOND_LAYOUT_SHARE of the memory available now (none
+    where that cannot be read)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(int(line.split()[1]) * 1024 * SECOND_LAYOUT_SHARE)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def linear_plan(
+    path: str, weights: dict[Shape, list[torch.Tensor]], cache=None, budget: int | None = None
+) -> LinearPlan:
     """The plan for `--linear-path` `path` given the model's float seam weights by shape (only
-    `auto` reads them). Logs each measured choice with its reason."""
+    `auto` reads them; `budget`: bytes for second copies, None: second_layout_budget()). Logs
+    each measured choice with its reason."""
     if path not in LINEAR_PATHS:
         raise ValueError(f"--linear-path {path!r}: one of {', '.join(LINEAR_PATHS)}")
     if path == "packed":
@@ -71,24 +161,46 @@ def linear_plan(path: str, weights: dict[Shape, list[torch.Tensor]], cache=None)
     if path == "plain" or not weights:
         return PACK_NONE
     cache = cache if cache is not None else TimingCache()
-    packed = set()
+    measured = {}
     for shape, same in sorted(weights.items()):
         subject = f"linear {shape[0]}x{shape[1]}"
         timings, source = cached_timings(
             cache, subject, lambda same=same: measure_linear(rotation(same))
         )
-        choice = choose(CANDIDATES, DEFAULT, timings)
+        measured[shape] = (choose_paths(timings), timings, source)
+    copies = {shape: sum(w.numel() * w.element_size() for w in weights[shape]) for shape in weights}
+    wanted = {
+        shape: (paths.saves * len(weights[shape]), copies[shape])
+        for shape, (paths, _, _) in measured.items()
+        if paths.second_layout
+    }
+    budget = second_layout_budget() if budget is None else budget
+    fits = fit_second_layouts(wanted, budget)
+    packed, one_row = set(), {}
+    for shape, (paths, timings, source) in measured.items():
+        copy = ""
+        if paths.second_layout and shape not in fits:
+            paths = one_layout(timings)
+            copy = (
+                f"; no room for a plain copy ({copies[shape] >> 20} MiB) within {budget >> 20} MiB"
+            )
+        elif paths.second_layout:
+            copy = f"; keeps a plain copy ({copies[shape] >> 20} MiB)"
         logger.info(
-            "linear path for %dx%d weights (%d layers): %s; %s (%s)",
+            "linear path for %dx%d weights (%d layers): %s; one row: %s%s; %s (%s)",
             *shape,
-            len(same),
-            choice.name,
-            choice.reason,
+            len(weights[shape]),
+            paths.layout,
+            paths.one_row or paths.layout,
+            copy,
+            paths.reason,
             source,
         )
-        if choice.name == "packed":
+        if paths.layout == "packed":
             packed.add(shape)
-    return LinearPlan(frozenset(packed), others=len(packed) == len(weights))
+        if paths.one_row is not None:
+            one_row[shape] = paths.one_row
+    return LinearPlan(frozenset(packed), others=len(packed) == len(weights), one_row=one_row)
 
 
 def float_weights_by_shape(model: nn.Module) -> dict[Shape, list[torch.Tensor]]:
@@ -121,8 +233,10 @@ def rotation(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def measure_linear(weights: Sequence[torch.Tensor], rows: Sequence[int] = ROWS) -> list[Timed]:
-    """Seconds per weight of x W^T on each path, per row count, the weights timed in turn;
-    their packed copies live only here."""
+    """Seconds per weight of x W^T on each path, per row count (the numba GEMV at one row
+    only), the weights timed in turn; their packed copies live only here."""
+    from pagefleet.engine.model.numba_ops import linear_one_row  # compiled once imported
+
     packed = [pack_weight(w) for w in weights]
     timings = []
     for n in rows:
@@ -136,7 +250,12 @@ def measure_linear(weights: Sequence[torch.Tensor], rows: Sequence[int] = ROWS) 
             for p in packed:
                 packed_linear(x, p)
 
-        seconds = time_alternately({"plain": plain, "packed": on_packed})
+        def gemv(x=x):
+            for w in weights:
+                linear_one_row(x, w, None)
+
+        paths = {"plain": plain, "packed": on_packed} | ({"gemv": gemv} if n == 1 else {})
+        seconds = time_alternately(paths)
         per_weight = {k: (None if v is None else v / len(weights)) for k, v in seconds.items()}
         timings.append(Timed(f"rows={n}", per_weight))
     return timings

@@ -1,4 +1,5 @@
-"""A float32 CPU step's small per-layer ops (RMSNorm, the rotary rotation) as numba kernels.
+"""A float32 CPU step's small per-layer ops (RMSNorm, the rotary rotation) and its one-row
+linears (a GEMV) as numba kernels.
 
 At a decode step's few rows torch spends more on dispatching an op's several kernels than on
 the arithmetic: RMSNorm of one 576-wide row takes ~13 us as torch runs it and ~4 us here, the
@@ -11,6 +12,12 @@ so it is bit for bit torch's (tests/test_numba_ops.py). The norm's sum of square
 reassociated (vectorised), as torch's own reduction is: its last bits differ from torch's the
 way torch's differ from HF's.
 
+A one-row linear is bound by reading its weight. On an AVX2 AMD EPYC (Zen 3) MKL's sgemv read
+the model's weights at 9-13 GB/s and oneDNN's packed kernel at 10-19, where a plain loop over
+the rows, split between the threads, reads them at 21-23 (docs/benchmarks.md, issue 38); where
+it runs is chosen per machine by measurement (model/linear_plan.py). Its sums are reassociated
+too (vectorised), as MKL's and oneDNN's are.
+
 The kernels have explicit signatures: compiled (or loaded from numba's on-disk cache) when
 this module is first imported, which the model does once its float32 CPU weights are loaded
 (`warm_up`), so no request pays for a compile.
@@ -21,6 +28,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 _FAST = {"reassoc", "contract", "nsz", "arcp"}
 
@@ -73,6 +81,30 @@ def _rotate_pair(q_flat, q_stride, k_flat, k_stride, cos, sin, q_out, k_out):
     _rotate(k_flat, k_stride, cos, sin, k_out)
 
 
+_GEMV_BLOCK = 16  # output rows per work item: enough items to balance threads on a narrow weight
+
+
+@numba.njit(
+    numba.void(_ROWS, _VECTOR, _VECTOR, numba.boolean, _VECTOR),
+    parallel=True,
+    fastmath=_FAST,
+    cache=True,
+)
+def _gemv(weight, x, bias, add, out):
+    rows, cols = weight.shape
+    for block in numba.prange((rows + _GEMV_BLOCK - 1) // _GEMV_BLOCK):
+        for r in range(block * _GEMV_BLOCK, min(rows, (block + 1) * _GEMV_BLOCK)):
+            acc = np.float32(0.0)
+            for i in range(cols):
+                acc += weight[r, i] * x[i]
+            if bias.shape[0]:
+                acc += bias[r]
+            if add:
+                out[r] += acc
+            else:
+                out[r] = acc
+
+
 def norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `rms_norm` covers this RMSNorm: float32 rows on the CPU, as wide as the float32
     weight, no gradient wanted (autograd keeps torch's ops)."""
@@ -104,6 +136,44 @@ def rotation_applies(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> boo
 def no_gradient(*tensors: torch.Tensor) -> bool:
     """Whether autograd wants nothing of these tensors (a kernel's output would not record)."""
     return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
+
+
+def linear_one_row(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x W^T (+ bias) for one float32 row on the CPU, added into `residual` in place when one is
+    given (and returned); torch's linear where the kernel does not apply (autograd, another
+    dtype, a strided output)."""
+    if not _gemv_applies(x, weight, bias, residual):
+        out = F.linear(x, weight, bias)
+        return out if residual is None else residual.add_(out)
+    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    row = x.contiguous().numpy()[0]
+    b = _NO_BIAS if bias is None else bias.detach().contiguous().numpy()
+    if residual is not None:
+        _gemv(weight.detach().numpy(), row, b, True, residual.numpy()[0])
+        return residual
+    out = np.empty(weight.shape[0], np.float32)
+    _gemv(weight.detach().numpy(), row, b, False, out)
+    return torch.from_numpy(out).view(1, -1)
+
+
+_NO_BIAS = np.empty(0, np.float32)  # read-only in effect: the kernel only reads a bias
+
+
+def _gemv_applies(x, weight, bias, residual) -> bool:
+    tensors = [t for t in (x, weight, bias, residual) if t is not None]
+    return (
+        x.dim() == 2
+        and x.shape[0] == 1
+        and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+        and weight.is_contiguous()
+        and (residual is None or (residual.is_contiguous() and residual.shape == (1, len(weight))))
+        and no_gradient(*tensors)
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -141,3 +211,4 @@ def warm_up() -> None:
     x = torch.ones(1, 2, 4)
     rms_norm(x[0], torch.ones(4), 1e-6)
     rotate(x, x, torch.ones(1, 1, 2), torch.zeros(1, 1, 2))
+    linear_one_row(x[0, :1], torch.ones(3, 4), torch.ones(3))
