@@ -190,7 +190,7 @@ class FloatLinearMethod(LinearMethod):
                 layer.weight = None  # a tied embedding keeps its own reference
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.one_row is not None and x.shape[0] == 1:
+        if layer.one_row is not None and x.dim() == 2 and x.shape[0] == 1:
             return layer.one_row(x, layer.weight, bias)
         packed = getattr(layer, "packed", None)
         if packed is not None:
@@ -198,7 +198,7 @@ class FloatLinearMethod(LinearMethod):
         return F.linear(x, layer.weight, bias)
 
     def apply_add(self, layer, x, bias, residual):
-        if layer.one_row is not None and x.shape[0] == 1:
+        if layer.one_row is not None and x.dim() == 2 and x.shape[0] == 1:
             return layer.one_row(x, layer.weight, bias, residual)
         packed = getattr(layer, "packed", None)
         if packed is not None:  # oneDNN adds the residual as the GEMM writes its output

@@ -12,13 +12,14 @@ over up to 256 MiB of them so they come from memory as in a step. The pure rule
 (cpu_choice/decide.py) picks the layout from the steps of 16 and 64 rows and the one-row path
 (plain, packed or gemv) from one row's; a one-row path on the plain weight beside a packed
 layout keeps both copies, where the copies fit in SECOND_LAYOUT_SHARE of the memory available
-at load (the most time saved per byte first). A shape left without room falls back to one
-layout chosen over all three row counts. The times are kept per CPU (cpu_choice/measure.py): a
-machine measures each shape once.
+at load or of the container's limit (the most time saved per byte first). A shape left without
+room falls back to one layout chosen over all three row counts. The times are kept per CPU
+(cpu_choice/measure.py): a machine measures each shape once.
 
 The families' parts outside the seam (MoE experts, a router's gate, a linear-attention layer's
-plain projections) are not measured: `auto` packs them only where packed won every measured
-shape's layout; otherwise they keep the plain default.
+plain projections) are not measured and have no one-row path: `auto` packs them only where
+packed won every measured shape over all three row counts; otherwise they keep the plain
+default.
 """
 
 from __future__ import annotations
@@ -103,10 +104,19 @@ def choose_paths(timings: Sequence[Timed]) -> ShapePaths:
 
 
 def one_layout(timings: Sequence[Timed]) -> ShapePaths:
-    """Where no second copy fits: one layout chosen over every class, one row included, and
-    its one-row path among those that read that layout."""
-    layout = choose(LAYOUTS, DEFAULT, timings)
+    """Where no second copy fits: one layout chosen over every class, one row included (the
+    plain layout scored at one row by the faster of the two paths that read it), and its
+    one-row path among those that read that layout."""
+    layout = choose(LAYOUTS, DEFAULT, [_plain_at_its_best(t) for t in timings])
     return _with_one_row(layout, timings, ("packed",) if layout.name == "packed" else ON_PLAIN)
+
+
+def _plain_at_its_best(timed: Timed) -> Timed:
+    seconds = dict(timed.seconds)
+    gemv, plain = seconds.get("gemv"), seconds.get("plain")
+    if timed.label == ONE_ROW and gemv is not None and plain is not None and 0 < gemv < plain:
+        seconds["plain"] = gemv
+    return Timed(timed.label, seconds)
 
 
 ON_PLAIN = ("plain", "gemv")  # the one-row paths that read the plain weight
@@ -136,13 +146,19 @@ def fit_second_layouts(wanted: Mapping[Shape, tuple[float, int]], budget: int) -
     return kept
 
 
-def second_layout_budget(meminfo: Path = Path("/proc/meminfo")) -> int:
-    """Bytes the plain copies may take: SECOND_LAYOUT_SHARE of the memory available now (none
-    where that cannot be read)."""
+def second_layout_budget(meminfo: Path = Path("/proc/meminfo"), limit: int | None = None) -> int:
+    """Bytes the plain copies may take: SECOND_LAYOUT_SHARE of the memory available now, or of
+    the container's limit where lower (`limit`, None: read it); none where the available
+    memory cannot be read."""
+    if limit is None:
+        from pagefleet.engine.kv_sizing import host_memory_bytes  # it imports the model stack
+
+        limit = host_memory_bytes()
     try:
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(int(line.split()[1]) * 1024 * SECOND_LAYOUT_SHARE)
+                available = int(line.split()[1]) * 1024
+                return int(min(available, limit) * SECOND_LAYOUT_SHARE)
     except (OSError, ValueError, IndexError):
         pass
     return 0
@@ -200,7 +216,10 @@ def linear_plan(
             packed.add(shape)
         if paths.one_row is not None:
             one_row[shape] = paths.one_row
-    return LinearPlan(frozenset(packed), others=len(packed) == len(weights), one_row=one_row)
+    # The unmeasured parts have no one-row path: packed only where it won every shape over
+    # all three row counts, one row included.
+    others = all(one_layout(timings).layout == "packed" for _, timings, _ in measured.values())
+    return LinearPlan(frozenset(packed), others=others, one_row=one_row)
 
 
 def float_weights_by_shape(model: nn.Module) -> dict[Shape, list[torch.Tensor]]:

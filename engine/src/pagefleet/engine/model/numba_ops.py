@@ -165,15 +165,33 @@ _NO_BIAS = np.empty(0, np.float32)  # read-only in effect: the kernel only reads
 
 
 def _gemv_applies(x, weight, bias, residual) -> bool:
+    """The kernel checks no bounds: every shape is checked here (a mismatch keeps torch's op,
+    which raises), and an output sharing memory with the input keeps torch's too."""
     tensors = [t for t in (x, weight, bias, residual) if t is not None]
+    rows, cols = weight.shape if weight.dim() == 2 else (-1, -1)
     return (
         x.dim() == 2
-        and x.shape[0] == 1
+        and x.shape == (1, cols)
         and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
         and weight.is_contiguous()
-        and (residual is None or (residual.is_contiguous() and residual.shape == (1, len(weight))))
+        and (bias is None or bias.shape == (rows,))
+        and (
+            residual is None
+            or (
+                residual.is_contiguous()
+                and residual.shape == (1, rows)
+                and not _overlap(residual, x)
+            )
+        )
         and no_gradient(*tensors)
     )
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_end = a_start + a.numel() * a.element_size()
+    b_end = b_start + b.numel() * b.element_size()
+    return a_start < b_end and b_start < a_end
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
