@@ -31,7 +31,6 @@ from pagefleet.engine.cpu_choice.measure import (
 )
 from pagefleet.engine.model import linear_plan as plan_module
 from pagefleet.engine.model import numba_ops
-from pagefleet.engine.model.linear import plain_linear
 from pagefleet.engine.model.linear_plan import (
     PACK_ALL,
     PACK_NONE,
@@ -44,6 +43,7 @@ from pagefleet.engine.model.linear_plan import (
 )
 from pagefleet.engine.model.loader import load_model
 from pagefleet.engine.model.numba_ops import linear_one_row
+from pagefleet.engine.model.packed import plain_linear
 from pagefleet.engine.server.serve import add_serve_parser
 
 PATHS = ("plain", "packed")

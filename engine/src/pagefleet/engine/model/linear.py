@@ -40,6 +40,7 @@ from pagefleet.engine.model.packed import (
     pack_weight,
     packed_linear,
     packed_linear_add,
+    plain_linear,
     prepack_supported,
 )
 from pagefleet.engine.model.weights import (
@@ -203,18 +204,7 @@ class FloatLinearMethod(LinearMethod):
         packed = getattr(layer, "packed", None)
         if packed is not None:  # oneDNN adds the residual as the GEMM writes its output
             return packed_linear_add(x, packed, bias, residual)
-        return residual.add_(F.linear(x, layer.weight, bias))
-
-
-def plain_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """torch's linear on the plain weight (MKL's sgemv at one row), added into `residual`."""
-    out = F.linear(x, weight, bias)
-    return out if residual is None else residual.add_(out)
+        return plain_linear(x, layer.weight, bias, residual)
 
 
 FLOAT = FloatLinearMethod()

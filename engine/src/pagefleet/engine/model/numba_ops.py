@@ -28,7 +28,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from pagefleet.engine.model.packed import plain_linear
 
 _FAST = {"reassoc", "contract", "nsz", "arcp"}
 
@@ -148,8 +149,7 @@ def linear_one_row(
     given (and returned); torch's linear where the kernel does not apply (autograd, another
     dtype, a strided output)."""
     if not _gemv_applies(x, weight, bias, residual):
-        out = F.linear(x, weight, bias)
-        return out if residual is None else residual.add_(out)
+        return plain_linear(x, weight, bias, residual)
     numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     row = x.contiguous().numpy()[0]
     b = _NO_BIAS if bias is None else bias.detach().contiguous().numpy()

@@ -50,6 +50,17 @@ def packed_linear_add(
     return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
 
 
+def plain_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """torch's linear on the plain weight (MKL's sgemv at one row), added into `residual`."""
+    out = F.linear(x, weight, bias)
+    return out if residual is None else residual.add_(out)
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b on a prepacked W; replaces an `nn.Linear` after its weights are loaded."""
 
