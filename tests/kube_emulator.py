@@ -17,6 +17,9 @@ import kmock
 from kmock._internal import enums, rendering
 
 VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+# kmock logs every request and matches each new one against its whole log, so a long test's
+# requests cost quadratic time (most of a kopf test's CPU); no test reads that log.
+KEPT_REQUESTS = 16
 # Resources with resourceVersion and PUT (only the Lease: elsewhere the tests' objects rely on
 # a resourceVersion that never changes, since kopf's JSON patches test it).
 VERSIONED = {kmock.resource("coordination.k8s.io/v1/leases")}
@@ -39,6 +42,7 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         self.calls: list[Call] = []
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        del self._requests[:-KEPT_REQUESTS]
         method = request.method.value.upper()
         self.calls.append(Call(request.url.port or 0, method, request.url.path))
         if request.resource in VERSIONED and request.name is not None and method == "PUT":
