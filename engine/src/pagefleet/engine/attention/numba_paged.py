@@ -31,7 +31,10 @@ from numba.extending import intrinsic, overload
 
 from pagefleet.engine.attention.backend import NUMBA_KV_DTYPES, SingleGroup
 from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
+from pagefleet.engine.kernel_cache import use_image_kernels
 from pagefleet.engine.kv_cache.fp8 import LayerScales
+
+use_image_kernels()  # before the kernels below are defined (and loaded or compiled)
 
 # Reassociation lets LLVM vectorise the dot products and the accumulator updates; no
 # assumptions about infinities or NaNs (the running max starts at a finite floor anyway).

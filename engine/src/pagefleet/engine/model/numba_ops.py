@@ -29,7 +29,10 @@ import numba
 import numpy as np
 import torch
 
+from pagefleet.engine.kernel_cache import use_image_kernels
 from pagefleet.engine.model.packed import plain_linear
+
+use_image_kernels()  # before the kernels below are defined (and loaded or compiled)
 
 _FAST = {"reassoc", "contract", "nsz", "arcp"}
 

@@ -1,0 +1,101 @@
+"""Where the engine's numba kernels are cached, so that a pod with a read-only root filesystem
+loads the kernels its image compiled instead of compiling them again at every start.
+
+numba keeps a compiled kernel beside its source (`__pycache__`) only where it may write
+there; elsewhere it compiles into the user's cache, which in a pod is an emptyDir that starts
+empty. Compiling the engine's kernels takes 10-15 s of CPU. With `use_image_kernels()` a
+kernel whose source directory is read-only is cached in the user's directory, filled first
+with that kernel's files from beside its source (what `python -m pagefleet.engine.kernel_cache`
+wrote when the image was built). numba's index checks the source's content and the CPU the
+code was compiled for: a kernel from an image built on another kind of CPU is compiled again,
+as it is without the image's copy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numba
+from numba.core import caching, config
+
+# Older numba releases named these with a leading underscore (and ignore the variable below).
+_USER_WIDE = getattr(caching, "UserWideCacheLocator", None) or caching._UserWideCacheLocator
+_CACHE_IMPL = getattr(caching, "CacheImpl", None) or caching._CacheImpl
+_USER_DIR, _IN_TREE = _CACHE_IMPL._locator_classes[:2]
+
+
+class ImageSeededCacheLocator(_USER_WIDE):
+    """numba's user-wide cache, first given the kernel's files from beside its source."""
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        locator = super().from_function(py_func, py_file)
+        if locator is not None:
+            seed(
+                Path(py_file).parent / "__pycache__",
+                Path(locator.get_cache_path()),
+                kernel_files_prefix(py_func, py_file),
+            )
+        return locator
+
+
+def kernel_files_prefix(py_func, py_file: str) -> str:
+    """The start of the names numba gives one kernel's cache files (its index `.nbi`, its
+    compiled overloads `.nbc`): module, qualified name, first line."""
+    qualname = py_func.__qualname__.replace("<", "").replace(">", "")
+    return f"{Path(py_file).stem}.{qualname}-{py_func.__code__.co_firstlineno}."
+
+
+def seed(source: Path, cache: Path, prefix: str) -> list[str]:
+    """Copy one kernel's cache files from `source` into `cache` where `cache` has no index for
+    it yet (an index there is newer: this process or an earlier one compiled into it). Each
+    file lands whole (written aside, then renamed): another process may be reading."""
+    try:
+        files = sorted(p for p in source.iterdir() if p.name.startswith(prefix))
+    except OSError:  # no compiled copy beside the source
+        return []
+    if not any(p.suffix == ".nbi" for p in files) or any(cache.glob(f"{prefix}*.nbi")):
+        return []
+    copied = []
+    # The data files first: an index must never name a file that is not there yet.
+    for path in sorted(files, key=lambda p: p.suffix == ".nbi"):
+        fd, partial = tempfile.mkstemp(dir=cache, prefix=".seed-")
+        with os.fdopen(fd, "wb") as out, path.open("rb") as src:
+            shutil.copyfileobj(src, out)
+        os.replace(partial, cache / path.name)
+        copied.append(path.name)
+    return copied
+
+
+# numba's own order (a user's NUMBA_CACHE_DIR, then beside the source), then ours in place of
+# its user-wide locator.
+LOCATORS = f"{_USER_DIR.__name__},{_IN_TREE.__name__},{__name__}.ImageSeededCacheLocator"
+
+
+def use_image_kernels() -> None:
+    """Cache this process's kernels as the module doc says (a locator list the user set in
+    NUMBA_CACHE_LOCATOR_CLASSES is kept); call before the kernels are defined. The variable,
+    not numba's config alone, carries it: numba re-reads its config from the environment."""
+    if not os.environ.get("NUMBA_CACHE_LOCATOR_CLASSES"):
+        os.environ["NUMBA_CACHE_LOCATOR_CLASSES"] = LOCATORS
+        config.reload_config()
+
+
+def compile_all() -> None:
+    """Compile every kernel the engine may run on a CPU into its cache (an image build runs
+    this where the source directories are writable: the copies land beside the source)."""
+    import torch
+
+    from pagefleet.engine.attention import numba_paged
+    from pagefleet.engine.model import numba_ops  # noqa: F401  (explicit signatures: compiled on import)
+    from pagefleet.engine.model.quant import int8_numba  # noqa: F401
+
+    numba_paged.warm_up()
+    print(f"numba {numba.__version__}: the engine's CPU kernels are compiled ({torch.__version__})")
+
+
+if __name__ == "__main__":
+    compile_all()
