@@ -68,7 +68,10 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = lm_head(cfg, tp)
         self.tie_weights()
-        self.rope = self.make_rope()
+        # On the meta device the table waits for `materialize`: computing it there would be
+        # wasted, and meta arithmetic runs torch's reference ops, which import torch._dynamo.
+        meta = torch.get_default_device().type == "meta"
+        self.rope = None if meta else self.make_rope()
 
     def make_rope(self) -> nn.Module:
         cfg = self.config

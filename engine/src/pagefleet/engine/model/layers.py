@@ -88,7 +88,10 @@ def output_linear(
 
 def embedding(cfg: ModelConfig, tp: TPParts | None) -> nn.Module:
     if tp is None:
-        layer = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given its weight, nn.Embedding skips the random init, which under the loader's meta
+        # device went through torch's reference ops and imported torch._dynamo (0.8 s a start).
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        layer = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         set_weight_loader(layer, "weight", whole_loader())
         return layer
     layer = VocabParallelEmbedding(tp.layout, cfg.hidden_size, tp.group)
