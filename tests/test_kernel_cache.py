@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
+from numba.core import config
 
 from pagefleet.engine import kernel_cache
 from pagefleet.engine.attention import numba_paged
@@ -81,5 +82,16 @@ def test_seeding_copies_one_kernels_files_only_where_its_index_is_missing(tmp_pa
 
 def test_a_locator_list_the_user_set_is_kept(monkeypatch):
     monkeypatch.setenv("NUMBA_CACHE_LOCATOR_CLASSES", "UserWideCacheLocator")
+    monkeypatch.setattr(config, "CACHE_LOCATOR_CLASSES", "UserWideCacheLocator")
     kernel_cache.use_image_kernels()
-    assert os.environ["NUMBA_CACHE_LOCATOR_CLASSES"] == "UserWideCacheLocator"
+    assert config.CACHE_LOCATOR_CLASSES == "UserWideCacheLocator"
+
+
+def test_the_engines_locators_stay_out_of_child_processes(monkeypatch):
+    """Only this process is told: a Python without pagefleet, started from an engine, would
+    fail on every cached kernel if the environment named our locator."""
+    monkeypatch.delenv("NUMBA_CACHE_LOCATOR_CLASSES", raising=False)
+    monkeypatch.setattr(config, "CACHE_LOCATOR_CLASSES", "")
+    kernel_cache.use_image_kernels()
+    assert config.CACHE_LOCATOR_CLASSES == kernel_cache.LOCATORS
+    assert "NUMBA_CACHE_LOCATOR_CLASSES" not in os.environ

@@ -21,7 +21,7 @@ from pathlib import Path
 import numba
 from numba.core import caching, config
 
-# Older numba releases named these with a leading underscore (and ignore the variable below).
+# Older numba releases named these with a leading underscore (and take no locator list).
 _USER_WIDE = getattr(caching, "UserWideCacheLocator", None) or caching._UserWideCacheLocator
 _CACHE_IMPL = getattr(caching, "CacheImpl", None) or caching._CacheImpl
 _USER_DIR, _IN_TREE = _CACHE_IMPL._locator_classes[:2]
@@ -76,12 +76,13 @@ LOCATORS = f"{_USER_DIR.__name__},{_IN_TREE.__name__},{__name__}.ImageSeededCach
 
 
 def use_image_kernels() -> None:
-    """Cache this process's kernels as the module doc says (a locator list the user set in
-    NUMBA_CACHE_LOCATOR_CLASSES is kept); call before the kernels are defined. The variable,
-    not numba's config alone, carries it: numba re-reads its config from the environment."""
+    """Cache this process's kernels as the module doc says; call before the kernels are
+    defined (numba picks a kernel's locator then). A list the user set in
+    NUMBA_CACHE_LOCATOR_CLASSES is kept. Set in numba's config, not in the environment: a
+    child process that is not an engine (and may not import this module) keeps numba's own.
+    (numba re-reads its config when a NUMBA_ variable changes, which an engine never does.)"""
     if not os.environ.get("NUMBA_CACHE_LOCATOR_CLASSES"):
-        os.environ["NUMBA_CACHE_LOCATOR_CLASSES"] = LOCATORS
-        config.reload_config()
+        config.CACHE_LOCATOR_CLASSES = LOCATORS
 
 
 def compile_all() -> None:
