@@ -81,6 +81,12 @@ def test_the_charts_default_model_deployment_serves_on_cpu(tmp_path, model_store
         wait_serving(lab, "serving", "llama-3-8b", engines=1)
         url = router_url(lab, "serving", "llama-3-8b")
         assert_serves_as_offline(lab, url, "llama-3-8b", offline)
+        # Its root read-only, the engine loaded the kernels compiled beside its source (what
+        # an image built with Dockerfile.cpu carries) instead of compiling them again.
+        (engine,) = md_pods(lab, "serving", "llama-3-8b")
+        engine_log = lab.pod_log(engine)
+        for kernel in ("numba_ops._gemv", "numba_ops._rms_norm", "numba_paged."):
+            assert f"numba kernel {kernel}" in engine_log, engine_log[-3000:]
         restarts = [
             c["restartCount"]
             for p in lab.kube.pods("serving")

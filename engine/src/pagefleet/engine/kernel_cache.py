@@ -13,6 +13,7 @@ as it is without the image's copy.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import numba
 from numba.core import caching, config
+
+log = logging.getLogger(__name__)
 
 # Older numba releases named these with a leading underscore (and take no locator list).
 _USER_WIDE = getattr(caching, "UserWideCacheLocator", None) or caching._UserWideCacheLocator
@@ -34,11 +37,14 @@ class ImageSeededCacheLocator(_USER_WIDE):
     def from_function(cls, py_func, py_file):
         locator = super().from_function(py_func, py_file)
         if locator is not None:
-            seed(
-                Path(py_file).parent / "__pycache__",
-                Path(locator.get_cache_path()),
-                kernel_files_prefix(py_func, py_file),
-            )
+            prefix = kernel_files_prefix(py_func, py_file)
+            cache = Path(locator.get_cache_path())
+            if seed(Path(py_file).parent / "__pycache__", cache, prefix):
+                log.info(
+                    "numba kernel %s: the compiled copy beside its source, in %s",
+                    prefix[:-1],
+                    cache,
+                )
         return locator
 
 
