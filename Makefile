@@ -42,7 +42,8 @@ demo-model: $(STAMP)
 test: $(STAMP) helm prometheus demo-model
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/pytest
+	$(BIN)/python -m pagefleet.engine.kernel_cache
+	$(BIN)/pytest -n 2 --dist loadgroup --no-loadscope-reorder
 
 lint: $(STAMP) helm prometheus
 	$(BIN)/ruff check .

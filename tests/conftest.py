@@ -6,10 +6,16 @@ from collections import Counter
 
 import pytest
 
+import worker_groups
 from pagefleet.engine.config import CacheConfig, SchedulerConfig
 from pagefleet.engine.request import Request, RequestStatus
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import Scheduler
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    worker_groups.assign(items)
 
 
 def make_scheduler(

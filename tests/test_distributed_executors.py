@@ -35,6 +35,9 @@ from ray_nodes import RAY_ENV, ray_cluster_of_two_nodes, wait_until
 from tp_engine import EVENT_PREFIX
 from tp_toy_ranks import all_reduce_rank, join_group
 
+# Ray joins any Ray cluster it finds on the machine: these run beside no other Ray test.
+pytestmark = pytest.mark.machine_wide
+
 TESTS_DIR = Path(__file__).resolve().parent
 ENGINE_SCRIPT = TESTS_DIR / "tp_engine.py"
 # Token auth would write ~/.ray/auth_token (shared by every process on the machine); usage

@@ -20,6 +20,9 @@ from pagefleet.engine.model.registry import model_config
 from ray_nodes import RAY_ENV
 from server_utils import metric_value, running_server
 
+# Ray joins any Ray cluster it finds on the machine: these run beside no other Ray test.
+pytestmark = pytest.mark.machine_wide
+
 # Small enough to preempt (9 blocks of 16 for 8 prompts of up to 57 tokens: measured 4
 # preemptions) and to chunk prompts (32 tokens a step, shared by the prompts).
 TIGHT = {

@@ -22,6 +22,9 @@ from pagefleet.engine import LLM, SamplingParams
 from ray_nodes import RAY_ENV, ray_cluster_of_two_nodes
 from server_utils import running_server, wait_until
 
+# Ray joins any Ray cluster it finds on the machine: these run beside no other Ray test.
+pytestmark = pytest.mark.machine_wide
+
 PROMPT = "Tell me about the river and the mountain."
 
 

@@ -9,10 +9,17 @@ from pathlib import Path
 
 import pytest
 
+import worker_groups
+
 from .lab import Lab
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TIME_FACTOR = 0.5  # every duration of a pod spec runs at half length in the lab
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    worker_groups.assign(items)
 
 
 @pytest.fixture(scope="session")
