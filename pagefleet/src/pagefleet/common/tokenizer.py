@@ -4,6 +4,7 @@ torch."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -36,7 +37,44 @@ def load_tokenizer(path: str | Path):
     path = Path(path)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         raise FileNotFoundError(f"{path} has no tokenizer (tokenizer.json or tokenizer.model)")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    config = declared_config(path)
+    if config is None:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True, config=config)
+
+
+# The model config's fields AutoTokenizer reads when tokenizer_config.json names the class.
+_TOKENIZER_CONFIG_FIELDS = ("model_type", "model_name", "tokenizer_class")
+
+
+def declared_config(path: Path):
+    """The model config as AutoTokenizer uses it, without its class: where
+    tokenizer_config.json names the tokenizer class and neither file brings remote code,
+    AutoTokenizer reads only `_TOKENIZER_CONFIG_FIELDS` and the path of the model's config.
+    Its own class is not needed, and its module's imports (transformers.activations, and
+    through it torch.distributed.tensor) are 1.2-2.4 s of every engine start. None where
+    AutoTokenizer would use more (the full config is then loaded as before)."""
+    try:
+        declared = json.loads((path / "tokenizer_config.json").read_text())
+        model = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(declared, dict) and isinstance(model, dict)):
+        return None
+    if not isinstance(declared.get("tokenizer_class"), str) or not isinstance(
+        model.get("model_type"), str
+    ):
+        return None
+    if "auto_map" in declared or "auto_map" in model:
+        return None
+    from transformers import PreTrainedConfig
+
+    config = PreTrainedConfig()
+    for field in _TOKENIZER_CONFIG_FIELDS:
+        if field in model:
+            setattr(config, field, model[field])
+    config._name_or_path = str(path)
+    return config
 
 
 def gguf_tokenizer(path: Path):
