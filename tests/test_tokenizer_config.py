@@ -45,17 +45,18 @@ def test_every_architectures_tokenizer_is_the_one_the_full_config_gives(
         assert fingerprint(load_tokenizer(path)) == fingerprint(full(path)), name
 
 
-def with_declared(source: str, root: Path, tokenizer_class: str, model_type: str) -> str:
-    """A copy of `source` whose tokenizer_config.json names `tokenizer_class` and whose
-    config.json says `model_type`."""
-    path = root / f"{tokenizer_class}-{model_type}"
+def with_declared(
+    source: str, path: Path, tokenizer_class: str, model_type: str, **config: object
+) -> str:
+    """A copy of `source` at `path` whose tokenizer_config.json names `tokenizer_class` and
+    whose config.json says `model_type` (and `config`)."""
     shutil.copytree(source, path)
-    for name, key, value in (
-        ("tokenizer_config.json", "tokenizer_class", tokenizer_class),
-        ("config.json", "model_type", model_type),
+    for name, change in (
+        ("tokenizer_config.json", {"tokenizer_class": tokenizer_class}),
+        ("config.json", {"model_type": model_type, **config}),
     ):
         data = json.loads((path / name).read_text())
-        data[key] = value
+        data.update(change)
         (path / name).write_text(json.dumps(data))
     return str(path)
 
@@ -74,8 +75,27 @@ def with_declared(source: str, root: Path, tokenizer_class: str, model_type: str
 def test_each_declared_class_gives_the_full_configs_tokenizer(
     tiny_checkpoints, tmp_path, tokenizer_class, model_type
 ):
-    path = with_declared(tiny_checkpoints["llama"], tmp_path, tokenizer_class, model_type)
+    path = with_declared(tiny_checkpoints["llama"], tmp_path / "c", tokenizer_class, model_type)
     assert fingerprint(load_tokenizer(path)) == fingerprint(full(path))
+
+
+def test_the_model_name_and_the_checkpoints_name_choose_as_with_the_full_config(
+    tiny_checkpoints, tmp_path, monkeypatch
+):
+    """AutoTokenizer overrides a declared class by the config's `model_name` and by the name
+    the checkpoint is loaded under (hub ids it knows to be declared wrongly): both must reach
+    it as they would from the full config."""
+    named = with_declared(
+        tiny_checkpoints["llama"], tmp_path / "named", "GPT2Tokenizer", "gemma", model_name="qwen2"
+    )
+    assert fingerprint(load_tokenizer(named)) == fingerprint(full(named))
+    monkeypatch.chdir(tmp_path)
+    with_declared(
+        tiny_checkpoints["llama"], Path("deepseek-ai/deepseek-coder-tiny"), "GPT2Tokenizer", "llama"
+    )
+    tokenizer = load_tokenizer("deepseek-ai/deepseek-coder-tiny")
+    assert type(tokenizer).__name__ == "TokenizersBackend"  # not the declared GPT2Tokenizer
+    assert fingerprint(tokenizer) == fingerprint(full("deepseek-ai/deepseek-coder-tiny"))
 
 
 @pytest.mark.parametrize(
@@ -85,6 +105,9 @@ def test_each_declared_class_gives_the_full_configs_tokenizer(
         ("tokenizer_config.json", {"auto_map": {"AutoTokenizer": ["x.Tok", None]}}),
         ("config.json", {"auto_map": {"AutoConfig": "x.Config"}}),
         ("config.json", {"model_type": None}),
+        ("config.json", {"model_type": "no-such-model-type"}),  # AutoConfig's fallback
+        ("config.json", {"model_type": ["llama"]}),
+        ("config.json", {"configuration_files": ["config.v5.json"]}),
     ],
 )
 def test_a_tokenizer_that_needs_more_of_the_config_gets_the_full_one(

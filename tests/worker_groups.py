@@ -52,4 +52,5 @@ def assign(items: list[pytest.Item]) -> None:
 
 
 def group_of(item: pytest.Item) -> str:
-    return item.get_closest_marker("xdist_group").args[0]
+    mark = item.get_closest_marker("xdist_group")
+    return mark.args[0] if mark.args else mark.kwargs.get("name", "default")

@@ -55,19 +55,24 @@ def declared_config(path: Path):
     through it torch.distributed.tensor) are 1.2-2.4 s of every engine start. None where
     AutoTokenizer would use more (the full config is then loaded as before)."""
     try:
-        declared = json.loads((path / "tokenizer_config.json").read_text())
-        model = json.loads((path / "config.json").read_text())
+        declared = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+        model = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not (isinstance(declared, dict) and isinstance(model, dict)):
         return None
-    if not isinstance(declared.get("tokenizer_class"), str) or not isinstance(
-        model.get("model_type"), str
-    ):
-        return None
-    if "auto_map" in declared or "auto_map" in model:
+    if not isinstance(declared.get("tokenizer_class"), str):
         return None
     from transformers import PreTrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    # An unknown model type (AutoConfig's fallback names the config differently), remote code,
+    # or a versioned config file (AutoConfig reads another file) take the full path.
+    model_type = model.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING_NAMES:
+        return None
+    if {"auto_map", "configuration_files"} & model.keys() or "auto_map" in declared:
+        return None
 
     config = PreTrainedConfig()
     for field in _TOKENIZER_CONFIG_FIELDS:
