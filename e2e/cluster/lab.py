@@ -383,7 +383,11 @@ class Lab:
         self, name: str, argv: list[str], env: dict[str, str] | None = None
     ) -> subprocess.Popen:
         """A process on the node (in the lab's network namespace, as root), e.g. the operator
-        run with `--kubernetes-api lab.api_url`. Its output goes to logs/NAME.log."""
+        run with `--kubernetes-api lab.api_url`. Its output goes to logs/NAME.log.
+
+        Started from the lab's own thread, whichever thread asks: the shim ties a process' life
+        to the thread that spawned it (PR_SET_PDEATHSIG), and a caller's thread may end long
+        before the lab (the soak's fault thread ends after restarting the operator it killed)."""
         spec = {
             "netns": f"/run/netns/{self.network.name}",
             "hostname": "lab-node",
@@ -396,13 +400,17 @@ class Lab:
         spec_path.write_text(json.dumps(spec))
         log = self.root / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(
-                [sys.executable, str(SHIM), str(spec_path)],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+
+        def spawn() -> subprocess.Popen:
+            with open(log, "ab") as out:
+                return subprocess.Popen(
+                    [sys.executable, str(SHIM), str(spec_path)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+
+        proc = self.call(spawn)
         self.processes.append(proc)
         return proc
 

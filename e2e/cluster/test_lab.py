@@ -7,7 +7,9 @@ import json
 import os
 import socket
 import ssl
+import sys
 import textwrap
+import threading
 from concurrent import futures
 
 import httpx
@@ -669,6 +671,32 @@ def test_volumes_users_and_read_only_root(lab):
         30,
         "CreateContainerConfigError",
     )
+
+
+def test_a_node_process_outlives_the_thread_that_started_it(lab):
+    """A process on the node (an operator) started from a short-lived thread (the soak's fault
+    thread restarts the operator it killed) runs until the lab stops it: it must not die with
+    that thread, as a pod's container dies with the kubelet's."""
+    script = textwrap.dedent(
+        """
+        import pathlib, time
+        print("up", flush=True)
+        while not pathlib.Path("go").exists():
+            time.sleep(0.05)
+        """
+    )
+    started = []
+
+    def start() -> None:
+        started.append(lab.start_process("node-process", [sys.executable, "-c", script]))
+        # The process is past the shim's setup (its exec) before this thread ends.
+        lab.wait_for(lambda: "up" in lab.log("node-process"), 60, "the process up")
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join()
+    (lab.root / "go").touch()
+    assert started[0].wait(60) == 0, lab.log("node-process")
 
 
 def test_the_lab_leaves_nothing_behind(tmp_path):
