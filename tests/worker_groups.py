@@ -48,9 +48,4 @@ def assign(items: list[pytest.Item]) -> None:
             group = MACHINE_WIDE if machine_wide(item) else item.nodeid.split("::")[0]
             item.add_marker(pytest.mark.xdist_group(group))
     rank = {MACHINE_WIDE: -1} | {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(group_of(item), len(rank)))
-
-
-def group_of(item: pytest.Item) -> str:
-    mark = item.get_closest_marker("xdist_group")
-    return mark.args[0] if mark.args else mark.kwargs.get("name", "default")
+    items.sort(key=lambda item: rank.get(item.get_closest_marker("xdist_group").args[0], len(rank)))

@@ -4,7 +4,6 @@ torch."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -37,10 +36,10 @@ def load_tokenizer(path: str | Path):
     path = Path(path)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         raise FileNotFoundError(f"{path} has no tokenizer (tokenizer.json or tokenizer.model)")
-    config = declared_config(path)
-    if config is None:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True, config=config)
+    # config=None: AutoTokenizer loads the full config itself
+    return AutoTokenizer.from_pretrained(
+        str(path), local_files_only=True, config=declared_config(path)
+    )
 
 
 # The model config's fields AutoTokenizer reads when tokenizer_config.json names the class.
@@ -54,12 +53,12 @@ def declared_config(path: Path):
     Its own class is not needed, and its module's imports (transformers.activations, and
     through it torch.distributed.tensor) are 1.2-2.4 s of every engine start. None where
     AutoTokenizer would use more (the full config is then loaded as before)."""
+    from pagefleet.common.capacity import read_hf_config  # a JSON object, or ValueError
+
     try:
-        declared = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
-        model = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        declared = read_hf_config(path / "tokenizer_config.json")
+        model = read_hf_config(path / "config.json")
     except (OSError, ValueError):
-        return None
-    if not (isinstance(declared, dict) and isinstance(model, dict)):
         return None
     if not isinstance(declared.get("tokenizer_class"), str):
         return None
