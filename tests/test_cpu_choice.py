@@ -30,7 +30,7 @@ from pagefleet.engine.cpu_choice.measure import (
     machine_key,
 )
 from pagefleet.engine.model import linear_plan as plan_module
-from pagefleet.engine.model import numba_ops
+from pagefleet.engine.model import loader, numba_ops
 from pagefleet.engine.model.linear_plan import (
     PACK_ALL,
     PACK_NONE,
@@ -297,6 +297,33 @@ def test_without_room_for_a_copy_one_layout_is_chosen_over_every_row_count(tmp_p
     assert not gemv_plain.packs((8, 4)) and gemv_plain.one_row_path((8, 4)) == "gemv"
 
 
+def test_fused_layers_keep_plain_copies_first_and_fall_back_without_room(tmp_path, caplog):
+    """A layer shape packed for batches and packed at one row too keeps its plain copy where
+    the layers run fused (their kernel reads it): the one-row path is then the faster of the
+    two plain ones. Without room for the layers' copies, the shape is chosen as any other and
+    the layers run op by op."""
+    layer, head = (8, 4), (16, 4)
+    weights = {layer: [torch.randn(8, 4)], head: [torch.randn(16, 4)]}
+    cache = TimingCache(tmp_path / CACHE_FILE)
+    cache.put("linear 8x4", one_row_timed(2.0, 1.0, 1.5))  # packed wins everywhere
+    cache.put("linear 16x4", one_row_timed(3.0, 2.0, 1.0))  # the head: gemv at one row
+    fused = linear_plan("auto", weights, cache, budget=1 << 20, layer_shapes=frozenset({layer}))
+    assert fused.one_row_layers
+    assert fused.packs(layer) and fused.one_row_path(layer) == "gemv"
+    assert fused.packs(head) and fused.one_row_path(head) == "gemv"
+    # Room for the layers' copy (128 bytes) and not the head's (256) after it: layers first.
+    layers_only = linear_plan("auto", weights, cache, budget=200, layer_shapes=frozenset({layer}))
+    assert layers_only.one_row_layers and layers_only.one_row_path(layer) == "gemv"
+    assert layers_only.one_row_path(head) is None
+    with caplog.at_level(logging.INFO, logger="pagefleet.engine.model.linear_plan"):
+        tight = linear_plan("auto", weights, cache, budget=64, layer_shapes=frozenset({layer}))
+    assert not tight.one_row_layers
+    assert tight.packs(layer) and tight.one_row_path(layer) is None  # packed at one row
+    assert "op by op (plain copies of 0 MiB do not fit in 0 MiB)" in caplog.text
+    assert not linear_plan("auto", weights, cache, budget=1 << 20).one_row_layers
+    assert not linear_plan("packed", weights, layer_shapes=frozenset({layer})).one_row_layers
+
+
 def write_made_up_timings(cache_root, shapes, packed_wins) -> None:
     cache = TimingCache(cache_root / CACHE_FILE)
     for shape in shapes:
@@ -364,6 +391,8 @@ def test_one_row_steps_run_their_own_path_and_still_equal_hf(
     for shape, (_, timings) in wanted.items():
         cache.put(f"linear {shape[0]}x{shape[1]}", timings)
     monkeypatch.setenv("PAGEFLEET_CACHE", str(tmp_path))
+    # As for a family whose layers do not run fused at one row (model/one_row_decode.py).
+    monkeypatch.setattr(loader, "_fusable_shapes", lambda model: frozenset())
     llm = LLM(path, num_gpu_blocks_override=128, max_model_len=256)
     gemv_calls = []
     kernel = numba_ops._gemv

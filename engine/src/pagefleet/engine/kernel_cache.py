@@ -97,7 +97,7 @@ def compile_all() -> None:
     import torch
 
     from pagefleet.engine.attention import numba_paged
-    from pagefleet.engine.model import numba_ops  # noqa: F401  (explicit signatures: compiled on import)
+    from pagefleet.engine.model import numba_ops, one_row_decode  # noqa: F401  (compiled on import)
     from pagefleet.engine.model.quant import int8_numba  # noqa: F401
 
     numba_paged.warm_up()

@@ -72,6 +72,9 @@ class CausalLM(nn.Module):
         # wasted, and meta arithmetic runs torch's reference ops, which import torch._dynamo.
         meta = torch.get_default_device().type == "meta"
         self.rope = None if meta else self.make_rope()
+        # The layers as one compiled call each at one row, where the plan fused them
+        # (model/one_row_decode.py; set by process_weights).
+        self.one_row_decoder = None
 
     def make_rope(self) -> nn.Module:
         cfg = self.config
@@ -105,6 +108,9 @@ class CausalLM(nn.Module):
         """Hidden states after the final norm, one row per input token."""
         x = self.embed_tokens(input_ids)
         rotation = self.rope.at(positions, x.dtype)
+        fused = self.one_row_decoder
+        if fused is not None and fused.takes(x, kv_caches, meta):
+            return self.norm(fused(x, rotation, kv_caches, meta))
         for layer in self.layers:
             x = layer(x, positions, rotation, backend, kv_caches, meta)
         return self.norm(x)
@@ -118,8 +124,17 @@ class CausalLM(nn.Module):
         says (model/linear_plan.py); where the plan packs the unmeasured parts too, the layers
         then pack what else they hold (`prepack()`: a MoE's experts, a linear-attention
         layer's plain linears; the seam's linears are processed by then and keep the plan's
-        choice). PACK_NONE keeps the plain float reference."""
+        choice). Where the plan fuses the layers at one row, their plain weights and the LM
+        head's move into huge-page memory (model/one_row_decode.py). PACK_NONE keeps the
+        plain float reference."""
         process_weights(self, plan.packs, plan.one_row_path)
+        if plan.one_row_layers:
+            from pagefleet.engine.model import one_row_decode  # numba's
+
+            self.one_row_decoder = one_row_decode.OneRowDecoder.build(self)
+            head = getattr(self.lm_head, "weight", None)
+            if self.one_row_decoder is not None and head is not None:
+                one_row_decode.in_huge_pages([head])  # read whole at every step too
         weight = self.embed_tokens.weight
         if weight.device.type == "cpu" and weight.dtype == torch.float32:
             from pagefleet.engine.model import numba_ops  # the norms' and rotations' kernels

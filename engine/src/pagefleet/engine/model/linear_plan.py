@@ -67,6 +67,9 @@ class LinearPlan:
     everything: bool = False
     others: bool = False
     one_row: Mapping[Shape, str] = field(default_factory=dict)
+    # The decoder layers run as one compiled call each at one row (model/one_row_decode.py),
+    # on the plain weights this plan keeps for them.
+    one_row_layers: bool = False
 
     def packs(self, shape: Shape) -> bool:
         return self.everything or shape in self.packed
@@ -95,12 +98,14 @@ class ShapePaths:
         return self.layout == "packed" and self.one_row is not None
 
 
-def choose_paths(timings: Sequence[Timed]) -> ShapePaths:
+def choose_paths(timings: Sequence[Timed], on_plain: bool = False) -> ShapePaths:
     """The layout from the classes of several rows, the one-row path from one row's: the
-    best of all three paths on a packed layout, of the two that read a plain one."""
+    best of all three paths on a packed layout, of the two that read a plain one (and of
+    those two alone where `on_plain`: fused layers read the plain weight at one row)."""
     many = [t for t in timings if t.label != ONE_ROW] or list(timings)
     layout = choose(LAYOUTS, DEFAULT, many)
-    return _with_one_row(layout, timings, ONE_ROW_PATHS if layout.name == "packed" else ON_PLAIN)
+    packed = layout.name == "packed" and not on_plain
+    return _with_one_row(layout, timings, ONE_ROW_PATHS if packed else ON_PLAIN)
 
 
 def one_layout(timings: Sequence[Timed]) -> ShapePaths:
@@ -126,7 +131,7 @@ def _with_one_row(layout: Choice, timings: Sequence[Timed], candidates: Sequence
     one = [t for t in timings if t.label == ONE_ROW]
     if not one or len(candidates) < 2:
         return ShapePaths(layout.name, None, layout.reason)
-    row = choose(candidates, layout.name, one)
+    row = choose(candidates, layout.name if layout.name in candidates else DEFAULT, one)
     reason = f"{layout.reason}; one row: {row.reason}"
     if row.name == layout.name:
         return ShapePaths(layout.name, None, reason)
@@ -165,11 +170,20 @@ def second_layout_budget(meminfo: Path = Path("/proc/meminfo"), limit: int | Non
 
 
 def linear_plan(
-    path: str, weights: dict[Shape, list[torch.Tensor]], cache=None, budget: int | None = None
+    path: str,
+    weights: dict[Shape, list[torch.Tensor]],
+    cache=None,
+    budget: int | None = None,
+    layer_shapes: frozenset[Shape] = frozenset(),
 ) -> LinearPlan:
     """The plan for `--linear-path` `path` given the model's float seam weights by shape (only
     `auto` reads them; `budget`: bytes for second copies, None: second_layout_budget()). Logs
-    each measured choice with its reason."""
+    each measured choice with its reason.
+
+    `layer_shapes`: the shapes the decoder layers read where they can run fused at one row
+    (model/one_row_decode.py). `auto` fuses them where their plain copies fit in the budget
+    first: one call per layer instead of a dozen saved 10 ms of a 34 ms single-stream token on
+    an Intel Xeon, where its GEMV reads the weights at 0.8x MKL's rate (docs/benchmarks.md)."""
     if path not in LINEAR_PATHS:
         raise ValueError(f"--linear-path {path!r}: one of {', '.join(LINEAR_PATHS)}")
     if path == "packed":
@@ -183,15 +197,18 @@ def linear_plan(
         timings, source = cached_timings(
             cache, subject, lambda same=same: measure_linear(rotation(same))
         )
-        measured[shape] = (choose_paths(timings), timings, source)
+        measured[shape] = (choose_paths(timings, shape in layer_shapes), timings, source)
     copies = {shape: sum(w.numel() * w.element_size() for w in weights[shape]) for shape in weights}
+    budget = second_layout_budget() if budget is None else budget
+    fused = _fuse_layers(layer_shapes, measured, copies, budget)
+    if fused:
+        budget -= sum(copies[s] for s in layer_shapes if measured[s][0].second_layout)
     wanted = {
         shape: (paths.saves * len(weights[shape]), copies[shape])
         for shape, (paths, _, _) in measured.items()
-        if paths.second_layout
+        if paths.second_layout and not (fused and shape in layer_shapes)
     }
-    budget = second_layout_budget() if budget is None else budget
-    fits = fit_second_layouts(wanted, budget)
+    fits = fit_second_layouts(wanted, budget) | (set(layer_shapes) if fused else set())
     packed, one_row = set(), {}
     for shape, (paths, timings, source) in measured.items():
         copy = ""
@@ -219,7 +236,31 @@ def linear_plan(
     # The unmeasured parts have no one-row path: packed only where it won every shape over
     # all three row counts, one row included.
     others = all(one_layout(timings).layout == "packed" for _, timings, _ in measured.values())
-    return LinearPlan(frozenset(packed), others=others, one_row=one_row)
+    return LinearPlan(frozenset(packed), others=others, one_row=one_row, one_row_layers=fused)
+
+
+def _fuse_layers(layer_shapes, measured: dict, copies: dict[Shape, int], budget: int) -> bool:
+    """Whether the decoder layers run fused at one row: where they can and the plain copies
+    their packed weights then keep fit in `budget`. Where not, their shapes in `measured` are
+    chosen again as any other's. Logs the choice."""
+    if not layer_shapes:
+        return False
+    need = sum(copies[s] for s in layer_shapes if s in measured and measured[s][0].second_layout)
+    if layer_shapes <= measured.keys() and need <= budget:
+        logger.info(
+            "decoder layers at one row: one compiled call each, plain copies %d MiB",
+            need >> 20,
+        )
+        return True
+    logger.info(
+        "decoder layers at one row: op by op (plain copies of %d MiB do not fit in %d MiB)",
+        need >> 20,
+        budget >> 20,
+    )
+    for shape in layer_shapes & measured.keys():
+        _, timings, source = measured[shape]
+        measured[shape] = (choose_paths(timings), timings, source)
+    return False
 
 
 def float_weights_by_shape(model: nn.Module) -> dict[Shape, list[torch.Tensor]]:

@@ -55,6 +55,9 @@ def config_from_hf(cfg: dict, arch: str) -> ModelConfig:
 class DecoderLayer(nn.Module):
     """Pre-norm attention then pre-norm MLP, each added to the residual."""
 
+    # The shape model/one_row_decode.py runs as one call at one row.
+    one_row_fusable = True
+
     def __init__(self, cfg: ModelConfig, layer_index: int, tp: TPParts | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -119,8 +119,16 @@ def load_model(
         filled = loaders[name].load(params.get(name), source, part)
         arrived.setdefault(name, set()).update({part} if filled is None else filled)
     _check_complete(model, loaders, arrived, path)
-    model.process_weights(linear_plan(linear_path, float_weights_by_shape(model)))
+    weights = float_weights_by_shape(model)
+    layers = _fusable_shapes(model) if weights and linear_path == "auto" else frozenset()
+    model.process_weights(linear_plan(linear_path, weights, layer_shapes=layers))
     return model.eval()
+
+
+def _fusable_shapes(model: CausalLM) -> frozenset[tuple[int, int]]:
+    from pagefleet.engine.model.one_row_decode import fusable_shapes  # numba's, CPU only
+
+    return fusable_shapes(model)
 
 
 def _check_complete(model: CausalLM, loaders: dict, arrived: dict[str, set], path) -> None:

@@ -1,0 +1,340 @@
+"""A dense decoder layer at one row (single-stream decode) as one compiled call, on float32 CPU
+weights.
+
+At one row a small model's step is mostly dispatch: SmolLM2-135M's token took 33.7-34.5 ms
+on an Intel Xeon, of which its weights alone take 23 ms to read; the rest was a dozen torch
+and numba calls per layer, each with its tensor wrapping, checks and launch
+(docs/benchmarks.md, issue 38). Here each layer is one numba function composed from the
+kernels the layers already run one by one: numba_ops's RMSNorm, GEMV and rotation, and
+numba_paged's in-place attention over the block table. The order is the layer's: norm,
+q/k/v (+ bias), per-head q/k norm, rotation, the new key and value written into the pool,
+attention, o + residual, norm, gate/up, SiLU(gate) * up, down + residual.
+
+It serves layers that declare the plain pre-norm shape (`one_row_fusable`, the Llama family's
+DecoderLayer over model/layers.py's Attention and MLP) on one rank, with float weights kept in
+their plain layout (model/linear_plan.py keeps them where `--linear-path auto` fuses), and a
+step of one single-token row over a float32 pool without fp8 scales and no LoRA wrapper. Every
+other step runs the layers op by op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+
+from pagefleet.engine.attention.backend import AttentionMetadata, LayerKV
+from pagefleet.engine.attention.numba_paged import (
+    context_parts,
+    paged_decode,
+    paged_decode_serial,
+    runs_serially,
+)
+from pagefleet.engine.kernel_cache import use_image_kernels
+from pagefleet.engine.model.layers import MLP, Attention, RMSNorm
+from pagefleet.engine.model.linear import FloatLinearMethod, Linear
+from pagefleet.engine.model.numba_ops import _gemv, _rms_norm, _rotate_pair
+
+use_image_kernels()  # before the kernel below is defined (and loaded or compiled)
+
+_FAST = {"reassoc", "contract", "nsz", "arcp"}
+_ROWS = numba.float32[:, ::1]
+_VECTOR = numba.float32[::1]
+_HEADS = numba.float32[:, :, ::1]
+_POOL = numba.float32[:, :, :, ::1]
+_INT = numba.int64
+_SHAPE = numba.types.UniTuple(numba.int64, 4)  # heads, KV heads, head dim, intermediate size
+
+
+@numba.njit(
+    numba.void(
+        _ROWS,  # x [1, hidden]: the residual, updated in place
+        numba.float32,  # eps
+        _VECTOR,  # input norm
+        _ROWS,  # q/k/v weight
+        _VECTOR,  # its bias (empty: none)
+        _VECTOR,  # q norm (empty: none)
+        _VECTOR,  # k norm
+        _ROWS,  # o weight
+        _VECTOR,  # its bias
+        _VECTOR,  # post-attention norm
+        _ROWS,  # gate/up weight
+        _VECTOR,  # its bias
+        _ROWS,  # down weight
+        _VECTOR,  # its bias
+        _HEADS,  # cos [1, 1, rotary]
+        _HEADS,  # sin
+        _POOL,  # keys [kv heads, blocks, block size, head dim]
+        _POOL,  # values
+        _INT,  # the new token's pool slot (-1: its key and value are already there)
+        numba.int64[:, ::1],  # block table [1, blocks]
+        numba.int64[::1],  # context length [1]
+        numba.float32,  # attention scale
+        _INT,  # runs of blocks per KV head (numba_paged.context_parts)
+        numba.boolean,  # attention on the calling thread (numba_paged.runs_serially)
+        _SHAPE,
+    ),
+    fastmath=_FAST,
+    cache=True,
+)
+def _decoder_layer(
+    x, eps, norm1, w_qkv, b_qkv, q_norm, k_norm, w_o, b_o, norm2, w_gu, b_gu, w_down, b_down,
+    cos, sin, keys, values, slot, table, length, scale, parts, serial, shape,
+):  # fmt: skip
+    heads, kv_heads, head_dim, inter = shape
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    h = np.empty_like(x)
+    _rms_norm(x, norm1, eps, h)
+    qkv = np.empty(w_qkv.shape[0], np.float32)
+    _gemv(w_qkv, h[0], b_qkv, False, qkv)
+    q_flat, k_flat = qkv[:q_size], qkv[q_size : q_size + kv_size]
+    if q_norm.shape[0]:
+        q_normed = np.empty((heads, head_dim), np.float32)
+        k_normed = np.empty((kv_heads, head_dim), np.float32)
+        _rms_norm(q_flat.reshape(heads, head_dim), q_norm, eps, q_normed)
+        _rms_norm(k_flat.reshape(kv_heads, head_dim), k_norm, eps, k_normed)
+        q_flat, k_flat = q_normed.reshape(-1), k_normed.reshape(-1)
+    q = np.empty((1, heads, head_dim), np.float32)
+    k = np.empty((1, kv_heads, head_dim), np.float32)
+    _rotate_pair(q_flat, q_size, k_flat, kv_size, cos, sin, q, k)
+    if slot >= 0:
+        block, offset = slot // keys.shape[2], slot % keys.shape[2]
+        v_start = q_size + kv_size
+        for g in range(kv_heads):
+            for d in range(head_dim):
+                keys[g, block, offset, d] = k[0, g, d]
+                values[g, block, offset, d] = qkv[v_start + g * head_dim + d]
+    attended = np.empty((1, heads, head_dim), np.float32)
+    if serial:
+        paged_decode_serial(q, keys, values, table, length, scale, attended, parts)
+    else:
+        paged_decode(q, keys, values, table, length, scale, attended, parts)
+    _gemv(w_o, attended.reshape(-1), b_o, True, x[0])
+    _rms_norm(x, norm2, eps, h)
+    gate_up = np.empty(w_gu.shape[0], np.float32)
+    _gemv(w_gu, h[0], b_gu, False, gate_up)
+    act = np.empty(inter, np.float32)
+    for i in range(inter):
+        gate = gate_up[i]
+        act[i] = gate / (np.float32(1.0) + np.exp(-gate)) * gate_up[inter + i]
+    _gemv(w_down, act, b_down, True, x[0])
+
+
+_NONE = np.empty(0, np.float32)  # an absent bias or q/k norm (the kernel only reads it)
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One layer's weights as the kernel reads them (numpy views of the model's tensors),
+    and its pool slot and attention scale."""
+
+    kv_slot: int
+    eps: np.float32
+    scale: np.float32
+    arrays: tuple[np.ndarray, ...]  # norm1 .. b_down, in the kernel's order
+    shape: tuple[int, int, int, int]
+
+
+def fusable_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers where every one can run fused, else [] (a tensor-parallel
+    shard, a family without the plain pre-norm layer, weights that are not float32 on the
+    CPU, a LoRA wrapper)."""
+    layers = list(getattr(model, "layers", ()))
+    if getattr(model, "tp", None) is not None or not layers:
+        return []
+    for layer in layers:
+        if not getattr(layer, "one_row_fusable", False):
+            return []
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(attn) is not Attention or type(mlp) is not MLP:
+            return []
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(_float32_linear(linear) for linear in linears):
+            return []
+    return layers
+
+
+def fusable_shapes(model: torch.nn.Module) -> frozenset[tuple[int, int]]:
+    """The (out, in) weight shapes the fused layers read, or none where they do not apply."""
+    return frozenset(
+        (linear.out_features, linear.in_features)
+        for layer in fusable_layers(model)
+        for linear in _linears(layer)
+    )
+
+
+def _linears(layer) -> tuple[Linear, ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _float32_linear(linear) -> bool:
+    weight = getattr(linear, "weight", None)
+    return (
+        type(linear) is Linear
+        and isinstance(linear.method, FloatLinearMethod)
+        and weight is not None
+        and weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+    )
+
+
+class OneRowDecoder:
+    """The model's decoder layers run fused at one row (see the module doc)."""
+
+    def __init__(self, layers: list[torch.nn.Module]) -> None:
+        self.layers = layers
+        self.linears = [_linears(layer) for layer in layers]
+        self.weights = [_layer_weights(layer) for layer in layers]
+        self._pools: tuple[list[LayerKV], list[tuple[np.ndarray, np.ndarray]]] | None = None
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> OneRowDecoder | None:
+        """The fused layers where they apply to the model as processed (its plain float
+        weights kept), else None."""
+        layers = fusable_layers(model)
+        if not layers:
+            return None
+        in_huge_pages(_weights_of(layers))
+        decoder = cls(layers)
+        decoder.warm_up()
+        return decoder
+
+    def takes(self, x: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata) -> bool:
+        """Whether this step runs fused: one single-token row (no prompt chunk, no recurrent
+        state), float32 without gradients, the pool float32 without fp8 scales, and the
+        linears still the model's own (no LoRA wrapper took their place)."""
+        if not (
+            x.shape[0] == 1
+            and meta.num_single == 1
+            and not meta.prefills
+            and meta.states is None
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.is_contiguous()
+            and not torch.is_grad_enabled()
+        ):
+            return False
+        first = kv_caches[self.weights[0].kv_slot]
+        if first.scales is not None or first.k_cache.dtype != torch.float32:
+            return False
+        return all(
+            layer.self_attn.qkv_proj is qkv
+            and layer.self_attn.o_proj is o
+            and layer.mlp.gate_up_proj is gate_up
+            and layer.mlp.down_proj is down
+            for layer, (qkv, o, gate_up, down) in zip(self.layers, self.linears, strict=True)
+        )
+
+    def __call__(self, x, rotation, kv_caches: list[LayerKV], meta: AttentionMetadata):
+        """x [1, hidden] after every layer (in place)."""
+        group = meta.single_groups[0]
+        table = group.block_tables.contiguous().numpy()
+        length = group.seq_lens.contiguous().numpy()
+        slot = int(meta.slot_mapping[0]) if _writes_its_row(meta) else -1
+        threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(threads)
+        pools = self._pool_arrays(kv_caches)
+        cos, sin = rotation.cos.contiguous().numpy(), rotation.sin.contiguous().numpy()
+        out = x.numpy()
+        for w in self.weights:
+            keys, values = pools[w.kv_slot]
+            kv_heads = w.shape[1]
+            parts = context_parts(1, kv_heads, threads, table.shape[1])
+            serial = parts == 1 and runs_serially(1, kv_heads, threads)
+            _decoder_layer(
+                out, w.eps, *w.arrays, cos, sin, keys, values, slot, table, length,
+                w.scale, parts, serial, w.shape,
+            )  # fmt: skip
+        return x
+
+    def _pool_arrays(self, kv_caches: list[LayerKV]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """numpy views of each layer's pool, made once per list of caches (the runner's)."""
+        if self._pools is None or self._pools[0] is not kv_caches:
+            views = [(c.k_cache.numpy(), c.v_cache.numpy()) for c in kv_caches]
+            self._pools = (kv_caches, views)
+        return self._pools[1]
+
+    def warm_up(self) -> None:
+        """One call on a throwaway pool: the kernel compiled or loaded at load, not in the
+        first request."""
+        w = self.weights[0]
+        _, kv_heads, head_dim, _ = w.shape
+        x = np.zeros((1, w.arrays[1].shape[1]), np.float32)
+        pool = np.zeros((kv_heads, 1, 1, head_dim), np.float32)
+        rotary = np.zeros((1, 1, head_dim), np.float32)
+        table, length = np.zeros((1, 1), np.int64), np.ones(1, np.int64)
+        _decoder_layer(
+            x, w.eps, *w.arrays, rotary, rotary, pool, pool.copy(), 0, table, length,
+            w.scale, 1, True, w.shape,
+        )  # fmt: skip
+
+
+def _writes_its_row(meta: AttentionMetadata) -> bool:
+    """Whether the step writes its row's key and value (not when a full prefix hit left them
+    in a shared cached block)."""
+    return meta.write_rows is None or meta.write_rows.numel() > 0
+
+
+def in_huge_pages(params: list[torch.Tensor]) -> None:
+    """Move float32 CPU parameters into one array, in their order, each `.data` rebound to its
+    view of it (every reference to the parameter sees the move; the old storage is freed).
+
+    numpy asks the kernel to back a large array with 2 MiB pages (madvise, where transparent
+    huge pages are on "madvise", as on most distributions); torch's allocator does not. A
+    weight streamed from memory at one row then takes fewer TLB misses: the fused layers of
+    SmolLM2 ran 12% faster from such a copy than from the loader's tensors on an Intel Xeon."""
+    sizes = [-(-p.numel() // _LINE) * _LINE for p in params]  # each on its own cache line
+    arena = np.empty(sum(sizes) + _LINE, np.float32)
+    start = (-arena.ctypes.data // 4) % _LINE
+    for param, size in zip(params, sizes, strict=True):
+        view = torch.from_numpy(arena[start : start + param.numel()]).view(param.shape)
+        view.copy_(param.detach())
+        param.data = view
+        start += size
+
+
+_LINE = 16  # float32s in a 64-byte cache line
+
+
+def _weights_of(layers) -> list[torch.Tensor]:
+    return [linear.weight for layer in layers for linear in _linears(layer)]
+
+
+def _layer_weights(layer) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    arrays = (
+        _array(layer.input_layernorm.weight),
+        _array(attn.qkv_proj.weight),
+        _optional(attn.qkv_proj.bias),
+        _norm(attn.q_norm),
+        _norm(attn.k_norm),
+        _array(attn.o_proj.weight),
+        _optional(attn.o_proj.bias),
+        _array(layer.post_attention_layernorm.weight),
+        _array(mlp.gate_up_proj.weight),
+        _optional(mlp.gate_up_proj.bias),
+        _array(mlp.down_proj.weight),
+        _optional(mlp.down_proj.bias),
+    )
+    return LayerWeights(
+        attn.kv_slot,
+        np.float32(layer.input_layernorm.eps),
+        np.float32(attn.scale),
+        arrays,
+        (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate),
+    )
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().contiguous().numpy()
+
+
+def _optional(tensor: torch.Tensor | None) -> np.ndarray:
+    return _NONE if tensor is None else _array(tensor)
+
+
+def _norm(norm: RMSNorm | None) -> np.ndarray:
+    return _NONE if norm is None else _array(norm.weight)

@@ -1,0 +1,136 @@
+"""Fused one-row decode layers (model/one_row_decode.py): single-stream decode runs each layer
+as one compiled call and still gives HF's greedy output for every dense family; every step it
+does not cover (a LoRA wrapper, an fp8 pool, several rows) runs the layers op by op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_reference import ARCH_CASES, assert_greedy_equal
+from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.model import one_row_decode
+from pagefleet.engine.model.loader import load_model
+from pagefleet.engine.model.one_row_decode import OneRowDecoder, fusable_layers, in_huge_pages
+
+CPU = torch.device("cpu")
+TOKENS = 20
+GREEDY = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+# Lengths across block edges (block 16): a one-token prompt, one a token short of a block, one
+# filling two blocks, one past three.
+PROMPTS = [[7], list(range(20, 35)), list(range(100, 132)), list(range(300, 350))]
+
+
+@pytest.fixture
+def fused_steps(monkeypatch) -> list[int]:
+    """Rows of each step the fused layers ran."""
+    steps: list[int] = []
+    run = OneRowDecoder.__call__
+
+    def counted(self, x, *args):
+        steps.append(x.shape[0])
+        return run(self, x, *args)
+
+    monkeypatch.setattr(OneRowDecoder, "__call__", counted)
+    return steps
+
+
+@pytest.mark.parametrize("arch", list(ARCH_CASES))
+def test_single_stream_runs_fused_layers_and_equals_hf(tiny_checkpoints, arch, fused_steps):
+    """One sequence at a time: every decode step is one row. llama (rope scaling), mistral
+    (one KV head), qwen2 (q/k/v bias, tied embeddings), qwen3 (q/k norm, head_dim apart)."""
+    path = tiny_checkpoints[arch]
+    llm = LLM(path, max_num_seqs=1, num_gpu_blocks_override=64, max_model_len=128)
+    assert llm.engine.runner.model.one_row_decoder is not None
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert_greedy_equal(path, prompt, out.outputs[0].token_ids, TOKENS)
+    # Every token after each prompt's first (its prefill) came from a fused step, and the
+    # one-token prompt's prefill too.
+    assert fused_steps == [1] * (len(PROMPTS) * (TOKENS - 1) + 1)
+
+
+def test_a_full_prefix_hit_recomputes_its_last_token_fused_without_writing(
+    tiny_checkpoints, fused_steps
+):
+    llm = LLM(tiny_checkpoints["llama"], num_gpu_blocks_override=64, max_model_len=128)
+    prompt = list(range(40, 72))  # two full blocks
+    first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    engine = llm.engine
+    engine.add_request("again", prompt, SamplingParams(temperature=0, max_tokens=2))
+    out = engine.scheduler.schedule()
+    ((req, n),) = out.scheduled
+    assert n == 1 and req.num_cached_tokens == 32
+    pool = engine.runner.kv_pool
+    before = pool.clone()
+    fused_steps.clear()
+    logits, _, _ = engine.runner.execute(out)
+    assert fused_steps == [1]
+    assert torch.equal(pool, before), "the step wrote into the pool"
+    assert int(logits[0].argmax()) == first[0].outputs[0].token_ids[0]
+
+
+def test_an_fp8_pool_and_batches_run_the_layers_op_by_op(tiny_checkpoints, fused_steps):
+    path = tiny_checkpoints["llama"]
+    fp8 = LLM(
+        path, kv_cache_dtype="fp8", max_num_seqs=1, num_gpu_blocks_override=64, max_model_len=128
+    )
+    fp8.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert fused_steps == []
+    batch = LLM(path, num_gpu_blocks_override=64, max_model_len=128)
+    outs = batch.generate(PROMPTS[1:3], GREEDY, use_tqdm=False)  # same length: two rows a step
+    for prompt, out in zip(PROMPTS[1:3], outs, strict=True):
+        assert_greedy_equal(path, prompt, out.outputs[0].token_ids, TOKENS)
+    assert fused_steps == []
+
+
+def test_a_wrapped_linear_takes_the_step_back_to_the_layers(tiny_checkpoints, fused_steps):
+    """A LoRA wrapper (or any module) put in a linear's place after loading: the fused layers
+    would skip it, so the step runs op by op, through the wrapper."""
+    path = tiny_checkpoints["llama"]
+    llm = LLM(path, max_num_seqs=1, num_gpu_blocks_override=64, max_model_len=128)
+    mlp = llm.engine.runner.model.layers[1].mlp
+    calls = []
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            calls.append(x.shape[0])
+            return self.inner(x)
+
+    mlp.down_proj = Wrapper(mlp.down_proj)
+    out = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]
+    assert_greedy_equal(path, PROMPTS[0], out.outputs[0].token_ids, TOKENS)
+    assert fused_steps == [] and calls.count(1) == TOKENS
+
+
+@pytest.mark.parametrize("breaks", ["tensor-parallel", "quantized", "other-family"])
+def test_layers_that_are_not_plain_dense_float_are_not_fused(tiny_checkpoints, breaks):
+    model = load_model(tiny_checkpoints["llama"], torch.float32, CPU, 64, linear_path="plain")
+    assert fusable_layers(model) == list(model.layers)
+    if breaks == "tensor-parallel":
+        model.tp = object()
+    elif breaks == "quantized":
+        model.layers[-1].self_attn.o_proj.method = object()
+    else:
+        model.layers[0].one_row_fusable = False
+    assert fusable_layers(model) == []
+    assert one_row_decode.fusable_shapes(model) == frozenset()
+    assert OneRowDecoder.build(model) is None
+
+
+def test_moving_weights_into_one_array_keeps_values_and_ties(tiny_checkpoints):
+    model = load_model(tiny_checkpoints["qwen2"], torch.float32, CPU, 64, linear_path="plain")
+    assert model.lm_head.weight is model.embed_tokens.weight  # tied
+    params = [model.embed_tokens.weight, model.layers[0].self_attn.qkv_proj.weight]
+    before = [p.detach().clone() for p in params]
+    in_huge_pages(params)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    first, second = (p.data_ptr() for p in params)
+    assert second - first >= before[0].numel() * 4 and first % 64 == second % 64 == 0
+    ids = torch.tensor([3, 9])
+    assert torch.equal(model.embed_tokens(ids), before[0][ids])
