@@ -95,3 +95,56 @@ def test_the_engines_locators_stay_out_of_child_processes(monkeypatch):
     kernel_cache.use_image_kernels()
     assert config.CACHE_LOCATOR_CLASSES == kernel_cache.LOCATORS
     assert "NUMBA_CACHE_LOCATOR_CLASSES" not in os.environ
+
+
+CALLER = """
+import numba
+import callee
+
+KERNEL_CALLEES = (callee.__file__,)
+
+
+@numba.njit(cache=True)
+def f(x):
+    return callee.g(x)
+"""
+CALLEE = """
+import numba
+
+
+@numba.njit(cache=True)
+def g(x):
+    return x + {step}
+"""
+RUN = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from pagefleet.engine.kernel_cache import use_image_kernels
+use_image_kernels()
+import caller
+print(json.dumps([caller.f(1), sum(caller.f.stats.cache_hits.values())]))
+"""
+
+
+def test_a_cached_kernel_is_compiled_again_when_a_kernel_it_calls_changes(tmp_path):
+    """numba checks only the caller's own file: without the callees' files in its stamp, the
+    caller's cached copy would keep the callee's old code (one_row_decode.py's kernel calls
+    numba_ops's and numba_paged's)."""
+    (tmp_path / "caller.py").write_text(CALLER)
+
+    def run(step: int) -> list[int]:
+        (tmp_path / "callee.py").write_text(CALLEE.format(step=step))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+        done = subprocess.run(
+            [sys.executable, "-c", RUN, str(tmp_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.splitlines()[-1])
+
+    assert run(1) == [2, 0]
+    assert run(1) == [2, 1]  # unchanged: loaded from the cache
+    assert run(2)[0] == 3  # the callee changed: compiled again, not the stale copy

@@ -19,6 +19,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
 # Lengths across block edges (block 16): a one-token prompt, one a token short of a block, one
 # filling two blocks, one past three.
 PROMPTS = [[7], list(range(20, 35)), list(range(100, 132)), list(range(300, 350))]
+# The in-place attention kernel, which the fused layers run (auto picks it where it measures
+# faster; an explicit torch backend keeps its own one-row steps).
+NUMBA = {"attention_backend": "numba", "num_gpu_blocks_override": 64, "max_model_len": 128}
 
 
 @pytest.fixture
@@ -40,7 +43,7 @@ def test_single_stream_runs_fused_layers_and_equals_hf(tiny_checkpoints, arch, f
     """One sequence at a time: every decode step is one row. llama (rope scaling), mistral
     (one KV head), qwen2 (q/k/v bias, tied embeddings), qwen3 (q/k norm, head_dim apart)."""
     path = tiny_checkpoints[arch]
-    llm = LLM(path, max_num_seqs=1, num_gpu_blocks_override=64, max_model_len=128)
+    llm = LLM(path, max_num_seqs=1, **NUMBA)
     assert llm.engine.runner.model.one_row_decoder is not None
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs, strict=True):
@@ -50,10 +53,29 @@ def test_single_stream_runs_fused_layers_and_equals_hf(tiny_checkpoints, arch, f
     assert fused_steps == [1] * (len(PROMPTS) * (TOKENS - 1) + 1)
 
 
+def test_contexts_cut_into_runs_of_blocks_merge_to_hf(tiny_checkpoints, fused_steps, monkeypatch):
+    """A long context on several threads is cut into runs of blocks, each a work item of the
+    parallel kernel, merged after (numba_paged.context_parts); forced here on short ones, so
+    the runs are a few blocks and some hold none."""
+    path = tiny_checkpoints["llama"]
+    cuts = []
+
+    def cut_in_five(rows, kv_heads, threads, blocks):
+        cuts.append(blocks)
+        return 5
+
+    monkeypatch.setattr(one_row_decode, "context_parts", cut_in_five)
+    llm = LLM(path, max_num_seqs=1, **NUMBA)
+    outs = llm.generate(PROMPTS[2:], GREEDY, use_tqdm=False)
+    for prompt, out in zip(PROMPTS[2:], outs, strict=True):
+        assert_greedy_equal(path, prompt, out.outputs[0].token_ids, TOKENS)
+    assert fused_steps and min(cuts) == 3 and max(cuts) == 5  # tables of 3 to 5 blocks
+
+
 def test_a_full_prefix_hit_recomputes_its_last_token_fused_without_writing(
     tiny_checkpoints, fused_steps
 ):
-    llm = LLM(tiny_checkpoints["llama"], num_gpu_blocks_override=64, max_model_len=128)
+    llm = LLM(tiny_checkpoints["llama"], **NUMBA)
     prompt = list(range(40, 72))  # two full blocks
     first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     engine = llm.engine
@@ -70,14 +92,18 @@ def test_a_full_prefix_hit_recomputes_its_last_token_fused_without_writing(
     assert int(logits[0].argmax()) == first[0].outputs[0].token_ids[0]
 
 
-def test_an_fp8_pool_and_batches_run_the_layers_op_by_op(tiny_checkpoints, fused_steps):
+def test_an_fp8_pool_a_torch_backend_and_batches_run_the_layers_op_by_op(
+    tiny_checkpoints, fused_steps
+):
     path = tiny_checkpoints["llama"]
-    fp8 = LLM(
-        path, kv_cache_dtype="fp8", max_num_seqs=1, num_gpu_blocks_override=64, max_model_len=128
-    )
+    fp8 = LLM(path, kv_cache_dtype="fp8", max_num_seqs=1, **NUMBA)
     fp8.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     assert fused_steps == []
-    batch = LLM(path, num_gpu_blocks_override=64, max_model_len=128)
+    reference = LLM(path, max_num_seqs=1, **(NUMBA | {"attention_backend": "torch"}))
+    out = reference.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]
+    assert_greedy_equal(path, PROMPTS[0], out.outputs[0].token_ids, TOKENS)
+    assert fused_steps == []
+    batch = LLM(path, **NUMBA)
     outs = batch.generate(PROMPTS[1:3], GREEDY, use_tqdm=False)  # same length: two rows a step
     for prompt, out in zip(PROMPTS[1:3], outs, strict=True):
         assert_greedy_equal(path, prompt, out.outputs[0].token_ids, TOKENS)
@@ -85,10 +111,17 @@ def test_an_fp8_pool_and_batches_run_the_layers_op_by_op(tiny_checkpoints, fused
 
 
 def test_a_wrapped_linear_takes_the_step_back_to_the_layers(tiny_checkpoints, fused_steps):
-    """A LoRA wrapper (or any module) put in a linear's place after loading: the fused layers
-    would skip it, so the step runs op by op, through the wrapper."""
+    """A LoRA wrapper (or any module) put in a linear's place after loading, or a weight
+    given new storage: the fused layers would skip the one and read the other's old copy, so
+    the step runs op by op."""
     path = tiny_checkpoints["llama"]
-    llm = LLM(path, max_num_seqs=1, num_gpu_blocks_override=64, max_model_len=128)
+    llm = LLM(path, max_num_seqs=1, **NUMBA)
+    attn = llm.engine.runner.model.layers[0].self_attn
+    attn.o_proj.weight.data = attn.o_proj.weight.detach().clone()
+    out = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]
+    assert_greedy_equal(path, PROMPTS[0], out.outputs[0].token_ids, TOKENS)
+    assert fused_steps == []
+    llm = LLM(path, max_num_seqs=1, **NUMBA)
     mlp = llm.engine.runner.model.layers[1].mlp
     calls = []
 
@@ -134,3 +167,26 @@ def test_moving_weights_into_one_array_keeps_values_and_ties(tiny_checkpoints):
     assert second - first >= before[0].numel() * 4 and first % 64 == second % 64 == 0
     ids = torch.tensor([3, 9])
     assert torch.equal(model.embed_tokens(ids), before[0][ids])
+
+
+@pytest.mark.parametrize("tamper", ["slot", "table", "context"])
+def test_a_step_out_of_the_pools_bounds_is_refused_before_the_kernel(tiny_checkpoints, tamper):
+    """The kernel writes and reads the pool unchecked: a slot past the pool, a table naming a
+    block it does not have, or a context longer than the table raise instead."""
+    llm = LLM(tiny_checkpoints["llama"], **NUMBA)
+    engine = llm.engine
+    engine.add_request("one", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3))
+    engine.step()  # the prompt
+    inputs = engine.runner.prepare(engine.scheduler.schedule())
+    meta, pool = inputs.meta, engine.runner.kv_pool
+    group = meta.single_groups[0]
+    if tamper == "slot":
+        meta.slot_mapping[0] = pool.shape[3] * pool.shape[4]
+    elif tamper == "table":
+        group.block_tables[0, 0] = pool.shape[3]
+    else:
+        group.seq_lens[0] = group.block_tables.shape[1] * pool.shape[4] + 1
+    before = pool.clone()
+    with pytest.raises(ValueError, match="out of the pool's bounds"):
+        engine.runner.hidden_states(inputs)
+    assert torch.equal(pool, before)

@@ -13,6 +13,7 @@ as it is without the image's copy.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -30,7 +31,38 @@ _CACHE_IMPL = getattr(caching, "CacheImpl", None) or caching._CacheImpl
 _USER_DIR, _IN_TREE = _CACHE_IMPL._locator_classes[:2]
 
 
-class ImageSeededCacheLocator(_USER_WIDE):
+class CalleeStamp:
+    """A kernel's source stamp covering the files of the kernels it calls, as its module lists
+    them in `KERNEL_CALLEES`: numba checks only the file a kernel is defined in, so a kernel
+    compiled together with kernels of other files would keep their old code after they
+    change (model/one_row_decode.py calls numba_ops's and numba_paged's)."""
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        locator = super().from_function(py_func, py_file)
+        if locator is not None:
+            locator.callees = tuple(py_func.__globals__.get("KERNEL_CALLEES", ()))
+        return locator
+
+    def get_source_stamp(self):
+        stamp = super().get_source_stamp()
+        if not getattr(self, "callees", ()):
+            return stamp
+        digest = hashlib.sha256(stamp if isinstance(stamp, bytes) else repr(stamp).encode())
+        for path in self.callees:
+            digest.update(Path(path).read_bytes())
+        return digest.digest()
+
+
+class UserDirLocator(CalleeStamp, _USER_DIR):
+    """numba's cache in the user's NUMBA_CACHE_DIR."""
+
+
+class InTreeLocator(CalleeStamp, _IN_TREE):
+    """numba's cache beside the source, where it may write there."""
+
+
+class ImageSeededCacheLocator(CalleeStamp, _USER_WIDE):
     """numba's user-wide cache, first given the kernel's files from beside its source."""
 
     @classmethod
@@ -78,7 +110,9 @@ def seed(source: Path, cache: Path, prefix: str) -> list[str]:
 
 # numba's own order (a user's NUMBA_CACHE_DIR, then beside the source), then ours in place of
 # its user-wide locator.
-LOCATORS = f"{_USER_DIR.__name__},{_IN_TREE.__name__},{__name__}.ImageSeededCacheLocator"
+LOCATORS = ",".join(
+    f"{__name__}.{c.__name__}" for c in (UserDirLocator, InTreeLocator, ImageSeededCacheLocator)
+)
 
 
 def use_image_kernels() -> None:

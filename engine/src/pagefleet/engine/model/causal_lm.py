@@ -109,7 +109,7 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         rotation = self.rope.at(positions, x.dtype)
         fused = self.one_row_decoder
-        if fused is not None and fused.takes(x, kv_caches, meta):
+        if fused is not None and fused.takes(self, x, backend, kv_caches, meta):
             return self.norm(fused(x, rotation, kv_caches, meta))
         for layer in self.layers:
             x = layer(x, positions, rotation, backend, kv_caches, meta)

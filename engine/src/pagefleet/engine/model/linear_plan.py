@@ -246,7 +246,12 @@ def _fuse_layers(layer_shapes, measured: dict, copies: dict[Shape, int], budget:
     if not layer_shapes:
         return False
     need = sum(copies[s] for s in layer_shapes if s in measured and measured[s][0].second_layout)
-    if layer_shapes <= measured.keys() and need <= budget:
+    # A packed shape without a one-row time (its measurement failed) keeps no plain weight.
+    plain_kept = all(
+        s in measured and (measured[s][0].layout == "plain" or measured[s][0].one_row)
+        for s in layer_shapes
+    )
+    if plain_kept and need <= budget:
         logger.info(
             "decoder layers at one row: one compiled call each, plain copies %d MiB",
             need >> 20,

@@ -126,6 +126,8 @@ def load_model(
 
 
 def _fusable_shapes(model: CausalLM) -> frozenset[tuple[int, int]]:
+    if not all(getattr(layer, "one_row_fusable", False) for layer in model.layers):
+        return frozenset()  # before importing (and maybe compiling) the fused kernel
     from pagefleet.engine.model.one_row_decode import fusable_shapes  # numba's, CPU only
 
     return fusable_shapes(model)

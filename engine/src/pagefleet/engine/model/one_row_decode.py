@@ -25,6 +25,7 @@ import numba
 import numpy as np
 import torch
 
+from pagefleet.engine.attention import numba_paged
 from pagefleet.engine.attention.backend import AttentionMetadata, LayerKV
 from pagefleet.engine.attention.numba_paged import (
     context_parts,
@@ -33,11 +34,15 @@ from pagefleet.engine.attention.numba_paged import (
     runs_serially,
 )
 from pagefleet.engine.kernel_cache import use_image_kernels
+from pagefleet.engine.model import numba_ops
 from pagefleet.engine.model.layers import MLP, Attention, RMSNorm
 from pagefleet.engine.model.linear import FloatLinearMethod, Linear
 from pagefleet.engine.model.numba_ops import _gemv, _rms_norm, _rotate_pair
 
 use_image_kernels()  # before the kernel below is defined (and loaded or compiled)
+# The kernel below is compiled with these files' kernels: its cached copy is stale when they
+# change (kernel_cache.CalleeStamp).
+KERNEL_CALLEES = (numba_ops.__file__, numba_paged.__file__)
 
 _FAST = {"reassoc", "contract", "nsz", "arcp"}
 _ROWS = numba.float32[:, ::1]
@@ -187,6 +192,7 @@ class OneRowDecoder:
     def __init__(self, layers: list[torch.nn.Module]) -> None:
         self.layers = layers
         self.linears = [_linears(layer) for layer in layers]
+        self.pointers = [_data(linears) for linears in self.linears]
         self.weights = [_layer_weights(layer) for layer in layers]
         self._pools: tuple[list[LayerKV], list[tuple[np.ndarray, np.ndarray]]] | None = None
 
@@ -202,15 +208,29 @@ class OneRowDecoder:
         decoder.warm_up()
         return decoder
 
-    def takes(self, x: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata) -> bool:
-        """Whether this step runs fused: one single-token row (no prompt chunk, no recurrent
-        state), float32 without gradients, the pool float32 without fp8 scales, and the
-        linears still the model's own (no LoRA wrapper took their place)."""
+    def takes(
+        self,
+        model: torch.nn.Module,
+        x: torch.Tensor,
+        backend,
+        kv_caches: list[LayerKV],
+        meta: AttentionMetadata,
+    ) -> bool:
+        """Whether this step runs fused: one single-token row of one group (no prompt chunk,
+        no recurrent state, no batch already flat for a captured graph), float32 without
+        gradients, attention on the CPU's in-place kernel (an explicit `torch` or `triton`
+        backend keeps its own), the pool float32 without fp8 scales, and the model's layers,
+        linears and weights still those the fused layers read (no LoRA wrapper or reload took
+        their place)."""
         if not (
             x.shape[0] == 1
             and meta.num_single == 1
             and not meta.prefills
             and meta.states is None
+            and meta.paged is None
+            and len(meta.single_groups) == 1
+            and meta.single_groups[0].seq_lens is not None
+            and getattr(backend, "name", None) == "numba"
             and x.dtype == torch.float32
             and x.device.type == "cpu"
             and x.is_contiguous()
@@ -220,12 +240,15 @@ class OneRowDecoder:
         first = kv_caches[self.weights[0].kv_slot]
         if first.scales is not None or first.k_cache.dtype != torch.float32:
             return False
-        return all(
-            layer.self_attn.qkv_proj is qkv
-            and layer.self_attn.o_proj is o
-            and layer.mlp.gate_up_proj is gate_up
-            and layer.mlp.down_proj is down
-            for layer, (qkv, o, gate_up, down) in zip(self.layers, self.linears, strict=True)
+        return self._intact(model)
+
+    def _intact(self, model: torch.nn.Module) -> bool:
+        layers = model.layers
+        return len(layers) == len(self.layers) and all(
+            current is layer and _linears(layer) == linears and _data(linears) == pointers
+            for current, layer, linears, pointers in zip(
+                layers, self.layers, self.linears, self.pointers, strict=True
+            )
         )
 
     def __call__(self, x, rotation, kv_caches: list[LayerKV], meta: AttentionMetadata):
@@ -234,9 +257,11 @@ class OneRowDecoder:
         table = group.block_tables.contiguous().numpy()
         length = group.seq_lens.contiguous().numpy()
         slot = int(meta.slot_mapping[0]) if _writes_its_row(meta) else -1
+        pools = self._pool_arrays(kv_caches)
+        keys = pools[self.weights[0].kv_slot][0]
+        _check_bounds(keys, slot, table, int(length[0]), rotation.cos, self.weights[0].shape[2])
         threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
         numba.set_num_threads(threads)
-        pools = self._pool_arrays(kv_caches)
         cos, sin = rotation.cos.contiguous().numpy(), rotation.sin.contiguous().numpy()
         out = x.numpy()
         for w in self.weights:
@@ -270,6 +295,30 @@ class OneRowDecoder:
             x, w.eps, *w.arrays, rotary, rotary, pool, pool.copy(), 0, table, length,
             w.scale, 1, True, w.shape,
         )  # fmt: skip
+
+
+def _data(linears: tuple[Linear, ...]) -> tuple[int, ...]:
+    """Where the linears' weights live (their numpy views are the fused layers')."""
+    return tuple(linear.weight.data_ptr() for linear in linears)
+
+
+def _check_bounds(keys: np.ndarray, slot: int, table: np.ndarray, length: int, cos, head_dim):
+    """The kernel checks no bounds: what the step would make it read or write is checked
+    here (the runner keeps all of it in range; a mistake raises instead of writing anywhere)."""
+    blocks, block_size = keys.shape[1], keys.shape[2]
+    if not (
+        -1 <= slot < blocks * block_size
+        and 0 < length <= table.shape[1] * block_size
+        and table.shape[0] == 1
+        and table[0, : -(-length // block_size)].min() >= 0
+        and table[0, : -(-length // block_size)].max() < blocks
+        and cos.shape[0] == 1
+        and cos.shape[2] <= head_dim
+    ):
+        raise ValueError(
+            f"one-row step out of the pool's bounds: slot {slot}, context {length}, "
+            f"table {table.tolist()}, {blocks} blocks of {block_size}"
+        )
 
 
 def _writes_its_row(meta: AttentionMetadata) -> bool:
