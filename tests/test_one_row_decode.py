@@ -53,6 +53,18 @@ def test_single_stream_runs_fused_layers_and_equals_hf(tiny_checkpoints, arch, f
     assert fused_steps == [1] * (len(PROMPTS) * (TOKENS - 1) + 1)
 
 
+def test_o_and_mlp_biases_run_fused_and_equal_hf(tmp_path, fused_steps):
+    from pagefleet.engine.model.tiny import write_tiny_checkpoint
+
+    extra = {"attention_bias": True, "mlp_bias": True}
+    path = str(write_tiny_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", **extra))
+    llm = LLM(path, max_num_seqs=1, **NUMBA)
+    outs = llm.generate(PROMPTS[1:3], GREEDY, use_tqdm=False)
+    for prompt, out in zip(PROMPTS[1:3], outs, strict=True):
+        assert_greedy_equal(path, prompt, out.outputs[0].token_ids, TOKENS)
+    assert len(fused_steps) == 2 * (TOKENS - 1)
+
+
 def test_contexts_cut_into_runs_of_blocks_merge_to_hf(tiny_checkpoints, fused_steps, monkeypatch):
     """A long context on several threads is cut into runs of blocks, each a work item of the
     parallel kernel, merged after (numba_paged.context_parts); forced here on short ones, so

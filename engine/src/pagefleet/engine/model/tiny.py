@@ -163,16 +163,12 @@ def write_tiny_checkpoint(
     torch.manual_seed(seed)
     model_cls = getattr(transformers, architecture)
     model = model_cls(config).to(torch.float32)
-    if model_type == "qwen2":
-        # Random q/k/v biases, so a loader that drops them fails the equality tests.
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (
-                    layer.self_attn.q_proj,
-                    layer.self_attn.k_proj,
-                    layer.self_attn.v_proj,
-                ):
-                    proj.bias.normal_(0.0, initializer_range)
+    # Random biases (HF starts them at 0), so a loader or kernel that drops one fails the
+    # equality tests: Qwen2's q/k/v, and Llama's o and MLP ones where the config asks.
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, initializer_range)
     if model_type.startswith("qwen3_5"):
         # Norms start at 0 (zero-centred: applied as 1 + w) or 1 (the gated norm), and dt_bias
         # at 1: random values, so a norm loaded without its offset, or swapped with another,
