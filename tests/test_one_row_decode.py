@@ -9,6 +9,8 @@ import torch
 
 from hf_reference import ARCH_CASES, assert_greedy_equal
 from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.cpu_choice.decide import Timed
+from pagefleet.engine.cpu_choice.measure import CACHE_FILE, TimingCache
 from pagefleet.engine.model import one_row_decode
 from pagefleet.engine.model.loader import load_model
 from pagefleet.engine.model.one_row_decode import OneRowDecoder, fusable_layers, in_huge_pages
@@ -120,6 +122,27 @@ def test_an_fp8_pool_a_torch_backend_and_batches_run_the_layers_op_by_op(
     for prompt, out in zip(PROMPTS[1:3], outs, strict=True):
         assert_greedy_equal(path, prompt, out.outputs[0].token_ids, TOKENS)
     assert fused_steps == []
+
+
+def test_torch_attention_chosen_by_measurement_still_fuses_one_row(
+    tiny_checkpoints, tmp_path, monkeypatch, fused_steps
+):
+    """Where `auto` measured torch's gather faster (for batches), a single stream still runs
+    fused, attending on the in-place kernel; `--attention-backend torch` named by the flag
+    does not (the previous test)."""
+    path = tiny_checkpoints["llama"]
+    model = load_model(path, torch.float32, CPU, 64, linear_path="plain")
+    subject = model.decode_shape(16, torch.float32).subject()
+    monkeypatch.setenv("PAGEFLEET_CACHE", str(tmp_path))
+    faster_torch = {"torch": 1e-5, "numba": 3e-5}
+    TimingCache(tmp_path / CACHE_FILE).put(
+        subject, [Timed(f"rows={r}", dict(faster_torch)) for r in (1, 16, 64)]
+    )
+    llm = LLM(path, max_num_seqs=1, **(NUMBA | {"attention_backend": "auto"}))
+    assert llm.engine.runner.backend.name == "torch"
+    out = llm.generate(PROMPTS[2:3], GREEDY, use_tqdm=False)[0]
+    assert_greedy_equal(path, PROMPTS[2], out.outputs[0].token_ids, TOKENS)
+    assert fused_steps == [1] * (TOKENS - 1)
 
 
 def test_a_wrapped_linear_takes_the_step_back_to_the_layers(tiny_checkpoints, fused_steps):

@@ -182,8 +182,18 @@ def default_backend_name(device: torch.device, shape: DecodeShape | None = None)
 def select_backend(
     name: str | None, device: torch.device, shape: DecodeShape | None = None
 ) -> AttentionBackend:
-    """The backend for `--attention-backend` (None or "auto": see default_backend_name)."""
-    name = default_backend_name(device, shape) if name in (None, "auto") else name
+    """The backend for `--attention-backend` (None or "auto": see default_backend_name). Its
+    `explicit` says whether the flag named it: a backend the measurement chose leaves a
+    single-stream step's attention to model/one_row_decode.py's fused layers."""
+    measured = name in (None, "auto")
+    backend = _backend_named(
+        default_backend_name(device, shape) if measured else name, device, shape
+    )
+    backend.explicit = not measured
+    return backend
+
+
+def _backend_named(name: str, device: torch.device, shape: DecodeShape | None):
     if name == "torch":
         from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
 

@@ -218,10 +218,10 @@ class OneRowDecoder:
     ) -> bool:
         """Whether this step runs fused: one single-token row of one group (no prompt chunk,
         no recurrent state, no batch already flat for a captured graph), float32 without
-        gradients, attention on the CPU's in-place kernel (an explicit `torch` or `triton`
-        backend keeps its own), the pool float32 without fp8 scales, and the model's layers,
-        linears and weights still those the fused layers read (no LoRA wrapper or reload took
-        their place)."""
+        gradients, attention on the CPU's in-place kernel or on torch's where the measurement
+        chose it (an explicit `--attention-backend torch` keeps its own), the pool float32
+        without fp8 scales, and the model's layers, linears and weights still those the fused
+        layers read (no LoRA wrapper or reload took their place)."""
         if not (
             x.shape[0] == 1
             and meta.num_single == 1
@@ -230,7 +230,7 @@ class OneRowDecoder:
             and meta.paged is None
             and len(meta.single_groups) == 1
             and meta.single_groups[0].seq_lens is not None
-            and getattr(backend, "name", None) == "numba"
+            and _leaves_attention(backend)
             and x.dtype == torch.float32
             and x.device.type == "cpu"
             and x.is_contiguous()
@@ -295,6 +295,14 @@ class OneRowDecoder:
             x, w.eps, *w.arrays, rotary, rotary, pool, pool.copy(), 0, table, length,
             w.scale, 1, True, w.shape,
         )  # fmt: skip
+
+
+def _leaves_attention(backend) -> bool:
+    """Whether the step's backend lets the fused layers attend on the in-place kernel: its
+    own kernel, or a CPU backend the measurement chose over it for batches (at one row the
+    in-place kernel measured faster on every CPU so far: docs/benchmarks.md, issue 38)."""
+    name = getattr(backend, "name", None)
+    return name == "numba" or (name == "torch" and not getattr(backend, "explicit", True))
 
 
 def _data(linears: tuple[Linear, ...]) -> tuple[int, ...]:
