@@ -88,6 +88,20 @@ def check_invariants(sched: Scheduler) -> None:
     assert len(sched.running) <= sched.config.max_num_seqs
 
 
+def full_prefix_hit_step(llm):
+    """A request whose whole prompt (two full blocks) is cached, scheduled: its step recomputes
+    the last token alone, whose key and value are in a shared block already. Returns the
+    step, the request, and the next token the first run gave."""
+    prompt = list(range(40, 72))  # two full blocks
+    one = SamplingParams(temperature=0, max_tokens=1)
+    first = llm.generate([prompt], one, use_tqdm=False)[0]
+    llm.engine.add_request("again", prompt, SamplingParams(temperature=0, max_tokens=2))
+    out = llm.engine.scheduler.schedule()
+    ((req, n),) = out.scheduled
+    assert n == 1 and req.num_cached_tokens == 32
+    return out, req, first.outputs[0].token_ids[0]
+
+
 @pytest.fixture
 def scheduler_factory():
     return make_scheduler

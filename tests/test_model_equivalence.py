@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from conftest import full_prefix_hit_step
 from hf_reference import ARCH_CASES, assert_greedy_equal, assert_top1_agrees
 from pagefleet.engine import LLM, SamplingParams
 
@@ -106,21 +107,14 @@ def test_requests_arriving_while_others_decode(tiny_checkpoints, arch):
 
 def test_full_prefix_hit_step_does_not_write_the_shared_block(tiny_checkpoints):
     llm = LLM(tiny_checkpoints["llama"], num_gpu_blocks_override=64, max_model_len=256)
-    prompt = list(range(40, 72))  # two full blocks
-    one = SamplingParams(temperature=0, max_tokens=1)
-    first = llm.generate([prompt], one, use_tqdm=False)[0]
-    engine = llm.engine
-    engine.add_request("again", prompt, SamplingParams(temperature=0, max_tokens=2))
-    out = engine.scheduler.schedule()
-    ((req, n),) = out.scheduled
-    assert n == 1 and req.num_cached_tokens == 32
-    pool = engine.runner.kv_pool
+    out, req, first_token = full_prefix_hit_step(llm)
+    pool = llm.engine.runner.kv_pool
     shared = req.block_ids[:2]
     before = pool[:, :, :, shared].clone()
-    logits, _, _ = engine.runner.execute(out)
+    logits, _, _ = llm.engine.runner.execute(out)
     assert torch.equal(pool[:, :, :, shared], before), "the shared cached block was rewritten"
     # ...and the logits of that one-token step give HF's (and the first run's) next token.
-    assert int(logits[0].argmax()) == first.outputs[0].token_ids[0]
+    assert int(logits[0].argmax()) == first_token
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import full_prefix_hit_step
 from hf_reference import ARCH_CASES, assert_greedy_equal
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.cpu_choice.decide import Timed
@@ -90,20 +91,14 @@ def test_a_full_prefix_hit_recomputes_its_last_token_fused_without_writing(
     tiny_checkpoints, fused_steps
 ):
     llm = LLM(tiny_checkpoints["llama"], **NUMBA)
-    prompt = list(range(40, 72))  # two full blocks
-    first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    engine = llm.engine
-    engine.add_request("again", prompt, SamplingParams(temperature=0, max_tokens=2))
-    out = engine.scheduler.schedule()
-    ((req, n),) = out.scheduled
-    assert n == 1 and req.num_cached_tokens == 32
-    pool = engine.runner.kv_pool
+    out, _, first_token = full_prefix_hit_step(llm)
+    pool = llm.engine.runner.kv_pool
     before = pool.clone()
     fused_steps.clear()
-    logits, _, _ = engine.runner.execute(out)
+    logits, _, _ = llm.engine.runner.execute(out)
     assert fused_steps == [1]
     assert torch.equal(pool, before), "the step wrote into the pool"
-    assert int(logits[0].argmax()) == first[0].outputs[0].token_ids[0]
+    assert int(logits[0].argmax()) == first_token
 
 
 def test_an_fp8_pool_a_torch_backend_and_batches_run_the_layers_op_by_op(
