@@ -127,9 +127,6 @@ def _decoder_layer(
     _gemv(w_down, act, b_down, True, x[0])
 
 
-_NONE = np.empty(0, np.float32)  # an absent bias or q/k norm (the kernel only reads it)
-
-
 @dataclass(frozen=True)
 class LayerWeights:
     """One layer's weights as the kernel reads them (numpy views of the model's tensors),
@@ -264,11 +261,11 @@ class OneRowDecoder:
         numba.set_num_threads(threads)
         cos, sin = rotation.cos.contiguous().numpy(), rotation.sin.contiguous().numpy()
         out = x.numpy()
+        kv_heads = self.weights[0].shape[1]  # every layer's: one Attention config
+        parts = context_parts(1, kv_heads, threads, table.shape[1])
+        serial = parts == 1 and runs_serially(1, kv_heads, threads)
         for w in self.weights:
             keys, values = pools[w.kv_slot]
-            kv_heads = w.shape[1]
-            parts = context_parts(1, kv_heads, threads, table.shape[1])
-            serial = parts == 1 and runs_serially(1, kv_heads, threads)
             _decoder_layer(
                 out, w.eps, *w.arrays, cos, sin, keys, values, slot, table, length,
                 w.scale, parts, serial, w.shape,
@@ -390,8 +387,8 @@ def _array(tensor: torch.Tensor) -> np.ndarray:
 
 
 def _optional(tensor: torch.Tensor | None) -> np.ndarray:
-    return _NONE if tensor is None else _array(tensor)
+    return numba_ops._NO_BIAS if tensor is None else _array(tensor)
 
 
 def _norm(norm: RMSNorm | None) -> np.ndarray:
-    return _NONE if norm is None else _array(norm.weight)
+    return numba_ops._NO_BIAS if norm is None else _array(norm.weight)
