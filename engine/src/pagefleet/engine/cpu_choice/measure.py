@@ -28,7 +28,7 @@ from pagefleet.engine.cpu_choice.decide import Timed
 logger = logging.getLogger(__name__)
 
 CACHE_FILE = "cpu-choices.json"
-METHOD = 5  # bumped when what is measured changes, so older times are not read as new ones
+METHOD = 6  # bumped when what is measured changes, so older times are not read as new ones
 ROUNDS = 5  # timed rounds per candidate, alternated so a neighbour's burst hits both
 ROUND_SECONDS = 0.002  # calls per round are batched to about this long
 

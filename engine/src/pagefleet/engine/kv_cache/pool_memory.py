@@ -16,6 +16,6 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < mmap.PAGESIZE:
         return torch.zeros(shape, dtype=dtype, device=device)
-    region = mmap.mmap(-1, nbytes)  # private and anonymous: zeros until written
+    region = mmap.mmap(-1, nbytes)  # anonymous (shared, mmap's default): zeros until written
     # The tensor holds the mapping (frombuffer keeps its buffer alive).
     return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
