@@ -124,8 +124,10 @@ def _attend_blocks(q, k_cache, v_cache, tables, lens, row, kv, start, end, scale
             queries[g, d] = np.float32(q[first + g, d]) * scale
     scores = np.empty((group, block_size), np.float32)
     weights = np.empty(block_size, np.float32)
-    widen_k = np.empty((block_size, head_dim), np.float32)
-    widen_v = np.empty((block_size, head_dim), np.float32)
+    # Room for a bfloat16 block widened to float32; a float32 pool's blocks are read in place.
+    widened = block_size if keys.itemsize == 2 else 0
+    widen_k = np.empty((widened, head_dim), np.float32)
+    widen_v = np.empty((widened, head_dim), np.float32)
     k_flat, v_flat = keys.reshape(-1), values.reshape(-1)
     if start < end:
         _prefetch_rows(k_flat, table[start], range(block_size), block_size, head_dim)
