@@ -13,15 +13,17 @@ against a Q4_1 model). Per row, measured in this run against float32:
 - weight bytes (the engine's count: kernels' layouts, float embeddings and LM head included),
   and the decoder linears' alone;
 - offline decode-heavy throughput (N requests of P prompt tokens, O output tokens, greedy,
-  ignore_eos), output tokens per second;
+  ignore_eos), output tokens per second: the best of --rounds rounds, the rows taking turns
+  round by round (every row's engine loaded at once) so a neighbour's burst or the host's drift
+  falls on all of them, each round on requests of its own (no prefix-cache hits);
 - lm-evaluation-harness accuracy on benchmarks/lm_eval/pagefleet_facts (121 four-way
   questions), through an lm-eval `LM` over the engine's prompt logprobs;
 - per-token agreement with float32: float32's greedy outputs fed back (teacher forcing), the
   share of positions where the row's top-1 is float32's token.
 
     .venv/bin/python benchmarks/quantization.py [--work DIR] [--rows float32,int4-gptq,...]
-        [--requests 8] [--prompt-tokens 32] [--output-tokens 128] [--threads 2] [--no-eval]
-        [--eval-limit N]
+        [--requests 8] [--prompt-tokens 32] [--output-tokens 128] [--rounds 3] [--threads 2]
+        [--no-eval] [--eval-limit N]
     .venv/bin/python benchmarks/quantization.py --kernels   # the CPU kernels per shape class
 
 --kernels times each CPU kernel against oneDNN's float32 GEMM on the model's shapes at 1, 8
@@ -231,23 +233,33 @@ def facts_accuracy(llm: LLM, limit: int | None = None) -> dict[str, float]:
     return {"acc": scores["acc,none"], "acc_norm": scores["acc_norm,none"]}
 
 
-def run_row(name: str, work: Path, args) -> dict:
+def load_row(name: str, work: Path, args) -> dict:
+    """A row's engine, its weight bytes and the requests of each round."""
     kind, engine_args = ROWS[name]
     path = checkpoint(work, kind)
     start = time.perf_counter()
     llm = LLM(str(path), num_gpu_blocks_override=512, max_model_len=1024, **engine_args)
-    row = {"row": name, "load_s": time.perf_counter() - start}
+    row = {"row": name, "load_s": time.perf_counter() - start, "llm": llm, "rates": []}
     model = llm.engine.runner.model
     row["weights_bytes"], row["linear_bytes"] = weight_bytes(model), linear_bytes(model)
     row["format"] = model.weights_format
-    batch = prompts(llm, args.requests, args.prompt_tokens)
-    row["tokens_per_s"], row["outputs"] = decode_throughput(llm, batch, args.output_tokens)
-    row["loadavg"] = os.getloadavg()[0]
-    row["batch"] = batch
-    if not args.no_eval:
-        row.update(facts_accuracy(llm, args.eval_limit))
-    row["llm"] = llm
+    n = args.requests
+    every = prompts(llm, n * args.rounds, args.prompt_tokens)
+    row["batches"] = [every[r * n : (r + 1) * n] for r in range(args.rounds)]
+    row["batch"] = row["batches"][0]
     return row
+
+
+def measure_rounds(rows: list[dict], args) -> None:
+    """Each row's throughput, rows in turn round by round; the first round's outputs kept."""
+    for r in range(args.rounds):
+        for row in rows:
+            rate, outputs = decode_throughput(row["llm"], row["batches"][r], args.output_tokens)
+            row["rates"].append(rate)
+            row.setdefault("outputs", outputs)
+    for row in rows:
+        row["tokens_per_s"] = max(row["rates"])
+        row["loadavg"] = os.getloadavg()[0]
 
 
 def table(rows: list[dict]) -> str:
@@ -276,20 +288,24 @@ def run_rows(args) -> None:
     names = args.rows.split(",")
     if names[0] != "float32":
         names.insert(0, "float32")
-    rows = []
-    for name in names:
-        row = run_row(name, work, args)
-        reference = rows[0] if rows else row
+    rows = [load_row(name, work, args) for name in names]
+    measure_rounds(rows, args)
+    reference = rows[0]
+    for row in rows:
         row["agreement"] = agreement(row["llm"], reference["batch"], reference["outputs"])
+        if not args.no_eval:
+            row.update(facts_accuracy(row["llm"], args.eval_limit))
+        rates = ", ".join(f"{rate:.1f}" for rate in row["rates"])
+        print(f"{table(rows[: rows.index(row) + 1]).splitlines()[-1]}  rounds: {rates}", flush=True)
+    for row in rows:
         row["llm"].engine.close()
         del row["llm"]
-        gc.collect()
-        rows.append(row)
-        print(table(rows).splitlines()[-1], flush=True)
+    gc.collect()
     print(f"\n{cpu_model()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
     print(
         f"{args.requests} requests x {args.prompt_tokens} prompt + {args.output_tokens} output "
-        f"tokens, greedy, ignore_eos; facts questions scored: {args.eval_limit or 'all'}\n"
+        f"tokens, greedy, ignore_eos, best of {args.rounds} rounds; "
+        f"facts questions scored: {args.eval_limit or 'all'}\n"
     )
     print(table(rows))
 
@@ -369,6 +385,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every row, in turn")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-eval", action="store_true", help="skip lm-evaluation-harness")
     parser.add_argument(

@@ -19,7 +19,7 @@ import triton_interpret_cases
 import triton_quant_cases as cases
 from torch.testing import assert_close
 
-from pagefleet.engine.model.quant import kernels
+from pagefleet.engine.model.quant import int4_tiles, kernels
 from pagefleet.engine.model.quant.cpu_int8 import (
     NIBBLE_COLUMNS,
     OneDnnInt8MatMul,
@@ -70,6 +70,87 @@ def test_cpu_kernels_multiply_by_the_dequantized_weight(name):
     assert got.shape == want.shape
     # bfloat16 activations and scales: ~2^-8 of the output's scale
     assert_close(got, want, atol=1e-2 * want.abs().max().item(), rtol=0)
+
+
+TILE_CASES = {
+    "int4-g32": (128, 96, 4, 32, False),
+    "int4-g64-two-blocks-of-rows": (192, 128, 4, 64, False),
+    "int4-act-order": (64, 128, 4, 32, True),
+    "int8-g32-two-planes": (64, 64, 8, 32, False),
+}
+
+
+@pytest.mark.parametrize("name", list(TILE_CASES))
+def test_prompt_rows_on_tiles_multiply_by_the_dequantized_weight(name, monkeypatch):
+    """From PROMPT_ROWS rows the tiles (quant/int4_tiles.py) read tinygemm's own packed
+    bytes: several tiles per weight here, the same product as tinygemm's to bfloat16
+    rounding, and the dequantized weight's to the kernels' precision."""
+    monkeypatch.setattr(int4_tiles, "TILE_BYTES", 2 * 128 * 64)  # 64-row tiles: several
+    out, cols, bits, group, act_order = TILE_CASES[name]
+    weight = cases.random_int_weight(out, cols, bits, group, act_order, seed=3)
+    rows = int4_tiles.PROMPT_ROWS + 3
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(4))
+    tiled = CpuIntKernel(weight, prompt_path="tiles")
+    assert all(plane.use_tiles for plane in tiled.planes)
+    calls = []
+    original = int4_tiles.Int4Tiles.__call__
+    monkeypatch.setattr(
+        int4_tiles.Int4Tiles, "__call__", lambda self, x: calls.append(1) or original(self, x)
+    )
+    got = tiled(x)
+    assert len(calls) == len(tiled.planes)
+    want = x @ weight.dequantize().t()
+    assert_close(got, want, atol=1e-2 * want.abs().max().item(), rtol=0)
+    on_tinygemm = CpuIntKernel(weight, prompt_path="tinygemm")(x)
+    # both round their sums to bfloat16: two of its steps at the output's scale
+    assert_close(got, on_tinygemm, atol=2**-7 * want.abs().max().item(), rtol=0)
+    calls.clear()
+    tiled(x[: int4_tiles.PROMPT_ROWS - 1])  # fewer rows: tinygemm, which reads codes once
+    assert not calls
+
+
+def test_tiles_decline_bytes_not_in_tinygemms_layout():
+    """The tiles read the layout they checked against the codes: another one (here the codes'
+    rows swapped) leaves the weight on tinygemm at every size."""
+    weight = cases.random_int_weight(64, 64, 4, 32, False, seed=5)
+    plane = CpuIntKernel(weight, prompt_path="tiles").planes[0]
+    codes = unpack_codes(weight.codes, 4).to(torch.int32)
+    assert int4_tiles.Int4Tiles.of(plane.packed, codes, plane.scale_zeros, 32) is not None
+    swapped = codes.roll(1, dims=0)
+    assert int4_tiles.Int4Tiles.of(plane.packed, swapped, plane.scale_zeros, 32) is None
+    with pytest.raises(ValueError, match="4-bit prompt path 'fast'"):
+        CpuIntKernel(weight, prompt_path="fast")
+
+
+@pytest.mark.parametrize(
+    ("tiles_s", "want"), [(0.5e-3, "tiles"), (0.99e-3, "tinygemm"), (None, "tinygemm")]
+)
+def test_the_prompt_path_is_what_measured_faster(tmp_path, tiles_s, want):
+    """The measured choice (cpu_choice/decide.py's rule): the tiles where they beat tinygemm
+    by the margin on the measured row counts, tinygemm on a near tie or a failed
+    measurement."""
+    from pagefleet.engine.cpu_choice.decide import Timed
+    from pagefleet.engine.cpu_choice.measure import TimingCache
+
+    cache = TimingCache(tmp_path / "choices.json")
+    subject = "int4 prompt 64x64 group 32"
+    rows = [f"rows={n}" for n in int4_tiles.MEASURED_ROWS]
+    cache.put(subject, [Timed(r, {"tinygemm": 1e-3, "tiles": tiles_s or 1.0}) for r in rows])
+    if tiles_s is None:
+        cache.path.write_text("{}")  # nothing kept: measured now, with a failing candidate
+
+        def measure(tinygemm, tiles):
+            return [Timed(r, {"tinygemm": 1e-3, "tiles": None}) for r in rows]
+
+        original = int4_tiles.measure_paths
+        int4_tiles.measure_paths = measure
+        try:
+            got = int4_tiles.prompt_path(subject, None, object(), cache)
+        finally:
+            int4_tiles.measure_paths = original
+    else:
+        got = int4_tiles.prompt_path(subject, None, object(), cache)
+    assert got == want
 
 
 def _cpu_w8a8_kernels() -> dict:

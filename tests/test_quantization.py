@@ -166,6 +166,27 @@ def test_greedy_output_is_the_oracles_up_to_near_ties(written, name):
     assert_top1_agrees(written[name].oracle, torch.float32, prompts, outputs, 0.9, gap)
 
 
+def test_a_prompt_step_on_4_bit_tiles_is_the_oracles_up_to_near_ties(written, monkeypatch):
+    """Prompts of PROMPT_ROWS tokens and more in one step take the 4-bit tiles where they
+    measured faster (quant/int4_tiles.py; chosen here whatever this machine measured):
+    greedy tokens as HF on the oracle picks them, act-order included."""
+    from pagefleet.engine.model.quant import int4_tiles
+
+    monkeypatch.setattr(int4_tiles, "prompt_path", lambda *args, **kwargs: "tiles")
+    calls = []
+    original = int4_tiles.Int4Tiles.__call__
+    monkeypatch.setattr(
+        int4_tiles.Int4Tiles, "__call__", lambda self, x: calls.append(len(x)) or original(self, x)
+    )
+    name = "ct-w4a16-g32-asym-actorder"
+    llm = LLM(written[name].quantized, num_gpu_blocks_override=64, max_model_len=128)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (41, 57, 36)]
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert calls and min(calls) == sum(map(len, prompts))  # the prompt step, on the tiles
+    assert_top1_agrees(written[name].oracle, torch.float32, prompts, outputs, 0.9, 0.05)
+
+
 def test_online_fp8_quantizes_a_float_checkpoint_at_load(written, tiny_checkpoints):
     """--quantization fp8 on the float checkpoint: per-channel e4m3, as the reference's
     per-channel FP8 checkpoint (whose oracle is therefore its oracle too)."""

@@ -132,7 +132,7 @@ def compile_all() -> None:
 
     from pagefleet.engine.attention import numba_paged
     from pagefleet.engine.model import numba_ops, one_row_decode  # noqa: F401  (compiled on import)
-    from pagefleet.engine.model.quant import int8_numba  # noqa: F401
+    from pagefleet.engine.model.quant import int4_tiles, int8_numba  # noqa: F401
 
     numba_paged.warm_up()
     print(f"numba {numba.__version__}: the engine's CPU kernels are compiled ({torch.__version__})")

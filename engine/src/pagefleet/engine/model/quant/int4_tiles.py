@@ -1,0 +1,180 @@
+"""Prompt-sized products on tinygemm's packed 4-bit weights (quant/cpu_kernels.py): the weight
+dequantized a tile at a time into bfloat16 and multiplied by torch's bfloat16 matmul.
+
+tinygemm's CPU kernel dequantizes each weight block again for every four rows of input, so its
+time grows with the rows as a float GEMM's would at a fraction of its rate: 256 rows of a
+576x3072 weight took 5.5-6.1 ms, where oneDNN's bfloat16 matmul (AMX on an Intel Xeon) took
+0.65 ms on the dequantized weight. Here each tile of output columns is dequantized once, into a
+buffer of at most TILE_BYTES, and multiplied with all the rows: 1.6 ms in all for that weight
+(docs/benchmarks.md, issue 31). The float weight is never held whole; a step of a few rows
+keeps tinygemm, which reads the codes once.
+
+The tiles read tinygemm's own packed bytes (no second copy of the codes). Its layout depends
+on the instruction set torch was built for: blocks of B output rows (64 with AVX-512, 32 with
+AVX2), within a block one run of B/2 bytes per input column, byte i holding row i in its low
+nibble and row B/2 + i in its high one. `Int4Tiles.of` checks that layout against the codes it
+packed and declines where they differ (another build, a partial last block): that weight keeps
+tinygemm at every size.
+
+Each weight is `(q - 8) * scale + zero` with tinygemm's own bfloat16 scale and zero, rounded to
+bfloat16 (nearest even) as the matmul takes it: within a bfloat16 step of what tinygemm
+multiplies by, with the same bfloat16 activations and float32 sums.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numba
+import numpy as np
+import torch
+
+from pagefleet.engine.cpu_choice.decide import Timed, choose
+from pagefleet.engine.cpu_choice.measure import TimingCache, cached_timings, time_alternately
+from pagefleet.engine.kernel_cache import use_image_kernels
+
+use_image_kernels()  # before the kernel below is defined (and loaded or compiled)
+logger = logging.getLogger(__name__)
+
+TILE_BYTES = 1 << 20  # a tile's bfloat16 weights: within a core's L2 beside the rows
+BLOCKS = (64, 32)  # tinygemm's output-row blocks: AVX-512 builds, then AVX2 and scalar ones
+
+_FAST = {"reassoc", "nsz", "arcp"}  # no contraction: (q - 8) * s + z rounds as written
+
+
+@numba.njit(
+    numba.void(
+        numba.uint8[::1],
+        numba.uint16[:, :, ::1],
+        numba.int64,
+        numba.int64,
+        numba.int64,
+        numba.int64,
+        numba.uint16[:, ::1],
+        numba.int64,
+    ),
+    parallel=True,
+    fastmath=_FAST,
+    cache=True,
+    nogil=True,
+)
+def _dequantize_tile(packed, scale_zeros, group, block, first_row, k_rows, out, threads):
+    """out[k, j] = bfloat16((q - 8) * scale + zero) of weight row first_row + j and input
+    column k, for the tile's out.shape[1] rows (whole blocks). `packed`: tinygemm's bytes,
+    flat; `scale_zeros` [groups, rows, 2] bfloat16 bits; `k_rows`: the input width; the input
+    columns split into `threads` runs."""
+    width = out.shape[1]
+    half = block // 2
+    per = (k_rows + threads - 1) // threads
+    for t in numba.prange(threads):
+        start, stop = t * per, min(k_rows, (t + 1) * per)
+        scale_bits = np.empty(block, np.uint32)
+        zero_bits = np.empty(block, np.uint32)
+        values = np.empty(block, np.float32)
+        value_bits = values.view(np.uint32)
+        scales, zeros = scale_bits.view(np.float32), zero_bits.view(np.float32)
+        for b in range(width // block):
+            col = b * block
+            current = -1
+            for k in range(start, stop):
+                g = k // group
+                if g != current:  # bfloat16 bits -> float32: the high half of the word
+                    for j in range(block):
+                        scale_bits[j] = np.uint32(scale_zeros[g, first_row + col + j, 0]) << 16
+                        zero_bits[j] = np.uint32(scale_zeros[g, first_row + col + j, 1]) << 16
+                    current = g
+                base = ((first_row // block + b) * k_rows + k) * half
+                for i in range(half):
+                    byte = packed[base + i]
+                    low = np.float32(byte & np.uint8(15)) - np.float32(8.0)
+                    high = np.float32(byte >> np.uint8(4)) - np.float32(8.0)
+                    values[i] = low * scales[i] + zeros[i]
+                    values[half + i] = high * scales[half + i] + zeros[half + i]
+                row = out[k]
+                for j in range(block):  # round to nearest even, as torch casts
+                    v = value_bits[j]
+                    row[col + j] = np.uint16((v + ((v >> 16) & 1) + 0x7FFF) >> 16)
+
+
+def _tinygemm_layout(packed: np.ndarray, codes: torch.Tensor, block: int) -> bool:
+    """Whether `packed` holds `codes` [rows, k] (0..15) in blocks of `block` rows."""
+    rows, k = codes.shape
+    if rows % block:
+        return False
+    half = block // 2
+    both = torch.from_numpy(packed).reshape(rows // block, k, half)
+    low, high = (both & 15), (both >> 4)
+    blocks = torch.cat([low, high], dim=2)  # [blocks, k, block]: row b*block + j at [b, :, j]
+    return torch.equal(blocks.permute(0, 2, 1).reshape(rows, k), codes.to(torch.uint8))
+
+
+class Int4Tiles:
+    """x W^T for many rows of bfloat16 x on tinygemm's packed weight (see the module
+    docstring); `of` builds one where the layout is tinygemm's as this module reads it."""
+
+    def __init__(self, packed: np.ndarray, scale_zeros, group: int, block: int, k: int) -> None:
+        self.packed, self.scale_zeros = packed, scale_zeros
+        self.group, self.block, self.k = group, block, k
+        rows = scale_zeros.shape[1]
+        per_tile = max(block, TILE_BYTES // (2 * k) // block * block)
+        self.tiles = [(r, min(rows, r + per_tile)) for r in range(0, rows, per_tile)]
+        self.rows = rows
+
+    @classmethod
+    def of(cls, packed: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor, group: int):
+        """Tiles over tinygemm's `packed` weight of `codes` [rows (padded), k] and its
+        `scale_zeros` [groups, rows, 2] bfloat16, or None where the layout is not one of
+        BLOCKS' (the weight then stays on tinygemm)."""
+        flat = packed.contiguous().view(torch.uint8).numpy().reshape(-1)
+        for block in BLOCKS:
+            if _tinygemm_layout(flat, codes, block):
+                sz = scale_zeros.contiguous().view(torch.uint16).numpy()
+                return cls(flat, sz, group, block, codes.shape[1])
+        return None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """[m, k] bfloat16 -> [m, rows] bfloat16 (rows: the padded output width)."""
+        threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(threads)
+        out = torch.empty(x.shape[0], self.rows, dtype=torch.bfloat16)
+        buffer = np.empty(self.k * max(stop - start for start, stop in self.tiles), np.uint16)
+        for start, stop in self.tiles:
+            tile = buffer[: self.k * (stop - start)].reshape(self.k, stop - start)
+            _dequantize_tile(
+                self.packed, self.scale_zeros, self.group, self.block, start, self.k, tile, threads
+            )
+            weight = torch.from_numpy(tile.view(np.int16)).view(torch.bfloat16)
+            if len(self.tiles) == 1:
+                torch.mm(x, weight, out=out)
+            else:
+                out[:, start:stop] = torch.mm(x, weight)
+        return out
+
+
+PROMPT_ROWS = 128  # rows from which the tiles may take over (64 rows measured about even)
+PATHS = ("tinygemm", "tiles")
+MEASURED_ROWS = (PROMPT_ROWS, 512)
+
+
+def measure_paths(tinygemm, tiles: Int4Tiles) -> list[Timed]:
+    """Seconds per call of each path on this weight at MEASURED_ROWS rows of bfloat16 input."""
+    timings = []
+    for rows in MEASURED_ROWS:
+        x = torch.randn(rows, tiles.k).to(torch.bfloat16)
+        calls = {"tinygemm": lambda x=x: tinygemm(x), "tiles": lambda x=x: tiles(x)}
+        timings.append(Timed(f"rows={rows}", time_alternately(calls)))
+    return timings
+
+
+def prompt_path(subject: str, tinygemm, tiles: Int4Tiles | None, cache=None) -> str:
+    """Which path takes PROMPT_ROWS rows and more of this weight: measured once per machine
+    and weight shape (cpu_choice/), tinygemm (the default) where the tiles do not apply or
+    do not win by the margin. Logged with the reason where it was measured now."""
+    if tiles is None:
+        return "tinygemm"
+    cache = cache if cache is not None else TimingCache()
+    timings, source = cached_timings(cache, subject, lambda: measure_paths(tinygemm, tiles))
+    choice = choose(PATHS, "tinygemm", timings)
+    if source.startswith("measured now"):
+        logger.info("4-bit prompt path for %s: %s (%s)", subject, choice.reason, source)
+    return choice.name
