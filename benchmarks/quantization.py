@@ -14,8 +14,9 @@ against a Q4_1 model). Per row, measured in this run against float32:
   and the decoder linears' alone;
 - offline decode-heavy throughput (N requests of P prompt tokens, O output tokens, greedy,
   ignore_eos), output tokens per second: the best of --rounds rounds, the rows taking turns
-  round by round (every row's engine loaded at once) so a neighbour's burst or the host's drift
-  falls on all of them, each round on requests of its own (no prefix-cache hits);
+  round by round (every row's engine loaded at once: a few GB for all the rows) so a
+  neighbour's burst or the host's drift falls on all of them, each round on prompts of its own
+  and the warm-up on two others (no prefix-cache hits); the load average is the best round's;
 - lm-evaluation-harness accuracy on benchmarks/lm_eval/pagefleet_facts (121 four-way
   questions), through an lm-eval `LM` over the engine's prompt logprobs;
 - per-token agreement with float32: float32's greedy outputs fed back (teacher forcing), the
@@ -149,20 +150,27 @@ def linear_bytes(model) -> int:
 
 
 def prompts(llm: LLM, n: int, length: int) -> list[list[int]]:
-    """Chat prompts of real text, cut to `length` tokens."""
+    """Chat prompts of real text, cut to `length` tokens: n different facts questions."""
     tokenizer = llm.get_tokenizer()
     facts = (ROOT / "benchmarks/lm_eval/pagefleet_facts.jsonl").read_text().splitlines()
+    if n > len(facts):
+        raise SystemExit(f"{n} prompts asked for; there are {len(facts)} different questions")
     out = []
     for i in range(n):
-        question = json.loads(facts[i * 7 % len(facts)])["question"]
+        question = json.loads(facts[i * 7 % len(facts)])["question"]  # 7 and 121 coprime
         text = f"Answer in detail and explain your reasoning step by step. {question} " * 4
         out.append(tokenizer.encode(text)[:length])
     return out
 
 
-def decode_throughput(llm: LLM, batch: list[list[int]], output_tokens: int) -> tuple[float, list]:
+def decode_throughput(
+    llm: LLM, batch: list[list[int]], output_tokens: int, warm: list[list[int]] | None = None
+) -> tuple[float, list]:
+    """Output tokens per second of `batch`, after a short warm-up on `warm` (other prompts,
+    so no prompt of the batch is in the prefix cache before it is timed)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
-    llm.generate(batch[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    if warm:
+        llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.generate(batch, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -244,7 +252,8 @@ def load_row(name: str, work: Path, args) -> dict:
     row["weights_bytes"], row["linear_bytes"] = weight_bytes(model), linear_bytes(model)
     row["format"] = model.weights_format
     n = args.requests
-    every = prompts(llm, n * args.rounds, args.prompt_tokens)
+    every = prompts(llm, n * args.rounds + 2, args.prompt_tokens)
+    row["warm"] = every[-2:]
     row["batches"] = [every[r * n : (r + 1) * n] for r in range(args.rounds)]
     row["batch"] = row["batches"][0]
     return row
@@ -254,12 +263,14 @@ def measure_rounds(rows: list[dict], args) -> None:
     """Each row's throughput, rows in turn round by round; the first round's outputs kept."""
     for r in range(args.rounds):
         for row in rows:
-            rate, outputs = decode_throughput(row["llm"], row["batches"][r], args.output_tokens)
+            warm = row["warm"] if r == 0 else None
+            rate, outputs = decode_throughput(
+                row["llm"], row["batches"][r], args.output_tokens, warm
+            )
+            if rate > row.get("tokens_per_s", 0.0):
+                row["tokens_per_s"], row["loadavg"] = rate, os.getloadavg()[0]
             row["rates"].append(rate)
             row.setdefault("outputs", outputs)
-    for row in rows:
-        row["tokens_per_s"] = max(row["rates"])
-        row["loadavg"] = os.getloadavg()[0]
 
 
 def table(rows: list[dict]) -> str:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 import triton_interpret_cases
@@ -74,83 +75,122 @@ def test_cpu_kernels_multiply_by_the_dequantized_weight(name):
 
 TILE_CASES = {
     "int4-g32": (128, 96, 4, 32, False),
-    "int4-g64-two-blocks-of-rows": (192, 128, 4, 64, False),
+    "int4-g64-three-blocks-of-rows": (192, 128, 4, 64, False),
     "int4-act-order": (64, 128, 4, 32, True),
     "int8-g32-two-planes": (64, 64, 8, 32, False),
 }
 
 
 @pytest.mark.parametrize("name", list(TILE_CASES))
-def test_prompt_rows_on_tiles_multiply_by_the_dequantized_weight(name, monkeypatch):
-    """From PROMPT_ROWS rows the tiles (quant/int4_tiles.py) read tinygemm's own packed
-    bytes: several tiles per weight here, the same product as tinygemm's to bfloat16
-    rounding, and the dequantized weight's to the kernels' precision."""
-    monkeypatch.setattr(int4_tiles, "TILE_BYTES", 2 * 128 * 64)  # 64-row tiles: several
+def test_steps_on_tiles_multiply_by_the_dequantized_weight(name, monkeypatch):
+    """From a plane's `tile_rows` its steps run on the tiles (quant/int4_tiles.py), which
+    read tinygemm's own packed bytes: the same product as tinygemm's to bfloat16 rounding,
+    the dequantized weight's to the kernels' precision; fewer rows stay on tinygemm. A torch
+    build whose layout the tiles do not read keeps every weight on tinygemm."""
+    monkeypatch.setattr(int4_tiles, "TILE_BYTES", 2 * 128 * 64)  # tiles of 64 rows: several
     out, cols, bits, group, act_order = TILE_CASES[name]
     weight = cases.random_int_weight(out, cols, bits, group, act_order, seed=3)
-    rows = int4_tiles.PROMPT_ROWS + 3
-    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(4))
-    tiled = CpuIntKernel(weight, prompt_path="tiles")
-    assert all(plane.use_tiles for plane in tiled.planes)
+    kernel = CpuIntKernel(weight)
+    if int4_tiles.tinygemm_block() is None:
+        assert all(plane.tiles is None for plane in kernel.planes)
+        return
+    for plane in kernel.planes:
+        plane.tile_rows = 130
     calls = []
     original = int4_tiles.Int4Tiles.__call__
     monkeypatch.setattr(
         int4_tiles.Int4Tiles, "__call__", lambda self, x: calls.append(1) or original(self, x)
     )
-    got = tiled(x)
-    assert len(calls) == len(tiled.planes)
+    x = torch.randn(133, cols, generator=torch.Generator().manual_seed(4))
+    got = kernel(x)
+    assert len(calls) == len(kernel.planes)
     want = x @ weight.dequantize().t()
     assert_close(got, want, atol=1e-2 * want.abs().max().item(), rtol=0)
-    on_tinygemm = CpuIntKernel(weight, prompt_path="tinygemm")(x)
+    on_tinygemm = CpuIntKernel(weight)(x)  # tile_rows None: never the tiles
     # both round their sums to bfloat16: two of its steps at the output's scale
     assert_close(got, on_tinygemm, atol=2**-7 * want.abs().max().item(), rtol=0)
     calls.clear()
-    tiled(x[: int4_tiles.PROMPT_ROWS - 1])  # fewer rows: tinygemm, which reads codes once
+    kernel(x[:129])
     assert not calls
 
 
-def test_tiles_decline_bytes_not_in_tinygemms_layout():
-    """The tiles read the layout they checked against the codes: another one (here the codes'
-    rows swapped) leaves the weight on tinygemm at every size."""
-    weight = cases.random_int_weight(64, 64, 4, 32, False, seed=5)
-    plane = CpuIntKernel(weight, prompt_path="tiles").planes[0]
-    codes = unpack_codes(weight.codes, 4).to(torch.int32)
-    assert int4_tiles.Int4Tiles.of(plane.packed, codes, plane.scale_zeros, 32) is not None
-    swapped = codes.roll(1, dims=0)
-    assert int4_tiles.Int4Tiles.of(plane.packed, swapped, plane.scale_zeros, 32) is None
-    with pytest.raises(ValueError, match="4-bit prompt path 'fast'"):
-        CpuIntKernel(weight, prompt_path="fast")
+@pytest.mark.parametrize("threads", [1, 3, 7])
+def test_the_tiles_are_the_weights_in_bfloat16_bit_for_bit(threads, monkeypatch):
+    """Each tile is ((q - 8) * scale + zero) of tinygemm's bfloat16 scale and zero, rounded
+    to bfloat16 as torch rounds: tiles of two blocks from a nonzero row, a shorter last one,
+    an input width (160, groups of 32) that the threads split unevenly."""
+    block = int4_tiles.tinygemm_block()
+    if block is None:
+        return  # this build's layout is not read (the test above checks the fallback)
+    rows, k, group = 5 * block, 160, 32
+    monkeypatch.setattr(int4_tiles, "TILE_BYTES", 2 * k * 2 * block)  # two blocks a tile
+    gen = torch.Generator().manual_seed(6)
+    codes = torch.randint(0, 16, (rows, k), generator=gen, dtype=torch.uint8)
+    scale_zeros = (torch.randn(k // group, rows, 2, generator=gen) * 0.1).to(torch.bfloat16)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
+    tiles = int4_tiles.Int4Tiles.of(packed, scale_zeros, group)
+    assert [stop - start for start, stop in tiles.tiles] == [2 * block, 2 * block, block]
+    sz = scale_zeros.float().repeat_interleave(group, dim=0)  # [k, rows, 2]
+    want = ((codes.t().float() - 8) * sz[..., 0] + sz[..., 1]).to(torch.bfloat16)
+    for start, stop in tiles.tiles:
+        out = np.empty((k, stop - start), np.uint16)
+        int4_tiles._dequantize_tile(
+            tiles.packed, tiles.scale_zeros, group, block, start, k, out, threads
+        )
+        got = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
+        assert torch.equal(got.view(torch.int16), want[:, start:stop].view(torch.int16))
+
+
+def test_tiles_decline_weights_without_whole_blocks():
+    block = int4_tiles.tinygemm_block()
+    if block is None:
+        return
+    codes = torch.randint(0, 16, (block + 16, 64), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+    assert int4_tiles.Int4Tiles.of(packed, torch.zeros(2, block + 16, 2).bfloat16(), 32) is None
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes[:block], 2)
+    with pytest.raises(ValueError, match="scale/zero pairs"):
+        int4_tiles.Int4Tiles.of(whole, torch.zeros(3, block, 2).bfloat16(), 32)
+
+
+def _timed(tiles_over_tinygemm: dict[int, float | None]):
+    from pagefleet.engine.cpu_choice.decide import Timed
+
+    return [
+        Timed(f"rows={rows}", {"tinygemm": 1e-3, "tiles": None if r is None else r * 1e-3})
+        for rows, r in tiles_over_tinygemm.items()
+    ]
 
 
 @pytest.mark.parametrize(
-    ("tiles_s", "want"), [(0.5e-3, "tiles"), (0.99e-3, "tinygemm"), (None, "tinygemm")]
+    ("ratios", "want"),
+    [
+        ({128: 0.5, 256: 0.4, 512: 0.3}, 128),
+        ({128: 1.9, 256: 0.8, 512: 0.3}, 256),  # slower at 128 rows: from 256
+        ({128: 0.5, 256: 1.2, 512: 0.3}, 512),  # a loss at 256 bars the counts below it
+        ({128: 0.5, 256: 0.5, 512: 0.99}, None),  # a near tie at the largest: tinygemm
+        ({128: 0.5, 256: 0.5, 512: None}, None),  # a failed measurement: tinygemm
+    ],
 )
-def test_the_prompt_path_is_what_measured_faster(tmp_path, tiles_s, want):
-    """The measured choice (cpu_choice/decide.py's rule): the tiles where they beat tinygemm
-    by the margin on the measured row counts, tinygemm on a near tie or a failed
-    measurement."""
-    from pagefleet.engine.cpu_choice.decide import Timed
+def test_tiles_take_steps_from_where_they_measured_faster(ratios, want):
+    rows, reason = int4_tiles.tile_rows(_timed(ratios))
+    assert rows == want
+    assert "rows=512" in reason
+
+
+def test_the_load_sets_tile_rows_from_the_kept_times(tmp_path):
+    """One measurement per shape, read back from the per-machine cache: every plane of that
+    shape takes the same threshold."""
     from pagefleet.engine.cpu_choice.measure import TimingCache
 
+    weights = [cases.random_int_weight(64, 64, 4, 32, False, seed=s) for s in (1, 2)]
+    kernels = [CpuIntKernel(w) for w in weights]
+    if kernels[0].planes[0].tiles is None:
+        return
     cache = TimingCache(tmp_path / "choices.json")
-    subject = "int4 prompt 64x64 group 32"
-    rows = [f"rows={n}" for n in int4_tiles.MEASURED_ROWS]
-    cache.put(subject, [Timed(r, {"tinygemm": 1e-3, "tiles": tiles_s or 1.0}) for r in rows])
-    if tiles_s is None:
-        cache.path.write_text("{}")  # nothing kept: measured now, with a failing candidate
-
-        def measure(tinygemm, tiles):
-            return [Timed(r, {"tinygemm": 1e-3, "tiles": None}) for r in rows]
-
-        original = int4_tiles.measure_paths
-        int4_tiles.measure_paths = measure
-        try:
-            got = int4_tiles.prompt_path(subject, None, object(), cache)
-        finally:
-            int4_tiles.measure_paths = original
-    else:
-        got = int4_tiles.prompt_path(subject, None, object(), cache)
-    assert got == want
+    cache.put("int4 tiles 64x64 group 32", _timed({128: 1.5, 256: 0.5, 512: 0.2}))
+    int4_tiles.choose_tile_rows([k.planes[0] for k in kernels], cache)
+    assert [k.planes[0].tile_rows for k in kernels] == [256, 256]
 
 
 def _cpu_w8a8_kernels() -> dict:

@@ -95,7 +95,8 @@ def load_model(
     """The model (or with `tp`, this rank's shard of it) on `device`, in `dtype`; each linear
     layer's weights are then processed for its kernel (model/linear.py): on a float32 CPU
     model oneDNN-prepacked (model/packed.py) as `linear_path` says (--linear-path: packed,
-    plain, or auto: per shape by measurement, model/linear_plan.py). The default here is
+    plain, or auto: per shape by measurement, model/linear_plan.py; auto also measures where
+    4-bit weights' prompt steps run, quant/int4_tiles.py). The default here is
     packed, so a library caller, test or benchmark loads without measuring; the engine passes
     its --linear-path (default auto); plain is the tests' unpacked reference. `quantization`
     is --quantization (None: the checkpoint's own, model/quant/config.py). A pooling engine
@@ -122,6 +123,10 @@ def load_model(
     weights = float_weights_by_shape(model)
     layers = _fusable_shapes(model) if weights and linear_path == "auto" else frozenset()
     model.process_weights(linear_plan(linear_path, weights, layer_shapes=layers))
+    if linear_path == "auto" and quant is not None and device.type == "cpu":
+        from pagefleet.engine.model.quant.cpu_kernels import choose_prompt_tiles
+
+        choose_prompt_tiles(model)  # 4-bit prompt steps on tiles, where they measure faster
     return model.eval()
 
 

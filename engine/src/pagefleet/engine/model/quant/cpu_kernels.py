@@ -9,9 +9,10 @@ scales, and the result returns in the model's dtype: a weight-only kernel's usua
 (GPU W4A16 kernels compute in half precision too).
 
 - 4-bit codes: tinygemm directly (act-order columns gathered into contiguous groups first);
-  from PROMPT_ROWS rows, where it measured faster on this machine and shape, tiles of the
-  weight dequantized to bfloat16 and multiplied by torch's bfloat16 matmul
-  (quant/int4_tiles.py): tinygemm's time grows with the rows.
+  for steps of many rows, from the row count where they measured faster on this machine and
+  shape (`--linear-path auto`; otherwise never), tiles of the weight dequantized to bfloat16
+  and multiplied by torch's bfloat16 matmul (quant/int4_tiles.py): tinygemm's time grows with
+  the rows.
 - symmetric 8-bit codes, one group per row: int8pack.
 - other 8-bit codes (groups, zero points): split into two 4-bit planes, `code = 16 * hi + lo`,
   each a tinygemm matmul on its own scales (`16 * scale`, `scale`): exact, and the same bytes
@@ -22,8 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from pagefleet.engine.model.quant import int4_tiles
-from pagefleet.engine.model.quant.int4_tiles import Int4Tiles
+from pagefleet.engine.model.quant.int4_tiles import Int4Tiles, choose_tile_rows
 from pagefleet.engine.model.quant.int_weight import GroupedInt, IntWeight
 from pagefleet.engine.model.quant.packing import unpack_codes
 
@@ -32,12 +32,12 @@ TINYGEMM_ROWS = 16  # tinygemm's packing wants output rows in multiples of 16
 KERNEL_DTYPE = torch.bfloat16
 
 
-def _padded(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit codes `[out, in]` (0..15) as int32, out padded with zeros to a multiple of 16."""
+def _tinygemm_pack(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes `[out, in]` (0..15), out padded to a multiple of 16 -> tinygemm's layout."""
     rows = -(-codes.shape[0] // TINYGEMM_ROWS) * TINYGEMM_ROWS
     padded = torch.zeros(rows, codes.shape[1], dtype=torch.int32)
     padded[: codes.shape[0]] = codes
-    return padded
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded, 2)
 
 
 def _scale_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -51,35 +51,24 @@ def _scale_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
 
 class TinyGemmPlane:
     """One tinygemm matmul: 4-bit codes with their (scale, zero) per group of `group_size`;
-    from PROMPT_ROWS rows on the tiles where `prompt_path` chose them."""
+    steps of `tile_rows` rows and more on the tiles (None: never; set by the load's
+    measurement, int4_tiles.choose_tile_rows, or by the caller)."""
 
     def __init__(self, codes: torch.Tensor, scales, zeros, group_size: int) -> None:
         self.out_features = codes.shape[0]
-        padded = _padded(codes)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded, 2)
+        self.packed = _tinygemm_pack(codes)
         self.scale_zeros = _scale_zeros(scales, zeros)
         self.group_size = group_size
-        self.tiles = Int4Tiles.of(self.packed, padded, self.scale_zeros, group_size)
-        self.use_tiles = False
+        self.tiles = Int4Tiles.of(self.packed, self.scale_zeros, group_size)
+        self.tile_rows: int | None = None
 
     def tinygemm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.scale_zeros
         )
 
-    def choose_prompt_path(self, path: str | None) -> None:
-        """`path` "tiles" or "tinygemm" as given, None: measured (int4_tiles.prompt_path)."""
-        if path not in (None, *int4_tiles.PATHS):
-            raise ValueError(f"4-bit prompt path {path!r}: one of {', '.join(int4_tiles.PATHS)}")
-        if self.tiles is None:
-            return
-        if path is None:
-            subject = f"int4 prompt {self.out_features}x{self.tiles.k} group {self.group_size}"
-            path = int4_tiles.prompt_path(subject, self.tinygemm, self.tiles)
-        self.use_tiles = path == "tiles"
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_tiles and x.shape[0] >= int4_tiles.PROMPT_ROWS:
+        if self.tile_rows is not None and x.shape[0] >= self.tile_rows:
             y = self.tiles(x)
         else:
             y = self.tinygemm(x)
@@ -92,9 +81,7 @@ class TinyGemmPlane:
 class CpuIntKernel:
     """y = x W^T for an `IntWeight`, on torch's packed CPU kernels (see the module docstring)."""
 
-    def __init__(self, weight: IntWeight, prompt_path: str | None = None) -> None:
-        """`prompt_path`: the 4-bit planes' path from PROMPT_ROWS rows, "tiles" or
-        "tinygemm" (None: measured per machine and shape)."""
+    def __init__(self, weight: IntWeight) -> None:
         self.out_features = weight.out_features
         self.grouped: GroupedInt | None = None
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -122,8 +109,6 @@ class CpuIntKernel:
                 TinyGemmPlane(lo, g.scales, constant - head, g.group_size),
             ]
         g.codes = g.codes[:0]  # only the planes are kept
-        for plane in self.planes:
-            plane.choose_prompt_path(prompt_path)
 
     def _per_row_int8(self, weight: IntWeight) -> None:
         """Symmetric codes (offset -128 s): int8pack on code - 128 as it is. (With zero
@@ -151,3 +136,16 @@ class CpuIntKernel:
             return list(self.int8)
         index = [self.grouped.index] if self.grouped.index is not None else []
         return [t for plane in self.planes for t in plane.tensors()] + index
+
+
+def choose_prompt_tiles(model: torch.nn.Module) -> None:
+    """`--linear-path auto` on a CPU model: from how many rows each 4-bit plane's steps take
+    the tiles, by measurement (int4_tiles.choose_tile_rows)."""
+    planes = [
+        plane
+        for module in model.modules()
+        if isinstance(getattr(module, "kernel", None), CpuIntKernel)
+        for plane in module.kernel.planes
+    ]
+    if planes:
+        choose_tile_rows(planes)

@@ -4,17 +4,19 @@ dequantized a tile at a time into bfloat16 and multiplied by torch's bfloat16 ma
 tinygemm's CPU kernel dequantizes each weight block again for every four rows of input, so its
 time grows with the rows as a float GEMM's would at a fraction of its rate: 256 rows of a
 576x3072 weight took 5.5-6.1 ms, where oneDNN's bfloat16 matmul (AMX on an Intel Xeon) took
-0.65 ms on the dequantized weight. Here each tile of output columns is dequantized once, into a
-buffer of at most TILE_BYTES, and multiplied with all the rows: 1.6 ms in all for that weight
-(docs/benchmarks.md, issue 31). The float weight is never held whole; a step of a few rows
-keeps tinygemm, which reads the codes once.
+0.65 ms on the dequantized weight. Here each tile of output rows is dequantized once, into a
+buffer of about TILE_BYTES, and multiplied with all the input rows: 2.0 ms in all for that
+weight (docs/benchmarks.md, issue 31). The float weight is never held whole. From how many rows
+the tiles take a step is measured per machine and weight shape at load (`choose_tile_rows`);
+a step of a few rows keeps tinygemm, which reads the codes once and whose sums do not depend on
+the batch (the tiles' do, in their last bits).
 
 The tiles read tinygemm's own packed bytes (no second copy of the codes). Its layout depends
 on the instruction set torch was built for: blocks of B output rows (64 with AVX-512, 32 with
 AVX2), within a block one run of B/2 bytes per input column, byte i holding row i in its low
-nibble and row B/2 + i in its high one. `Int4Tiles.of` checks that layout against the codes it
-packed and declines where they differ (another build, a partial last block): that weight keeps
-tinygemm at every size.
+nibble and row B/2 + i in its high one. `tinygemm_block` finds the block once, on a probe
+weight packed and read back; a build with another layout, or a weight without whole blocks,
+keeps tinygemm at every size.
 
 Each weight is `(q - 8) * scale + zero` with tinygemm's own bfloat16 scale and zero, rounded to
 bfloat16 (nearest even) as the matmul takes it: within a bfloat16 step of what tinygemm
@@ -23,6 +25,7 @@ multiplies by, with the same bfloat16 activations and float32 sums.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numba
@@ -108,29 +111,46 @@ def _tinygemm_layout(packed: np.ndarray, codes: torch.Tensor, block: int) -> boo
     return torch.equal(blocks.permute(0, 2, 1).reshape(rows, k), codes.to(torch.uint8))
 
 
+@functools.cache
+def tinygemm_block() -> int | None:
+    """The block of output rows this torch build's tinygemm packs in, as BLOCKS reads it, or
+    None for a layout the tiles do not read (another build): found once, on a probe weight
+    two blocks of every kind tall. It is fixed by the build, so a weight need only have whole
+    blocks."""
+    rows, k = 2 * max(BLOCKS), 64
+    codes = torch.randint(0, 16, (rows, k), generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
+    flat = packed.view(torch.uint8).numpy().reshape(-1)
+    return next((b for b in BLOCKS if _tinygemm_layout(flat, codes, b)), None)
+
+
 class Int4Tiles:
     """x W^T for many rows of bfloat16 x on tinygemm's packed weight (see the module
-    docstring); `of` builds one where the layout is tinygemm's as this module reads it."""
+    docstring); `of` builds one where this build's layout is one the tiles read."""
 
     def __init__(self, packed: np.ndarray, scale_zeros, group: int, block: int, k: int) -> None:
         self.packed, self.scale_zeros = packed, scale_zeros
         self.group, self.block, self.k = group, block, k
         rows = scale_zeros.shape[1]
+        # A tile holds whole blocks: one block even where that passes TILE_BYTES (k > 8192).
         per_tile = max(block, TILE_BYTES // (2 * k) // block * block)
         self.tiles = [(r, min(rows, r + per_tile)) for r in range(0, rows, per_tile)]
         self.rows = rows
 
     @classmethod
-    def of(cls, packed: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor, group: int):
-        """Tiles over tinygemm's `packed` weight of `codes` [rows (padded), k] and its
-        `scale_zeros` [groups, rows, 2] bfloat16, or None where the layout is not one of
-        BLOCKS' (the weight then stays on tinygemm)."""
+    def of(cls, packed: torch.Tensor, scale_zeros: torch.Tensor, group: int):
+        """Tiles over tinygemm's `packed` weight [rows (padded), k / 2] and its `scale_zeros`
+        [k / group, rows, 2] bfloat16, or None where this build's layout is not one the
+        tiles read or the rows are not whole blocks of it (the weight stays on tinygemm)."""
+        block = tinygemm_block()
+        rows, k = packed.shape[0], 2 * packed.shape[1]
+        if block is None or rows % block or k % group:
+            return None
+        if tuple(scale_zeros.shape) != (k // group, rows, 2):
+            raise ValueError(f"scale/zero pairs {tuple(scale_zeros.shape)} for a {rows}x{k} weight")
         flat = packed.contiguous().view(torch.uint8).numpy().reshape(-1)
-        for block in BLOCKS:
-            if _tinygemm_layout(flat, codes, block):
-                sz = scale_zeros.contiguous().view(torch.uint16).numpy()
-                return cls(flat, sz, group, block, codes.shape[1])
-        return None
+        sz = scale_zeros.contiguous().view(torch.uint16).numpy()
+        return cls(flat, sz, group, block, k)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """[m, k] bfloat16 -> [m, rows] bfloat16 (rows: the padded output width)."""
@@ -151,13 +171,15 @@ class Int4Tiles:
         return out
 
 
-PROMPT_ROWS = 128  # rows from which the tiles may take over (64 rows measured about even)
+# Where the tiles may take over. They pay for dequantizing the whole weight at each call, which
+# tinygemm's per-row cost overtakes somewhere above 64 rows here (about even at 64): measured
+# per machine and shape at these row counts, by the load (`choose_tile_rows`).
+MEASURED_ROWS = (128, 256, 512)
 PATHS = ("tinygemm", "tiles")
-MEASURED_ROWS = (PROMPT_ROWS, 512)
 
 
 def measure_paths(tinygemm, tiles: Int4Tiles) -> list[Timed]:
-    """Seconds per call of each path on this weight at MEASURED_ROWS rows of bfloat16 input."""
+    """Seconds per call of each path on one weight at MEASURED_ROWS rows of bfloat16 input."""
     timings = []
     for rows in MEASURED_ROWS:
         x = torch.randn(rows, tiles.k).to(torch.bfloat16)
@@ -166,15 +188,45 @@ def measure_paths(tinygemm, tiles: Int4Tiles) -> list[Timed]:
     return timings
 
 
-def prompt_path(subject: str, tinygemm, tiles: Int4Tiles | None, cache=None) -> str:
-    """Which path takes PROMPT_ROWS rows and more of this weight: measured once per machine
-    and weight shape (cpu_choice/), tinygemm (the default) where the tiles do not apply or
-    do not win by the margin. Logged with the reason where it was measured now."""
-    if tiles is None:
-        return "tinygemm"
+def tile_rows(timings: list[Timed]) -> tuple[int | None, str]:
+    """The fewest rows from which the tiles take a step, and why: the smallest measured row
+    count from which they beat tinygemm by the margin at every measured count (decide.py's
+    rule, class by class; a tie, a loss or a failed measurement keeps tinygemm there).
+    None: tinygemm at every size."""
+    rows = None
+    reasons = []
+    for timed in sorted(timings, key=lambda t: int(t.label.split("=")[1]), reverse=True):
+        choice = choose(PATHS, "tinygemm", [timed])
+        reasons.append(f"{timed.label}: {choice.reason}")
+        if choice.name != "tiles":
+            break
+        rows = int(timed.label.split("=")[1])
+    return rows, "; ".join(reversed(reasons))
+
+
+def choose_tile_rows(planes: list, cache: TimingCache | None = None) -> None:
+    """Each 4-bit plane's `tile_rows` (quant/cpu_kernels.py's TinyGemmPlane), measured once
+    per machine and weight shape on the first plane of that shape (cpu_choice/measure.py
+    keeps the times), after the whole model is loaded. Logs each shape's choice."""
     cache = cache if cache is not None else TimingCache()
-    timings, source = cached_timings(cache, subject, lambda: measure_paths(tinygemm, tiles))
-    choice = choose(PATHS, "tinygemm", timings)
-    if source.startswith("measured now"):
-        logger.info("4-bit prompt path for %s: %s (%s)", subject, choice.reason, source)
-    return choice.name
+    by_subject: dict[str, list] = {}
+    for plane in planes:
+        if plane.tiles is not None:
+            subject = f"int4 tiles {plane.out_features}x{plane.tiles.k} group {plane.group_size}"
+            by_subject.setdefault(subject, []).append(plane)
+    for subject, same in by_subject.items():
+        first = same[0]
+        timings, source = cached_timings(
+            cache, subject, lambda first=first: measure_paths(first.tinygemm, first.tiles)
+        )
+        rows, reason = tile_rows(timings)
+        logger.info(
+            "%s (%d weights): tiles from %s rows; %s (%s)",
+            subject,
+            len(same),
+            rows if rows is not None else "no number of",
+            reason,
+            source,
+        )
+        for plane in same:
+            plane.tile_rows = rows
