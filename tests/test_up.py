@@ -132,3 +132,42 @@ def test_picked_ports_stay_out_of_the_kernels_ephemeral_range(tmp_path, monkeypa
     assert 1024 <= up.free_port() <= 65535
     ranges.unlink()  # no procfs: the kernel's choice
     assert up.free_port() > 0
+
+
+def test_a_fleets_ports_never_repeat_the_routers_or_each_other():
+    """Every port is picked before any child binds it, so nothing but the plan keeps two
+    children off one port: a pick that meets the router's port, or a port (or pair) an earlier
+    pick holds, is picked again. (A fleet's router once lost its port so.)"""
+    # The picker offers the router's port, then a pair overlapping an earlier one, then
+    # fresh pairs.
+    offered = iter(
+        [
+            8000,
+            9000,
+            9001,
+            9000,
+            7999,
+            9002,
+            9004,
+            9006,
+            9008,
+            9010,
+            9012,
+            9014,
+            9016,
+            9018,
+            9020,
+            9022,
+        ]
+    )
+    opts = FleetOptions(model="/m", fleet_secret_file="/run/s", port=8000)
+    specs = plan_fleet(opts, "pagefleet", lambda: next(offered))
+    ports = [8000]
+    for spec in specs[:-1]:
+        ports.append(int(spec.url.rsplit(":", 1)[1]))
+        events = json.loads(flag(spec.argv, "--kv-events-config"))["endpoint"]
+        ports += [int(events.rsplit(":", 1)[1]), int(events.rsplit(":", 1)[1]) + 1]
+        if "--kv-transfer-config" in spec.argv:
+            kv = json.loads(flag(spec.argv, "--kv-transfer-config"))["kv_port"]
+            ports += [kv, kv + 1]
+    assert len(ports) == len(set(ports)), sorted(ports)

@@ -134,11 +134,11 @@ def plan_fleet(
         raise ValueError("--simulate has no KV to transfer: use --no-disaggregated with it")
     if opts.engines < 0 or (opts.engines == 0 and not opts.disaggregated):
         raise ValueError("--engines must be >= 1 (or >= 0 with --disaggregated)")
-    free_pair = free_pair or (lambda: free_port_pair(opts.host))
+    pick = _apart(free_pair or (lambda: free_port_pair(opts.host)), {opts.port})
     roles = ["both"] * opts.engines + (["prefill", "decode"] if opts.disaggregated else [])
     engines, events = [], []
     for i, role in enumerate(roles):
-        engine, events_endpoint = _engine_child(opts, pagefleet, i, role, free_pair)
+        engine, events_endpoint = _engine_child(opts, pagefleet, i, role, pick)
         engines.append(engine)
         events.append(events_endpoint)
     endpoints = ",".join(e.url + ("" if e.role == "both" else f"@{e.role}") for e in engines)
@@ -149,6 +149,22 @@ def plan_fleet(
     if opts.fleet_secret_file:
         router += ["--fleet-secret-file", opts.fleet_secret_file]
     return [*engines, ChildSpec("router", "router", router, f"http://{opts.host}:{opts.port}")]
+
+
+def _apart(free_pair: Callable[[], int], taken: set[int]) -> Callable[[], int]:
+    """`free_pair` kept off the ports in `taken` and off the pairs it gave before: every
+    child binds its ports only once it runs, so a pick is free of the others' only if the
+    plan says so (a fleet's router once lost its port to an engine's pick)."""
+
+    def pick() -> int:
+        for _ in range(100):
+            port = free_pair()
+            if port not in taken and port + 1 not in taken:
+                taken.update((port, port + 1))
+                return port
+        raise OSError("no free pair of ports apart from the fleet's others")
+
+    return pick
 
 
 def _engine_child(
