@@ -1,7 +1,7 @@
 """Prompt-sized products on tinygemm's packed 4-bit weights (quant/cpu_kernels.py): the weight
 dequantized a tile at a time into bfloat16 and multiplied by torch's bfloat16 matmul.
 
-tinygemm's CPU kernel dequantizes each weight block again for every four rows of input, so its
+tinygemm's CPU kernel dequantizes each weight block again for every few rows of input, so its
 time grows with the rows as a float GEMM's would at a fraction of its rate: 256 rows of a
 576x3072 weight took 5.5-6.1 ms, where oneDNN's bfloat16 matmul (AMX on an Intel Xeon) took
 0.65 ms on the dequantized weight. Here each tile of output rows is dequantized once, into a
@@ -40,7 +40,7 @@ use_image_kernels()  # before the kernel below is defined (and loaded or compile
 logger = logging.getLogger(__name__)
 
 TILE_BYTES = 1 << 20  # a tile's bfloat16 weights: within a core's L2 beside the rows
-BLOCKS = (64, 32)  # tinygemm's output-row blocks: AVX-512 builds, then AVX2 and scalar ones
+BLOCKS = (64, 32)  # tinygemm's output-row blocks: AVX-512 builds, AVX2 ones (not scalar builds')
 
 _FAST = {"reassoc", "nsz", "arcp"}  # no contraction: (q - 8) * s + z rounds as written
 
