@@ -1,5 +1,6 @@
 """Where the engine's numba kernels are cached, so that a pod with a read-only root filesystem
-loads the kernels its image compiled instead of compiling them again at every start.
+loads the kernels its image compiled instead of compiling them again at every start; and how
+many threads their parallel loops run on (`match_torch_threads`).
 
 numba keeps a compiled kernel beside its source (`__pycache__`) only where it may write
 there; elsewhere it compiles into the user's cache, which in a pod is an emptyDir that starts
@@ -123,6 +124,16 @@ def use_image_kernels() -> None:
     (numba re-reads its config when a NUMBA_ variable changes, which an engine never does.)"""
     if not os.environ.get("NUMBA_CACHE_LOCATOR_CLASSES"):
         config.CACHE_LOCATOR_CLASSES = LOCATORS
+
+
+def match_torch_threads() -> int:
+    """numba's threads set to torch's (the engine's share of the machine), within numba's
+    pool, before a parallel kernel runs; returns the count."""
+    import torch
+
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    numba.set_num_threads(threads)
+    return threads
 
 
 def compile_all() -> None:

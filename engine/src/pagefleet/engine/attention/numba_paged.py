@@ -31,7 +31,7 @@ from numba.extending import intrinsic, overload
 
 from pagefleet.engine.attention.backend import NUMBA_KV_DTYPES, SingleGroup
 from pagefleet.engine.attention.torch_ref import TorchAttentionBackend
-from pagefleet.engine.kernel_cache import use_image_kernels
+from pagefleet.engine.kernel_cache import match_torch_threads, use_image_kernels
 from pagefleet.engine.kv_cache.fp8 import LayerScales
 
 use_image_kernels()  # before the kernels below are defined (and loaded or compiled)
@@ -438,6 +438,6 @@ class NumbaAttentionBackend(TorchAttentionBackend):
         num_kv = k_cache.shape[0]
         plan = group.plans.get(num_kv)
         if plan is None:  # the step's first layer: every other one reuses it
-            numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+            match_torch_threads()
             plan = group.plans[num_kv] = plan_kernel(group.block_tables, group_lens(group), num_kv)
         return run_kernel(q, k_cache, v_cache, plan, scale)

@@ -29,7 +29,7 @@ import numba
 import numpy as np
 import torch
 
-from pagefleet.engine.kernel_cache import use_image_kernels
+from pagefleet.engine.kernel_cache import match_torch_threads, use_image_kernels
 from pagefleet.engine.model.packed import plain_linear
 
 use_image_kernels()  # before the kernels below are defined (and loaded or compiled)
@@ -153,7 +153,7 @@ def linear_one_row(
     dtype, a strided output)."""
     if not _gemv_applies(x, weight, bias, residual):
         return plain_linear(x, weight, bias, residual)
-    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    match_torch_threads()
     row = x.contiguous().numpy()[0]
     b = _NO_BIAS if bias is None else bias.detach().contiguous().numpy()
     if residual is not None:

@@ -33,7 +33,7 @@ from pagefleet.engine.attention.numba_paged import (
     paged_decode_serial,
     runs_serially,
 )
-from pagefleet.engine.kernel_cache import use_image_kernels
+from pagefleet.engine.kernel_cache import match_torch_threads, use_image_kernels
 from pagefleet.engine.model import numba_ops
 from pagefleet.engine.model.layers import MLP, Attention, RMSNorm
 from pagefleet.engine.model.linear import FloatLinearMethod, Linear
@@ -257,8 +257,7 @@ class OneRowDecoder:
         pools = self._pool_arrays(kv_caches)
         keys = pools[self.weights[0].kv_slot][0]
         _check_bounds(keys, slot, table, int(length[0]), rotation.cos, self.weights[0].shape[2])
-        threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-        numba.set_num_threads(threads)
+        threads = match_torch_threads()
         cos, sin = rotation.cos.contiguous().numpy(), rotation.sin.contiguous().numpy()
         out = x.numpy()
         kv_heads = self.weights[0].shape[1]  # every layer's: one Attention config

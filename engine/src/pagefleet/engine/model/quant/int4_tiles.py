@@ -34,7 +34,7 @@ import torch
 
 from pagefleet.engine.cpu_choice.decide import Timed, choose
 from pagefleet.engine.cpu_choice.measure import TimingCache, cached_timings, time_alternately
-from pagefleet.engine.kernel_cache import use_image_kernels
+from pagefleet.engine.kernel_cache import match_torch_threads, use_image_kernels
 
 use_image_kernels()  # before the kernel below is defined (and loaded or compiled)
 logger = logging.getLogger(__name__)
@@ -136,6 +136,7 @@ class Int4Tiles:
         per_tile = max(block, TILE_BYTES // (2 * k) // block * block)
         self.tiles = [(r, min(rows, r + per_tile)) for r in range(0, rows, per_tile)]
         self.rows = rows
+        self.buffer_elements = k * min(rows, per_tile)
 
     @classmethod
     def of(cls, packed: torch.Tensor, scale_zeros: torch.Tensor, group: int):
@@ -154,10 +155,9 @@ class Int4Tiles:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """[m, k] bfloat16 -> [m, rows] bfloat16 (rows: the padded output width)."""
-        threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-        numba.set_num_threads(threads)
+        threads = match_torch_threads()
         out = torch.empty(x.shape[0], self.rows, dtype=torch.bfloat16)
-        buffer = np.empty(self.k * max(stop - start for start, stop in self.tiles), np.uint16)
+        buffer = np.empty(self.buffer_elements, np.uint16)
         for start, stop in self.tiles:
             tile = buffer[: self.k * (stop - start)].reshape(self.k, stop - start)
             _dequantize_tile(
@@ -193,14 +193,18 @@ def tile_rows(timings: list[Timed]) -> tuple[int | None, str]:
     count from which they beat tinygemm by the margin at every measured count (decide.py's
     rule, class by class; a tie, a loss or a failed measurement keeps tinygemm there).
     None: tinygemm at every size."""
+
+    def rows_of(timed: Timed) -> int:
+        return int(timed.label.removeprefix("rows="))
+
     rows = None
     reasons = []
-    for timed in sorted(timings, key=lambda t: int(t.label.split("=")[1]), reverse=True):
+    for timed in sorted(timings, key=rows_of, reverse=True):
         choice = choose(PATHS, "tinygemm", [timed])
         reasons.append(f"{timed.label}: {choice.reason}")
         if choice.name != "tiles":
             break
-        rows = int(timed.label.split("=")[1])
+        rows = rows_of(timed)
     return rows, "; ".join(reversed(reasons))
 
 
