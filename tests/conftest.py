@@ -170,3 +170,16 @@ def interpreter():
     init = triton_interpret_cases.enable_interpreter
     with ProcessPoolExecutor(1, mp_context=context, initializer=init) as pool:
         yield lambda fn, *args, **kwargs: pool.submit(fn, *args, **kwargs).result(timeout=300)
+
+
+@pytest.fixture
+def tile_calls(monkeypatch) -> list[int]:
+    """The rows of every step the 4-bit tiles take (quant/int4_tiles.py), as they run."""
+    from pagefleet.engine.model.quant import int4_tiles
+
+    calls: list[int] = []
+    original = int4_tiles.Int4Tiles.__call__
+    monkeypatch.setattr(
+        int4_tiles.Int4Tiles, "__call__", lambda self, x: calls.append(len(x)) or original(self, x)
+    )
+    return calls

@@ -82,7 +82,7 @@ TILE_CASES = {
 
 
 @pytest.mark.parametrize("name", list(TILE_CASES))
-def test_steps_on_tiles_multiply_by_the_dequantized_weight(name, monkeypatch):
+def test_steps_on_tiles_multiply_by_the_dequantized_weight(name, monkeypatch, tile_calls):
     """From a plane's `tile_rows` its steps run on the tiles (quant/int4_tiles.py), which
     read tinygemm's own packed bytes: the same product as tinygemm's to bfloat16 rounding,
     the dequantized weight's to the kernels' precision; fewer rows stay on tinygemm. A torch
@@ -96,22 +96,17 @@ def test_steps_on_tiles_multiply_by_the_dequantized_weight(name, monkeypatch):
         return
     for plane in kernel.planes:
         plane.tile_rows = 130
-    calls = []
-    original = int4_tiles.Int4Tiles.__call__
-    monkeypatch.setattr(
-        int4_tiles.Int4Tiles, "__call__", lambda self, x: calls.append(1) or original(self, x)
-    )
     x = torch.randn(133, cols, generator=torch.Generator().manual_seed(4))
     got = kernel(x)
-    assert len(calls) == len(kernel.planes)
+    assert tile_calls == [133] * len(kernel.planes)
     want = x @ weight.dequantize().t()
     assert_close(got, want, atol=1e-2 * want.abs().max().item(), rtol=0)
     on_tinygemm = CpuIntKernel(weight)(x)  # tile_rows None: never the tiles
     # both round their sums to bfloat16: two of its steps at the output's scale
     assert_close(got, on_tinygemm, atol=2**-7 * want.abs().max().item(), rtol=0)
-    calls.clear()
+    tile_calls.clear()
     kernel(x[:129])
-    assert not calls
+    assert not tile_calls
 
 
 @pytest.mark.parametrize("threads", [1, 3, 7])

@@ -166,7 +166,9 @@ def test_greedy_output_is_the_oracles_up_to_near_ties(written, name):
     assert_top1_agrees(written[name].oracle, torch.float32, prompts, outputs, 0.9, gap)
 
 
-def test_a_prompt_step_on_4_bit_tiles_is_the_oracles_up_to_near_ties(written, monkeypatch):
+def test_a_prompt_step_on_4_bit_tiles_is_the_oracles_up_to_near_ties(
+    written, monkeypatch, tile_calls
+):
     """With --linear-path auto a step of many rows takes the 4-bit tiles where they measured
     faster (quant/int4_tiles.py; from 128 rows here, whatever this machine measured): greedy
     tokens as HF on the oracle picks them, act-order included; decode steps stay on
@@ -177,17 +179,12 @@ def test_a_prompt_step_on_4_bit_tiles_is_the_oracles_up_to_near_ties(written, mo
         return  # this torch build's layout is not one the tiles read: tinygemm everywhere
     monkeypatch.setattr(int4_tiles, "cached_timings", lambda *args: ([], "not measured"))
     monkeypatch.setattr(int4_tiles, "tile_rows", lambda timings: (128, "from 128 rows"))
-    calls = []
-    original = int4_tiles.Int4Tiles.__call__
-    monkeypatch.setattr(
-        int4_tiles.Int4Tiles, "__call__", lambda self, x: calls.append(len(x)) or original(self, x)
-    )
     name = "ct-w4a16-g32-asym-actorder"
     llm = LLM(written[name].quantized, num_gpu_blocks_override=64, max_model_len=128)
     rng = random.Random(1)
     prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (41, 57, 36)]
     outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    assert calls and set(calls) == {sum(map(len, prompts))}  # the prompt step only
+    assert tile_calls and set(tile_calls) == {sum(map(len, prompts))}  # the prompt step only
     assert_top1_agrees(written[name].oracle, torch.float32, prompts, outputs, 0.9, 0.05)
 
 
