@@ -170,6 +170,75 @@ def test_a_wrapped_linear_takes_the_step_back_to_the_layers(tiny_checkpoints, fu
     assert fused_steps == [] and calls.count(1) == TOKENS
 
 
+@pytest.fixture(scope="module")
+def quantized_ggufs(tmp_path_factory) -> dict[str, str]:
+    """A tiny Qwen2 (tied embeddings, q/k/v biases) as a Q8_0 and a Q4_1 GGUF file, each
+    in its own folder (transformers reads a GGUF from its folder)."""
+    from gguf import GGMLQuantizationType as T
+
+    from gguf_files import write_gguf_of
+    from pagefleet.engine.model.tiny import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("quantized-gguf")
+    hf = write_tiny_checkpoint(root / "hf", "Qwen2ForCausalLM", tie_word_embeddings=True)
+    files = {}
+    for qtype in ("Q8_0", "Q4_1"):
+        (root / qtype).mkdir()
+        files[qtype] = str(write_gguf_of(hf, root / qtype / "model.gguf", T[qtype]))
+    return files
+
+
+def _transformers_on(gguf_file: str):
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    file = Path(gguf_file)
+    return AutoModelForCausalLM.from_pretrained(
+        str(file.parent), gguf_file=file.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_a_quantized_gguf_decodes_fused_on_its_codes_as_transformers_picks(
+    quantized_ggufs, qtype, fused_steps
+):
+    """Single-stream decode of a quantized file runs each layer as one call on its codes a
+    byte each (quant/row_codes.py: the dequantized weight's float32 product), and a Q8_0
+    token embedding's logits on its own codes. Transformers on the same file (it dequantizes
+    it), fed our tokens, picks each as its top-1 or within a near-tie of it: the prompt
+    steps still take tinygemm's bfloat16 activations (tests/test_quantization.py's
+    criterion; here one tie of 0.005 nats fell the other way)."""
+    path = quantized_ggufs[qtype]
+    llm = LLM(path, max_num_seqs=1, **NUMBA)
+    model = llm.engine.runner.model
+    assert model.one_row_decoder is not None
+    head_codes = model.one_row_decoder.head_codes
+    assert (head_codes is not None) == (qtype == "Q8_0")  # Q4_1's embedding is 4-bit
+    if head_codes is not None:
+        assert model.lm_head.one_row == head_codes.one_row
+    outs = llm.generate(PROMPTS[1:3], GREEDY, use_tqdm=False)
+    assert fused_steps == [1] * (2 * (TOKENS - 1))
+    theirs = _transformers_on(path)
+    agree = 0
+    for prompt, out in zip(PROMPTS[1:3], outs, strict=True):
+        ours = list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            logits = theirs(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1]
+        for row, token in zip(logits.log_softmax(-1), ours, strict=True):
+            agree += int(row.argmax()) == token
+            assert (row.max() - row[token]).item() <= 0.05
+    assert agree >= 0.9 * 2 * TOKENS
+
+
+def test_byte_codes_past_the_budget_leave_the_layers_op_by_op(quantized_ggufs):
+    model = load_model(quantized_ggufs["Q4_1"], torch.float32, CPU, 64, linear_path="plain")
+    assert fusable_layers(model) == list(model.layers)
+    assert one_row_decode.fusable_shapes(model) == frozenset()  # no float weight to plan
+    assert OneRowDecoder.build(model, budget=0) is None
+    assert OneRowDecoder.build(model, budget=1 << 30) is not None
+
+
 @pytest.mark.parametrize("breaks", ["tensor-parallel", "quantized", "other-family"])
 def test_layers_that_are_not_plain_dense_float_are_not_fused(tiny_checkpoints, breaks):
     model = load_model(tiny_checkpoints["llama"], torch.float32, CPU, 64, linear_path="plain")

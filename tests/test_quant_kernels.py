@@ -77,7 +77,6 @@ TILE_CASES = {
     "int4-g32": (128, 96, 4, 32, False),
     "int4-g64-three-blocks-of-rows": (192, 128, 4, 64, False),
     "int4-act-order": (64, 128, 4, 32, True),
-    "int8-g32-two-planes": (64, 64, 8, 32, False),
 }
 
 
@@ -148,6 +147,102 @@ def test_tiles_decline_weights_without_whole_blocks():
         int4_tiles.Int4Tiles.of(whole, torch.zeros(3, block, 2).bfloat16(), 32)
 
 
+ROW_CODE_CASES = {
+    "int4-g32": (192, 96, 4, 32, False),
+    "int4-g64": (128, 256, 4, 64, False),
+    "int4-channel-asym": (64, 96, 4, None, False),  # one group of 96: three of 32 in tinygemm
+    "int8-g32-sym": (64, 128, 8, 32, True),  # Q8_0's form: no offsets kept
+    "int8-g32-asym": (128, 64, 8, 32, False),
+}
+
+
+@pytest.mark.parametrize("name", list(ROW_CODE_CASES))
+def test_row_codes_multiply_as_the_dequantized_weight_in_float32(name):
+    """One-row steps of the fused layers read the codes a byte each, read back from the
+    tinygemm planes (quant/row_codes.py): the float32 product of the dequantized weight up
+    to the order of the sums (tinygemm, with bfloat16 activations, is ~2^-8 off), bias
+    added, or added into a residual in place."""
+    out, cols, bits, group, symmetric = ROW_CODE_CASES[name]
+    weight = cases.random_int_weight(out, cols, bits, group, False, seed=5)
+    if symmetric:
+        weight.offsets = -(1 << (bits - 1)) * weight.scales
+    codes = CpuIntKernel(weight).row_codes()
+    if int4_tiles.tinygemm_block() is None:
+        assert codes is None  # planes in a layout not read back: no byte codes
+        return
+    gen = torch.Generator().manual_seed(2)
+    x, bias = torch.randn(1, cols, generator=gen), torch.randn(out, generator=gen)
+    want = (x.double() @ weight.dequantize().double().t() + bias.double()).float()
+    scale = want.abs().max().item()
+    assert_close(codes(x, bias), want, atol=1e-6 * scale, rtol=0)
+    residual = torch.randn(1, out, generator=gen)
+    expected = residual + want
+    assert codes.one_row(x, None, bias, residual) is residual
+    assert_close(residual, expected, atol=1e-6 * scale, rtol=0)
+    assert (codes.offsets.size == 0) == symmetric
+    with pytest.raises(ValueError, match="one float32 row"):
+        codes(torch.randn(2, cols))
+
+
+def test_row_codes_decline_gathered_columns_and_rows_short_of_a_block():
+    block = int4_tiles.tinygemm_block()
+    if block is None:
+        return
+    act_order = cases.random_int_weight(block, 64, 4, 32, True, seed=1)
+    assert CpuIntKernel(act_order).row_codes() is None
+    short = cases.random_int_weight(block + 16, 64, 4, 32, False, seed=1)
+    assert CpuIntKernel(short).row_codes() is None
+
+
+@pytest.mark.parametrize("act_order", [False, True], ids=["groups", "act-order"])
+def test_8_bit_codes_multiply_in_float32_on_every_path(act_order, monkeypatch):
+    """Grouped 8-bit codes (GGUF Q8_0, GPTQ int8) run on their bytes with float32 activations:
+    one row, a few (each code read once for all rows) and, from the measured row count, float32
+    tiles of a few blocks each; every path is the dequantized weight's float32 product up to
+    the order of the sums, not the 2^-8 of bfloat16 activations."""
+    from pagefleet.engine.model.quant import row_codes
+
+    monkeypatch.setattr(row_codes, "TILE_BYTES", 4 * 64 * 64 * 2)  # two blocks a tile
+    weight = cases.random_int_weight(200, 96, 8, 32, act_order, seed=9)  # 4 blocks, last short
+    kernel = CpuIntKernel(weight)
+    assert kernel.codes is not None and not kernel.planes
+    dense = weight.dequantize().double()
+    gen = torch.Generator().manual_seed(3)
+    for tile_rows in (None, 5):
+        kernel.codes.tile_rows = tile_rows
+        for rows in (1, 4, 9):
+            x = torch.randn(rows, 96, generator=gen)
+            want = (x.double() @ dense.t()).float()
+            assert_close(kernel(x), want, atol=1e-5 * want.abs().max().item(), rtol=0)
+    with pytest.raises(ValueError, match="float32 rows"):
+        kernel.codes.codes.matmul(torch.randn(2, 95))
+
+
+def test_exact_int8_codes_are_found_only_in_a_float_weight_that_holds_them():
+    """A GGUF Q8_0 tensor dequantized at load holds its codes exactly (the tied LM head of
+    a Q8_0 embedding reads them at one row); any other float weight stays float."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+
+    from pagefleet.engine.model.quant.row_codes import RowCodes
+
+    values = np.random.default_rng(3).standard_normal((96, 128)).astype(np.float32)
+    values[5, :32] = 0  # an all-zero block
+    blocks = gguf.quants.quantize(values, T.Q8_0)
+    weight = torch.from_numpy(gguf.quants.dequantize(blocks, T.Q8_0).astype(np.float32))
+    codes = RowCodes.exact_int8(weight)
+    assert codes is not None and codes.offsets.size == 0
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(0))
+    assert_close(codes(x), x @ weight.t(), atol=1e-5, rtol=1e-5)
+    nudged = weight.clone()
+    nudged[7, 40] = torch.nextafter(nudged[7, 40], torch.tensor(10.0))
+    assert RowCodes.exact_int8(nudged) is None
+    assert RowCodes.exact_int8(torch.from_numpy(values)) is None
+    broken = weight.clone()
+    broken[0, 0] = float("nan")
+    assert RowCodes.exact_int8(broken) is None
+
+
 def _timed(tiles_over_tinygemm: dict[int, float | None]):
     from pagefleet.engine.cpu_choice.decide import Timed
 
@@ -186,6 +281,21 @@ def test_the_load_sets_tile_rows_from_the_kept_times(tmp_path):
     cache.put("int4 tiles 64x64 group 32", _timed({128: 1.5, 256: 0.5, 512: 0.2}))
     int4_tiles.choose_tile_rows([k.planes[0] for k in kernels], cache)
     assert [k.planes[0].tile_rows for k in kernels] == [256, 256]
+
+
+def test_8_bit_codes_take_tiles_from_the_kept_times(tmp_path):
+    from pagefleet.engine.cpu_choice.decide import Timed
+    from pagefleet.engine.cpu_choice.measure import TimingCache
+
+    kernel = CpuIntKernel(cases.random_int_weight(64, 64, 8, 32, False, seed=1))
+    cache = TimingCache(tmp_path / "choices.json")
+    times = {16: 2.0, 64: 0.8, 256: 0.3}  # tiles / codes
+    cache.put(
+        "int8 code tiles 64x64 group 32",
+        [Timed(f"rows={n}", {"codes": 1e-3, "tiles": r * 1e-3}) for n, r in times.items()],
+    )
+    int4_tiles.choose_tile_rows([kernel.codes], cache)
+    assert kernel.codes.tile_rows == 64
 
 
 def _cpu_w8a8_kernels() -> dict:

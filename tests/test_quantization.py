@@ -166,6 +166,40 @@ def test_greedy_output_is_the_oracles_up_to_near_ties(written, name):
     assert_top1_agrees(written[name].oracle, torch.float32, prompts, outputs, 0.9, gap)
 
 
+# Weight-only formats whose single-stream steps run the fused layers on their codes a byte each
+# (model/one_row_decode.py, quant/row_codes.py); act-order columns and W8A8 stay op by op.
+FUSED_FORMATS = [
+    "ct-w4a16-g32-sym",
+    "ct-w8a16-channel-asym",
+    "ct-w8a16-g32-ignore-down",  # float down_proj beside coded linears in one layer
+    "gptq-int8-g32-sym",
+    "awq-int4-g32",
+]
+
+
+@pytest.mark.parametrize("name", [*FUSED_FORMATS, "gptq-int4-g32-actorder"])
+def test_single_stream_fuses_the_layers_on_codes_as_the_oracle_picks(written, name, monkeypatch):
+    from pagefleet.engine.model.one_row_decode import OneRowDecoder
+
+    steps = []
+    run = OneRowDecoder.__call__
+    monkeypatch.setattr(
+        OneRowDecoder, "__call__", lambda self, x, *a: steps.append(1) or run(self, x, *a)
+    )
+    llm = LLM(
+        written[name].quantized,
+        max_num_seqs=1,
+        attention_backend="numba",
+        num_gpu_blocks_override=64,
+        max_model_len=128,
+    )
+    prompts = _prompts()[:2]
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    fused = name in FUSED_FORMATS
+    assert len(steps) == (2 * (GREEDY.max_tokens - 1) if fused else 0)
+    assert_top1_agrees(written[name].oracle, torch.float32, prompts, outputs, 0.9, 0.05)
+
+
 def test_a_prompt_step_on_4_bit_tiles_is_the_oracles_up_to_near_ties(
     written, monkeypatch, tile_calls
 ):
@@ -178,7 +212,7 @@ def test_a_prompt_step_on_4_bit_tiles_is_the_oracles_up_to_near_ties(
     if int4_tiles.tinygemm_block() is None:
         return  # this torch build's layout is not one the tiles read: tinygemm everywhere
     monkeypatch.setattr(int4_tiles, "cached_timings", lambda *args: ([], "not measured"))
-    monkeypatch.setattr(int4_tiles, "tile_rows", lambda timings: (128, "from 128 rows"))
+    monkeypatch.setattr(int4_tiles, "tile_rows", lambda timings, paths: (128, "from 128 rows"))
     name = "ct-w4a16-g32-asym-actorder"
     llm = LLM(written[name].quantized, num_gpu_blocks_override=64, max_model_len=128)
     rng = random.Random(1)

@@ -44,7 +44,7 @@ _LINE_BYTES = 64
 
 
 @intrinsic
-def _prefetch(typingctx, array, index):
+def prefetch(typingctx, array, index):
     """A hint that array.flat[index]'s cache line will be read soon (LLVM's prefetch: never
     faults, whatever the address)."""
 
@@ -72,7 +72,7 @@ def _prefetch_rows(flat, block, rows, block_size, head_dim):
     for t in rows:
         first = (block * block_size + t) * head_dim
         for i in range(first, first + head_dim, step):
-            _prefetch(flat, i)
+            prefetch(flat, i)
 
 
 # exp(x) for x <= 0 as exp(r) * 2**k, x = k ln2 + r, |r| <= ln2 / 2: a degree-6 polynomial

@@ -129,12 +129,7 @@ class CausalLM(nn.Module):
         plain float reference."""
         process_weights(self, plan.packs, plan.one_row_path)
         if plan.one_row_layers:
-            from pagefleet.engine.model import one_row_decode  # numba's
-
-            self.one_row_decoder = one_row_decode.OneRowDecoder.build(self)
-            head = getattr(self.lm_head, "weight", None)
-            if self.one_row_decoder is not None and head is not None:
-                one_row_decode.in_huge_pages([head])  # read whole at every step too
+            self.fuse_one_row_layers()
         weight = self.embed_tokens.weight
         if weight.device.type == "cpu" and weight.dtype == torch.float32:
             from pagefleet.engine.model import numba_ops  # the norms' and rotations' kernels
@@ -145,6 +140,25 @@ class CausalLM(nn.Module):
                 hook = getattr(layer, "prepack", None)
                 if hook is not None:
                     hook()
+
+    def fuse_one_row_layers(self, budget: int | None = None, coded_head: bool = False) -> None:
+        """The decoder layers as one compiled call each at one row where they can run so
+        (model/one_row_decode.py; a quantized model's byte codes within `budget` bytes, None:
+        the budget for second copies). The LM head is read whole at every such step too: on
+        the exact 8-bit codes its float weight holds where `coded_head` finds them (a GGUF's
+        Q8_0 token embedding, a quarter of the float bytes), else that weight moves into
+        huge-page memory beside the layers'."""
+        from pagefleet.engine.model import one_row_decode  # numba's
+
+        decoder = one_row_decode.OneRowDecoder.build(self, budget, coded_head)
+        self.one_row_decoder = decoder
+        head = getattr(self.lm_head, "weight", None)
+        if decoder is None or head is None:
+            return
+        if decoder.head_codes is not None:
+            self.lm_head.one_row = decoder.head_codes.one_row
+        elif head.dtype == torch.float32 and head.device.type == "cpu":
+            one_row_decode.in_huge_pages([head])
 
     def checkpoint_target(self, name: str) -> tuple[str, Hashable] | None:
         """(parameter name, part) a checkpoint tensor loads into, or None for tensors the model

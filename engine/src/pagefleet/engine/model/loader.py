@@ -121,18 +121,25 @@ def load_model(
         arrived.setdefault(name, set()).update({part} if filled is None else filled)
     _check_complete(model, loaders, arrived, path)
     weights = float_weights_by_shape(model)
-    layers = _fusable_shapes(model) if weights and linear_path == "auto" else frozenset()
+    fusable = linear_path == "auto" and _declares_fusable(model)
+    layers = _fusable_shapes(model) if weights and fusable else frozenset()
     model.process_weights(linear_plan(linear_path, weights, layer_shapes=layers))
     if linear_path == "auto" and quant is not None and device.type == "cpu":
         from pagefleet.engine.model.quant.cpu_kernels import choose_prompt_tiles
 
         choose_prompt_tiles(model)  # 4-bit prompt steps on tiles, where they measure faster
+        if fusable and model.one_row_decoder is None:
+            model.fuse_one_row_layers(coded_head=True)  # on codes a byte each, where they fit
     return model.eval()
 
 
+def _declares_fusable(model: CausalLM) -> bool:
+    """Whether the family's layers have the shape the fused one-row layers run (checked
+    before importing, and maybe compiling, their kernel)."""
+    return all(getattr(layer, "one_row_fusable", False) for layer in model.layers)
+
+
 def _fusable_shapes(model: CausalLM) -> frozenset[tuple[int, int]]:
-    if not all(getattr(layer, "one_row_fusable", False) for layer in model.layers):
-        return frozenset()  # before importing (and maybe compiling) the fused kernel
     from pagefleet.engine.model.one_row_decode import fusable_shapes  # numba's, CPU only
 
     return fusable_shapes(model)

@@ -1,5 +1,5 @@
 """A dense decoder layer at one row (single-stream decode) as one compiled call, on float32 CPU
-weights.
+weights or a quantized model's codes.
 
 At one row a small model's step is mostly dispatch: SmolLM2-135M's token took 33.7-34.5 ms
 on an Intel Xeon, of which its weights alone take 23 ms to read; the rest was a dozen torch
@@ -11,14 +11,17 @@ q/k/v (+ bias), per-head q/k norm, rotation, the new key and value written into 
 attention, o + residual, norm, gate/up, SiLU(gate) * up, down + residual.
 
 It serves layers that declare the plain pre-norm shape (`one_row_fusable`, the Llama family's
-DecoderLayer over model/layers.py's Attention and MLP) on one rank, with float weights kept in
-their plain layout (model/linear_plan.py keeps them where `--linear-path auto` fuses), and a
-step of one single-token row over a float32 pool without fp8 scales and no LoRA wrapper. Every
-other step runs the layers op by op.
+DecoderLayer over model/layers.py's Attention and MLP) on one rank, and a step of one
+single-token row over a float32 pool without fp8 scales and no LoRA wrapper. Each linear is
+read either as a float32 weight kept in its plain layout (model/linear_plan.py keeps them where
+`--linear-path auto` fuses) or, for a weight-only quantized one on torch's CPU kernels, as its
+codes a byte each in blocks of rows (quant/row_codes.py: a second copy beside tinygemm's, made
+where it fits the budget for second copies). Every other step runs the layers op by op.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numba
@@ -38,11 +41,16 @@ from pagefleet.engine.model import numba_ops
 from pagefleet.engine.model.layers import MLP, Attention, RMSNorm
 from pagefleet.engine.model.linear import FloatLinearMethod, Linear
 from pagefleet.engine.model.numba_ops import _gemv, _rms_norm, _rotate_pair
+from pagefleet.engine.model.quant import row_codes
+from pagefleet.engine.model.quant.cpu_kernels import CpuIntKernel
+from pagefleet.engine.model.quant.row_codes import NO_OFFSETS, RowCodes, gemv_codes
+
+logger = logging.getLogger(__name__)
 
 use_image_kernels()  # before the kernel below is defined (and loaded or compiled)
 # The kernel below is compiled with these files' kernels: its cached copy is stale when they
 # change (kernel_cache.CalleeStamp).
-KERNEL_CALLEES = (numba_ops.__file__, numba_paged.__file__)
+KERNEL_CALLEES = (numba_ops.__file__, numba_paged.__file__, row_codes.__file__)
 
 _FAST = {"reassoc", "contract", "nsz", "arcp"}
 _ROWS = numba.float32[:, ::1]
@@ -51,6 +59,20 @@ _HEADS = numba.float32[:, :, ::1]
 _POOL = numba.float32[:, :, :, ::1]
 _INT = numba.int64
 _SHAPE = numba.types.UniTuple(numba.int64, 4)  # heads, KV heads, head dim, intermediate size
+_BLOCKS = numba.float32[:, :, ::1]
+# A linear: its float32 weight [out, in], or (weight [0, 0]) its codes, scales and offsets
+# (quant/row_codes.py); then its bias (empty: none).
+_LINEAR = numba.types.Tuple((_ROWS, numba.int8[:, :, ::1], _BLOCKS, _BLOCKS, _VECTOR))
+
+
+@numba.njit(inline="always")
+def _linear(linear, x, add, out):
+    """out = (or +=) W x + bias, on whichever form the linear is kept in."""
+    weight, codes, scales, offsets, bias = linear
+    if weight.shape[0]:
+        _gemv(weight, x, bias, add, out)
+    else:
+        gemv_codes(codes, scales, offsets, x, bias, add, out)
 
 
 @numba.njit(
@@ -58,17 +80,13 @@ _SHAPE = numba.types.UniTuple(numba.int64, 4)  # heads, KV heads, head dim, inte
         _ROWS,  # x [1, hidden]: the residual, updated in place
         numba.float32,  # eps
         _VECTOR,  # input norm
-        _ROWS,  # q/k/v weight
-        _VECTOR,  # its bias (empty: none)
+        _LINEAR,  # q/k/v
         _VECTOR,  # q norm (empty: none)
         _VECTOR,  # k norm
-        _ROWS,  # o weight
-        _VECTOR,  # its bias
+        _LINEAR,  # o
         _VECTOR,  # post-attention norm
-        _ROWS,  # gate/up weight
-        _VECTOR,  # its bias
-        _ROWS,  # down weight
-        _VECTOR,  # its bias
+        _LINEAR,  # gate/up
+        _LINEAR,  # down
         _HEADS,  # cos [1, 1, rotary]
         _HEADS,  # sin
         _POOL,  # keys [kv heads, blocks, block size, head dim]
@@ -85,15 +103,15 @@ _SHAPE = numba.types.UniTuple(numba.int64, 4)  # heads, KV heads, head dim, inte
     cache=True,
 )
 def _decoder_layer(
-    x, eps, norm1, w_qkv, b_qkv, q_norm, k_norm, w_o, b_o, norm2, w_gu, b_gu, w_down, b_down,
+    x, eps, norm1, qkv_proj, q_norm, k_norm, o_proj, norm2, gate_up_proj, down_proj,
     cos, sin, keys, values, slot, table, length, scale, parts, serial, shape,
 ):  # fmt: skip
     heads, kv_heads, head_dim, inter = shape
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     h = np.empty_like(x)
     _rms_norm(x, norm1, eps, h)
-    qkv = np.empty(w_qkv.shape[0], np.float32)
-    _gemv(w_qkv, h[0], b_qkv, False, qkv)
+    qkv = np.empty(q_size + 2 * kv_size, np.float32)
+    _linear(qkv_proj, h[0], False, qkv)
     q_flat, k_flat = qkv[:q_size], qkv[q_size : q_size + kv_size]
     if q_norm.shape[0]:
         q_normed = np.empty((heads, head_dim), np.float32)
@@ -116,15 +134,15 @@ def _decoder_layer(
         paged_decode_serial(q, keys, values, table, length, scale, attended, parts)
     else:
         paged_decode(q, keys, values, table, length, scale, attended, parts)
-    _gemv(w_o, attended.reshape(-1), b_o, True, x[0])
+    _linear(o_proj, attended.reshape(-1), True, x[0])
     _rms_norm(x, norm2, eps, h)
-    gate_up = np.empty(w_gu.shape[0], np.float32)
-    _gemv(w_gu, h[0], b_gu, False, gate_up)
+    gate_up = np.empty(2 * inter, np.float32)
+    _linear(gate_up_proj, h[0], False, gate_up)
     act = np.empty(inter, np.float32)
     for i in range(inter):
         gate = gate_up[i]
         act[i] = gate / (np.float32(1.0) + np.exp(-gate)) * gate_up[inter + i]
-    _gemv(w_down, act, b_down, True, x[0])
+    _linear(down_proj, act, True, x[0])
 
 
 @dataclass(frozen=True)
@@ -135,14 +153,14 @@ class LayerWeights:
     kv_slot: int
     eps: np.float32
     scale: np.float32
-    arrays: tuple[np.ndarray, ...]  # norm1 .. b_down, in the kernel's order
+    arrays: tuple  # norm1 .. down_proj, in the kernel's order (a linear: a tuple, `_LINEAR`)
     shape: tuple[int, int, int, int]
 
 
 def fusable_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's decoder layers where every one can run fused, else [] (a tensor-parallel
-    shard, a family without the plain pre-norm layer, weights that are not float32 on the
-    CPU, a LoRA wrapper)."""
+    shard, a family without the plain pre-norm layer, weights neither float32 on the CPU nor
+    on torch's CPU integer kernels, a LoRA wrapper)."""
     layers = list(getattr(model, "layers", ()))
     if getattr(model, "tp", None) is not None or not layers:
         return []
@@ -153,17 +171,19 @@ def fusable_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if type(attn) is not Attention or type(mlp) is not MLP:
             return []
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(_float32_linear(linear) for linear in linears):
+        if not all(_float32_linear(linear) or _coded(linear) for linear in linears):
             return []
     return layers
 
 
 def fusable_shapes(model: torch.nn.Module) -> frozenset[tuple[int, int]]:
-    """The (out, in) weight shapes the fused layers read, or none where they do not apply."""
+    """The (out, in) float weight shapes the fused layers read, or none where they do not
+    apply."""
     return frozenset(
         (linear.out_features, linear.in_features)
         for layer in fusable_layers(model)
         for linear in _linears(layer)
+        if _float32_linear(linear)
     )
 
 
@@ -183,25 +203,47 @@ def _float32_linear(linear) -> bool:
     )
 
 
+def _coded(linear) -> bool:
+    return type(linear) is Linear and isinstance(getattr(linear, "kernel", None), CpuIntKernel)
+
+
 class OneRowDecoder:
     """The model's decoder layers run fused at one row (see the module doc)."""
 
-    def __init__(self, layers: list[torch.nn.Module]) -> None:
+    def __init__(
+        self,
+        layers: list[torch.nn.Module],
+        coded: dict[Linear, RowCodes],
+        head_codes: RowCodes | None = None,
+    ) -> None:
         self.layers = layers
+        # The LM head's codes, where its float weight holds exact 8-bit ones (the model's
+        # one-row logits then read them: CausalLM.fuse_one_row_layers).
+        self.head_codes = head_codes
         self.linears = [_linears(layer) for layer in layers]
         self.pointers = [_data(linears) for linears in self.linears]
-        self.weights = [_layer_weights(layer) for layer in layers]
+        self.weights = [_layer_weights(layer, coded) for layer in layers]
         self._pools: tuple[list[LayerKV], list[tuple[np.ndarray, np.ndarray]]] | None = None
 
     @classmethod
-    def build(cls, model: torch.nn.Module) -> OneRowDecoder | None:
+    def build(
+        cls, model: torch.nn.Module, budget: int | None = None, coded_head: bool = False
+    ) -> OneRowDecoder | None:
         """The fused layers where they apply to the model as processed (its plain float
-        weights kept), else None."""
+        weights kept), else None. The byte codes of its quantized linears, and with
+        `coded_head` those its LM head's float weight holds exactly (a GGUF's Q8_0 token
+        embedding), must fit in `budget` bytes (None: linear_plan's budget for second
+        copies)."""
         layers = fusable_layers(model)
-        if not layers:
+        coded = _row_codes(layers) if layers else None
+        if coded is None:
             return None
-        in_huge_pages(_weights_of(layers))
-        decoder = cls(layers)
+        head = _head_codes(model) if coded_head else None
+        sizes = [codes.nbytes() for codes in coded.values()] + ([head.nbytes()] if head else [])
+        if sizes and not _codes_fit(sum(sizes), budget):
+            return None
+        in_huge_pages(_float_weights_of(layers))
+        decoder = cls(layers, coded, head)
         decoder.warm_up()
         return decoder
 
@@ -283,7 +325,7 @@ class OneRowDecoder:
         first request."""
         w = self.weights[0]
         _, kv_heads, head_dim, _ = w.shape
-        x = np.zeros((1, w.arrays[1].shape[1]), np.float32)
+        x = np.zeros((1, w.arrays[0].shape[0]), np.float32)
         pool = np.zeros((kv_heads, 1, 1, head_dim), np.float32)
         rotary = np.zeros((1, 1, head_dim), np.float32)
         table, length = np.zeros((1, 1), np.int64), np.ones(1, np.int64)
@@ -302,8 +344,13 @@ def _leaves_attention(backend) -> bool:
 
 
 def _data(linears: tuple[Linear, ...]) -> tuple[int, ...]:
-    """Where the linears' weights live (their numpy views are the fused layers')."""
-    return tuple(linear.weight.data_ptr() for linear in linears)
+    """Where the linears' weights live (their numpy views are the fused layers'), or which
+    kernel a quantized one's codes came from."""
+    weights = [getattr(linear, "weight", None) for linear in linears]
+    return tuple(
+        id(linear.kernel) if weight is None else weight.data_ptr()
+        for linear, weight in zip(linears, weights, strict=True)
+    )
 
 
 def _check_bounds(keys: np.ndarray, slot: int, table: np.ndarray, length: int, cos, head_dim):
@@ -352,25 +399,80 @@ def in_huge_pages(params: list[torch.Tensor]) -> None:
 _LINE = 16  # float32s in a 64-byte cache line
 
 
-def _weights_of(layers) -> list[torch.Tensor]:
-    return [linear.weight for layer in layers for linear in _linears(layer)]
+def _float_weights_of(layers) -> list[torch.Tensor]:
+    return [
+        linear.weight for layer in layers for linear in _linears(layer) if _float32_linear(linear)
+    ]
 
 
-def _layer_weights(layer) -> LayerWeights:
+def _row_codes(layers) -> dict[Linear, RowCodes] | None:
+    """The byte codes of the layers' quantized linears (none where all are float), or None
+    where a weight has none (quant/cpu_kernels.py's `row_codes`)."""
+    coded = {}
+    for layer in layers:
+        for linear in _linears(layer):
+            if not _float32_linear(linear):
+                codes = linear.kernel.row_codes()
+                if codes is None:
+                    logger.info(
+                        "decoder layers at one row: op by op (no byte codes for a %dx%d weight)",
+                        linear.out_features,
+                        linear.in_features,
+                    )
+                    return None
+                coded[linear] = codes
+    return coded
+
+
+def _head_codes(model: torch.nn.Module) -> RowCodes | None:
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    if head is None or head.device.type != "cpu" or getattr(model, "tp", None) is not None:
+        return None
+    return RowCodes.exact_int8(head)
+
+
+def _codes_fit(size: int, budget: int | None) -> bool:
+    """Whether byte codes of `size` bytes fit in `budget` (None: linear_plan's budget for
+    second copies). Logs the choice."""
+    from pagefleet.engine.model.linear_plan import second_layout_budget
+
+    budget = second_layout_budget() if budget is None else budget
+    if size > budget:
+        logger.info(
+            "decoder layers at one row: op by op (byte codes of %d MiB do not fit in %d MiB)",
+            size >> 20,
+            budget >> 20,
+        )
+        return False
+    logger.info("decoder layers at one row: one compiled call each, byte codes %d MiB", size >> 20)
+    return True
+
+
+def _layer_weights(layer, coded: dict[Linear, RowCodes]) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
+
+    def linear(module: Linear) -> tuple:
+        bias = _optional(module.bias)
+        codes = coded.get(module)
+        if codes is None:
+            return (_array(module.weight), _NO_CODES, NO_OFFSETS, NO_OFFSETS, bias)
+        # The kernel sizes its buffers by the layer's shape and checks no bounds.
+        if (codes.out_features, codes.in_features) != (module.out_features, module.in_features):
+            raise ValueError(
+                f"byte codes {codes.out_features}x{codes.in_features} for a "
+                f"{module.out_features}x{module.in_features} linear"
+            )
+        return (_NO_WEIGHT, *codes.arrays(), bias)
+
     arrays = (
         _array(layer.input_layernorm.weight),
-        _array(attn.qkv_proj.weight),
-        _optional(attn.qkv_proj.bias),
+        linear(attn.qkv_proj),
         _norm(attn.q_norm),
         _norm(attn.k_norm),
-        _array(attn.o_proj.weight),
-        _optional(attn.o_proj.bias),
+        linear(attn.o_proj),
         _array(layer.post_attention_layernorm.weight),
-        _array(mlp.gate_up_proj.weight),
-        _optional(mlp.gate_up_proj.bias),
-        _array(mlp.down_proj.weight),
-        _optional(mlp.down_proj.bias),
+        linear(mlp.gate_up_proj),
+        linear(mlp.down_proj),
     )
     return LayerWeights(
         attn.kv_slot,
@@ -379,6 +481,10 @@ def _layer_weights(layer) -> LayerWeights:
         arrays,
         (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate),
     )
+
+
+_NO_WEIGHT = np.zeros((0, 0), np.float32)
+_NO_CODES = np.zeros((0, 0, 0), np.int8)
 
 
 def _array(tensor: torch.Tensor) -> np.ndarray:

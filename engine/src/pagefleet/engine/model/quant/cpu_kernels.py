@@ -14,18 +14,28 @@ scales, and the result returns in the model's dtype: a weight-only kernel's usua
   and multiplied by torch's bfloat16 matmul (quant/int4_tiles.py): tinygemm's time grows with
   the rows.
 - symmetric 8-bit codes, one group per row: int8pack.
-- other 8-bit codes (groups, zero points): split into two 4-bit planes, `code = 16 * hi + lo`,
-  each a tinygemm matmul on its own scales (`16 * scale`, `scale`): exact, and the same bytes
-  as int8.
+- other 8-bit codes (groups, zero points, GGUF Q8_0): kept a byte each in blocks of rows
+  (quant/row_codes.py), with float32 activations, scales and offsets: a few rows on numba
+  loops over the codes, many (from the row count measured on this machine and shape, as for
+  the 4-bit tiles) on float32 tiles and torch's matmul, both the dequantized weight's float32
+  product up to the order of the sums. tinygemm ran them as two 4-bit planes (`16 hi + lo`),
+  1.3-2.5x slower from 2 to 256 rows on an Intel Xeon (docs/benchmarks.md, issue 38).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagefleet.engine.model.quant.int4_tiles import Int4Tiles, choose_tile_rows
+from pagefleet.engine.model.quant import int4_tiles
+from pagefleet.engine.model.quant.int4_tiles import (
+    Int4Tiles,
+    choose_tile_rows,
+    tinygemm_block,
+    tinygemm_codes,
+)
 from pagefleet.engine.model.quant.int_weight import GroupedInt, IntWeight
 from pagefleet.engine.model.quant.packing import unpack_codes
+from pagefleet.engine.model.quant.row_codes import RowCodes
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)
 TINYGEMM_ROWS = 16  # tinygemm's packing wants output rows in multiples of 16
@@ -62,6 +72,19 @@ class TinyGemmPlane:
         self.tiles = Int4Tiles.of(self.packed, self.scale_zeros, group_size)
         self.tile_rows: int | None = None
 
+    PATHS = int4_tiles.PATHS
+    MEASURED_ROWS = int4_tiles.MEASURED_ROWS
+
+    def tile_subject(self) -> str | None:
+        """What the per-machine cache keeps this shape's measurement under (None: no tiles)."""
+        if self.tiles is None:
+            return None
+        return f"int4 tiles {self.out_features}x{self.tiles.k} group {self.group_size}"
+
+    def tile_paths(self, rows: int) -> dict:
+        x = torch.randn(rows, self.tiles.k).to(KERNEL_DTYPE)
+        return {"tinygemm": lambda: self.tinygemm(x), "tiles": lambda: self.tiles(x)}
+
     def tinygemm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.scale_zeros
@@ -78,6 +101,36 @@ class TinyGemmPlane:
         return [self.packed, self.scale_zeros]
 
 
+class CodesPlane:
+    """8-bit codes a byte each in float32 (quant/row_codes.py): steps of a few rows on the
+    codes as they are, from `tile_rows` rows (None: never; set by the load's measurement,
+    int4_tiles.choose_tile_rows, or by the caller) on float32 tiles."""
+
+    PATHS = ("codes", "tiles")
+    # Tiles of float32 weights overtook the codes from 32-64 rows here; 2 to 8 rows ran on the
+    # codes 1.3-1.7x faster than tinygemm's two planes did (docs/benchmarks.md, issue 38).
+    MEASURED_ROWS = (16, 64, 256)
+
+    def __init__(self, codes: RowCodes, group_size: int) -> None:
+        self.codes = codes
+        self.group_size = group_size
+        self.tile_rows: int | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.codes.matmul(x, self.tile_rows)
+
+    def tile_subject(self) -> str:
+        c = self.codes
+        return f"int8 code tiles {c.out_features}x{c.in_features} group {self.group_size}"
+
+    def tile_paths(self, rows: int) -> dict:
+        x = torch.randn(rows, self.codes.in_features)
+        return {"codes": lambda: self.codes.matmul(x), "tiles": lambda: self.codes.matmul(x, 1)}
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [torch.from_numpy(a) for a in self.codes.arrays()]
+
+
 class CpuIntKernel:
     """y = x W^T for an `IntWeight`, on torch's packed CPU kernels (see the module docstring)."""
 
@@ -86,29 +139,22 @@ class CpuIntKernel:
         self.grouped: GroupedInt | None = None
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
         self.planes: list[TinyGemmPlane] = []
+        self.codes: CodesPlane | None = None
         symmetric = bool(torch.equal(weight.offsets, -128 * weight.scales))
         if weight.bits == 8 and weight.g_idx is None and weight.scales.shape[1] == 1 and symmetric:
             self._per_row_int8(weight)
             return
         g = weight.contiguous_groups(TINYGEMM_GROUPS)
         self.grouped = g
-        codes = unpack_codes(g.codes, g.bits).to(torch.int32)
-        # tinygemm computes (q - 8) * scale + zero; ours is q * scale + offset.
+        codes = unpack_codes(g.codes, g.bits)
         if g.bits == 4:
-            self.planes = [TinyGemmPlane(codes, g.scales, g.offsets + 8 * g.scales, g.group_size)]
+            # tinygemm computes (q - 8) * scale + zero; ours is q * scale + offset.
+            zeros = g.offsets + 8 * g.scales
+            self.planes = [TinyGemmPlane(codes.to(torch.int32), g.scales, zeros, g.group_size)]
         else:
-            # code = 16 hi + lo: (hi - 8) 16 s + (lo - 8) s + (136 s + offset). The constant
-            # is split over the two planes' zeros as bfloat16(c) + bfloat16(c - bfloat16(c)):
-            # the second carries the first's rounding, so the sum keeps c to ~2^-16 of itself
-            # (one zero of c would lose 2^-9 of it: a quarter step when c is 128 s).
-            hi, lo = codes >> 4, codes & 15
-            constant = g.offsets + 136 * g.scales
-            head = constant.to(KERNEL_DTYPE).float()
-            self.planes = [
-                TinyGemmPlane(hi, 16 * g.scales, head, g.group_size),
-                TinyGemmPlane(lo, g.scales, constant - head, g.group_size),
-            ]
-        g.codes = g.codes[:0]  # only the planes are kept
+            self.codes = CodesPlane(RowCodes.of(codes, 8, g.scales, g.offsets), g.group_size)
+            g.scales, g.offsets = g.scales[:0], g.offsets[:0]  # the codes hold their own
+        g.codes = g.codes[:0]  # only the planes or the byte codes are kept
 
     def _per_row_int8(self, weight: IntWeight) -> None:
         """Symmetric codes (offset -128 s): int8pack on code - 128 as it is. (With zero
@@ -123,29 +169,45 @@ class CpuIntKernel:
         if self.int8 is not None:
             codes, scales = self.int8
             y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), codes, scales).to(dtype)
+        elif self.codes is not None:
+            y = self.codes(self.grouped.gather(x).float()).to(dtype)
         else:
-            xk = self.grouped.gather(x).to(KERNEL_DTYPE).contiguous()
-            y = self.planes[0](xk).to(dtype)
-            for plane in self.planes[1:]:
-                y += plane(xk)
+            y = self.planes[0](self.grouped.gather(x).to(KERNEL_DTYPE).contiguous()).to(dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def row_codes(self) -> RowCodes | None:
+        """The weight a byte per code for the fused one-row layers (quant/row_codes.py): 8-bit
+        codes as kept, 4-bit ones read back from tinygemm's plane with the exact float32
+        scales and offsets (a second copy); None for per-row int8, gathered (act-order)
+        columns, or a plane in a layout int4_tiles does not read."""
+        g = self.grouped
+        if g is None or g.index is not None:
+            return None
+        if self.codes is not None:
+            return self.codes.codes
+        block = tinygemm_block()
+        codes = None if block is None else tinygemm_codes(self.planes[0].packed, block)
+        if codes is None:
+            return None
+        return RowCodes.of(codes[: self.out_features], g.bits, g.scales, g.offsets)
 
     def tensors(self) -> list[torch.Tensor]:
         """What the kernel keeps (for the weight-bytes count)."""
         if self.int8 is not None:
             return list(self.int8)
         index = [self.grouped.index] if self.grouped.index is not None else []
-        return [t for plane in self.planes for t in plane.tensors()] + index
+        codes = self.codes.tensors() if self.codes is not None else []
+        return [t for plane in self.planes for t in plane.tensors()] + codes + index
 
 
 def choose_prompt_tiles(model: torch.nn.Module) -> None:
-    """`--linear-path auto` on a CPU model: from how many rows each 4-bit plane's steps take
-    the tiles, by measurement (int4_tiles.choose_tile_rows)."""
-    planes = [
-        plane
+    """`--linear-path auto` on a CPU model: from how many rows each 4-bit plane's and 8-bit
+    weight's steps take their tiles, by measurement (int4_tiles.choose_tile_rows)."""
+    kernels = [
+        module.kernel
         for module in model.modules()
         if isinstance(getattr(module, "kernel", None), CpuIntKernel)
-        for plane in module.kernel.planes
     ]
+    planes = [p for k in kernels for p in k.planes] + [k.codes for k in kernels if k.codes]
     if planes:
         choose_tile_rows(planes)

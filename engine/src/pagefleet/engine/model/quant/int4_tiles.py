@@ -7,7 +7,8 @@ time grows with the rows as a float GEMM's would at a fraction of its rate: 256 
 0.65 ms on the dequantized weight. Here each tile of output rows is dequantized once, into a
 buffer of about TILE_BYTES, and multiplied with all the input rows: 2.0 ms in all for that
 weight (docs/benchmarks.md, issue 31). The float weight is never held whole. From how many rows
-the tiles take a step is measured per machine and weight shape at load (`choose_tile_rows`);
+the tiles take a step is measured per machine and weight shape at load (`choose_tile_rows`,
+which also measures quant/row_codes.py's float32 tiles of 8-bit codes against their loops);
 a step of a few rows keeps tinygemm, which reads the codes once and whose sums do not depend on
 the batch (the tiles' do, in their last bits).
 
@@ -99,16 +100,15 @@ def _dequantize_tile(packed, scale_zeros, group, block, first_row, k_rows, out, 
                     row[col + j] = np.uint16((v + ((v >> 16) & 1) + 0x7FFF) >> 16)
 
 
-def _tinygemm_layout(packed: np.ndarray, codes: torch.Tensor, block: int) -> bool:
-    """Whether `packed` holds `codes` [rows, k] (0..15) in blocks of `block` rows."""
-    rows, k = codes.shape
+def tinygemm_codes(packed: torch.Tensor, block: int) -> torch.Tensor | None:
+    """The codes [rows, k] (0..15) tinygemm's `packed` [rows, k / 2] holds in blocks of
+    `block` rows, or None where the rows are not whole blocks."""
+    rows, k = packed.shape[0], 2 * packed.shape[1]
     if rows % block:
-        return False
-    half = block // 2
-    both = torch.from_numpy(packed).reshape(rows // block, k, half)
-    low, high = (both & 15), (both >> 4)
-    blocks = torch.cat([low, high], dim=2)  # [blocks, k, block]: row b*block + j at [b, :, j]
-    return torch.equal(blocks.permute(0, 2, 1).reshape(rows, k), codes.to(torch.uint8))
+        return None
+    both = packed.contiguous().view(torch.uint8).reshape(rows // block, k, block // 2)
+    blocks = torch.cat([both & 15, both >> 4], dim=2)  # [blocks, k, block]: row b*block + j
+    return blocks.permute(0, 2, 1).reshape(rows, k)
 
 
 @functools.cache
@@ -120,8 +120,10 @@ def tinygemm_block() -> int | None:
     rows, k = 2 * max(BLOCKS), 64
     codes = torch.randint(0, 16, (rows, k), generator=torch.Generator().manual_seed(0))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
-    flat = packed.view(torch.uint8).numpy().reshape(-1)
-    return next((b for b in BLOCKS if _tinygemm_layout(flat, codes, b)), None)
+    for block in BLOCKS:
+        if torch.equal(tinygemm_codes(packed, block), codes.to(torch.uint8)):
+            return block
+    return None
 
 
 class Int4Tiles:
@@ -178,21 +180,17 @@ MEASURED_ROWS = (128, 256, 512)
 PATHS = ("tinygemm", "tiles")
 
 
-def measure_paths(tinygemm, tiles: Int4Tiles) -> list[Timed]:
-    """Seconds per call of each path on one weight at MEASURED_ROWS rows of bfloat16 input."""
-    timings = []
-    for rows in MEASURED_ROWS:
-        x = torch.randn(rows, tiles.k).to(torch.bfloat16)
-        calls = {"tinygemm": lambda x=x: tinygemm(x), "tiles": lambda x=x: tiles(x)}
-        timings.append(Timed(f"rows={rows}", time_alternately(calls)))
-    return timings
+def measure_paths(paths_at, rows: tuple[int, ...] = MEASURED_ROWS) -> list[Timed]:
+    """Seconds per call of each path on one weight at each row count (`paths_at(rows)`: the
+    calls by path name, on an input of that many rows)."""
+    return [Timed(f"rows={n}", time_alternately(paths_at(n))) for n in rows]
 
 
-def tile_rows(timings: list[Timed]) -> tuple[int | None, str]:
-    """The fewest rows from which the tiles take a step, and why: the smallest measured row
-    count from which they beat tinygemm by the margin at every measured count (decide.py's
-    rule, class by class; a tie, a loss or a failed measurement keeps tinygemm there).
-    None: tinygemm at every size."""
+def tile_rows(timings: list[Timed], paths: tuple[str, str] = PATHS) -> tuple[int | None, str]:
+    """The fewest rows from which the tiles (`paths[1]`) take a step, and why: the smallest
+    measured row count from which they beat the other path by the margin at every measured
+    count (decide.py's rule, class by class; a tie, a loss or a failed measurement keeps the
+    other path there). None: the other path at every size."""
 
     def rows_of(timed: Timed) -> int:
         return int(timed.label.removeprefix("rows="))
@@ -200,30 +198,33 @@ def tile_rows(timings: list[Timed]) -> tuple[int | None, str]:
     rows = None
     reasons = []
     for timed in sorted(timings, key=rows_of, reverse=True):
-        choice = choose(PATHS, "tinygemm", [timed])
+        choice = choose(paths, paths[0], [timed])
         reasons.append(f"{timed.label}: {choice.reason}")
-        if choice.name != "tiles":
+        if choice.name != paths[1]:
             break
         rows = rows_of(timed)
     return rows, "; ".join(reversed(reasons))
 
 
 def choose_tile_rows(planes: list, cache: TimingCache | None = None) -> None:
-    """Each 4-bit plane's `tile_rows` (quant/cpu_kernels.py's TinyGemmPlane), measured once
-    per machine and weight shape on the first plane of that shape (cpu_choice/measure.py
-    keeps the times), after the whole model is loaded. Logs each shape's choice."""
+    """Each plane's `tile_rows` (quant/cpu_kernels.py's TinyGemmPlane and CodesPlane: their
+    `tile_subject`, `tile_paths`, `PATHS` and `MEASURED_ROWS`), measured once per machine and
+    weight shape on the first plane of that shape (cpu_choice/measure.py keeps the times),
+    after the whole model is loaded. Logs each shape's choice."""
     cache = cache if cache is not None else TimingCache()
     by_subject: dict[str, list] = {}
     for plane in planes:
-        if plane.tiles is not None:
-            subject = f"int4 tiles {plane.out_features}x{plane.tiles.k} group {plane.group_size}"
+        subject = plane.tile_subject()
+        if subject is not None:
             by_subject.setdefault(subject, []).append(plane)
     for subject, same in by_subject.items():
         first = same[0]
         timings, source = cached_timings(
-            cache, subject, lambda first=first: measure_paths(first.tinygemm, first.tiles)
+            cache,
+            subject,
+            lambda first=first: measure_paths(first.tile_paths, first.MEASURED_ROWS),
         )
-        rows, reason = tile_rows(timings)
+        rows, reason = tile_rows(timings, first.PATHS)
         logger.info(
             "%s (%d weights): tiles from %s rows; %s (%s)",
             subject,

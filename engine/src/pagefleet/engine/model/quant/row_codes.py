@@ -1,0 +1,291 @@
+"""A quantized CPU weight's codes kept a byte each, in blocks of output rows, multiplied with
+float32 activations: the fused one-row layers' linears (model/one_row_decode.py: 4-bit codes
+as a second copy beside tinygemm's plane), and 8-bit codes' only kernel (quant/cpu_kernels.py).
+
+At one row tinygemm reads the codes once, but its call, with the casts to and from bfloat16,
+is one of a dozen torch calls per layer; the fused layers make the layer one call, and
+`gemv_codes` is its GEMV. A loop along each row's columns, a reduction over a group of 32
+codes, ran 2-3 G weights a second here (LLVM left it scalar). Laid out column by column within
+a block of ROW_BLOCK output rows, the loop runs across the block's rows and vectorises; eight
+columns are summed per pass over the block's sums, and the codes 2 KiB ahead are prefetched:
+20 G weights a second from memory on an Intel Xeon (2 threads; 12 with one column per pass,
+17 without the prefetch). A few rows (`gemm_codes`) convert each code once for all of them;
+many take float32 tiles of the weight and torch's matmul (`RowCodes.matmul`). Groups are whole
+multiples of 8 columns (quant/cpu_kernels.py's are 32 to 256).
+
+Each code is kept as `code - 2^(bits - 1)` in an int8, its offset with that centre folded in
+(`offset + 2^(bits - 1) * scale`, zero for symmetric codes: GGUF Q8_0 and Q4_0, symmetric
+GPTQ): `w = c * scale + offset`, summed as `scale * sum(c x) + offset * sum(x)` per group in
+float32, the dequantized float32 weight's product up to the order of the sums
+(docs/benchmarks.md, issue 38).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+
+from pagefleet.engine.attention import numba_paged
+from pagefleet.engine.attention.numba_paged import prefetch
+from pagefleet.engine.kernel_cache import use_image_kernels
+
+use_image_kernels()  # before the kernel below is defined (and loaded or compiled)
+KERNEL_CALLEES = (numba_paged.__file__,)  # its prefetch (kernel_cache.CalleeStamp)
+
+ROW_BLOCK = 64  # output rows per block: four AVX-512 vectors of float32 sums
+# How far ahead the codes are asked for: the hardware prefetcher alone left the loop waiting
+# (17 G weights a second from memory; 20.5 with this, 19 at twice or half the distance).
+PREFETCH_BYTES = 2048
+_FAST = {"reassoc", "contract", "nsz", "arcp"}
+_BLOCKS = numba.float32[:, :, ::1]
+_VECTOR = numba.float32[::1]
+_ROWS = numba.float32[:, ::1]
+
+
+@numba.njit(
+    numba.void(numba.int8[:, :, ::1], _BLOCKS, _BLOCKS, _VECTOR, _VECTOR, numba.boolean, _VECTOR),
+    parallel=True,
+    fastmath=_FAST,
+    cache=True,
+)
+def gemv_codes(codes, scales, offsets, x, bias, add, out):
+    """out = (or +=) W x (+ bias) for W in blocks: codes [blocks, in, ROW_BLOCK], scales and
+    offsets [blocks, groups, ROW_BLOCK] (offsets [0, 0, 0]: none); out holds the real rows,
+    the last block's padding is not written."""
+    blocks, cols, _ = codes.shape
+    groups = scales.shape[1]
+    size = cols // groups
+    rows = out.shape[0]
+    flat = codes.reshape(-1)
+    sums = np.zeros(groups, np.float32)  # x over each group: what the offsets multiply
+    if offsets.shape[0]:
+        for j in range(groups):
+            for k in range(j * size, (j + 1) * size):
+                sums[j] += x[k]
+    for b in numba.prange(blocks):
+        acc = np.zeros(ROW_BLOCK, np.float32)
+        part = np.empty(ROW_BLOCK, np.float32)
+        for j in range(groups):
+            part[:] = 0
+            for k in range(j * size, (j + 1) * size, 8):  # eight columns per pass over `part`
+                ahead = (b * cols + k) * ROW_BLOCK + PREFETCH_BYTES
+                for t in range(8):
+                    if ahead + t * ROW_BLOCK < flat.shape[0]:
+                        prefetch(flat, ahead + t * ROW_BLOCK)
+                x0, x1, x2, x3 = x[k], x[k + 1], x[k + 2], x[k + 3]
+                x4, x5, x6, x7 = x[k + 4], x[k + 5], x[k + 6], x[k + 7]
+                c = codes[b]
+                for r in range(ROW_BLOCK):
+                    part[r] += (
+                        (np.float32(c[k, r]) * x0 + np.float32(c[k + 1, r]) * x1)
+                        + (np.float32(c[k + 2, r]) * x2 + np.float32(c[k + 3, r]) * x3)
+                    ) + (
+                        (np.float32(c[k + 4, r]) * x4 + np.float32(c[k + 5, r]) * x5)
+                        + (np.float32(c[k + 6, r]) * x6 + np.float32(c[k + 7, r]) * x7)
+                    )
+            for r in range(ROW_BLOCK):
+                acc[r] += part[r] * scales[b, j, r]
+            if offsets.shape[0]:
+                for r in range(ROW_BLOCK):
+                    acc[r] += offsets[b, j, r] * sums[j]
+        first = b * ROW_BLOCK
+        for r in range(min(ROW_BLOCK, rows - first)):
+            value = acc[r] + bias[first + r] if bias.shape[0] else acc[r]
+            if add:
+                out[first + r] += value
+            else:
+                out[first + r] = value
+
+
+@numba.njit(
+    numba.void(numba.int8[:, :, ::1], _BLOCKS, _BLOCKS, _ROWS, _ROWS),
+    parallel=True,
+    fastmath=_FAST,
+    cache=True,
+)
+def gemm_codes(codes, scales, offsets, x, out):
+    """out [m, rows] = x [m, in] W^T for a few rows: each block's codes converted once, four
+    columns at a time, for all m rows (gemv_codes's layout and sums)."""
+    blocks, cols, _ = codes.shape
+    m = x.shape[0]
+    groups = scales.shape[1]
+    size = cols // groups
+    rows = out.shape[1]
+    sums = np.zeros((m, groups), np.float32)
+    if offsets.shape[0]:
+        for i in range(m):
+            for j in range(groups):
+                for k in range(j * size, (j + 1) * size):
+                    sums[i, j] += x[i, k]
+    for b in numba.prange(blocks):
+        acc = np.zeros((m, ROW_BLOCK), np.float32)
+        part = np.empty((m, ROW_BLOCK), np.float32)
+        wide = np.empty((4, ROW_BLOCK), np.float32)
+        c = codes[b]
+        for j in range(groups):
+            part[:] = 0
+            for k in range(j * size, (j + 1) * size, 4):
+                for t in range(4):
+                    for r in range(ROW_BLOCK):
+                        wide[t, r] = np.float32(c[k + t, r])
+                for i in range(m):
+                    x0, x1, x2, x3 = x[i, k], x[i, k + 1], x[i, k + 2], x[i, k + 3]
+                    sums_i = part[i]
+                    for r in range(ROW_BLOCK):
+                        sums_i[r] += (wide[0, r] * x0 + wide[1, r] * x1) + (
+                            wide[2, r] * x2 + wide[3, r] * x3
+                        )
+            for i in range(m):
+                for r in range(ROW_BLOCK):
+                    acc[i, r] += part[i, r] * scales[b, j, r]
+                if offsets.shape[0]:
+                    for r in range(ROW_BLOCK):
+                        acc[i, r] += offsets[b, j, r] * sums[i, j]
+        first = b * ROW_BLOCK
+        for i in range(m):
+            for r in range(min(ROW_BLOCK, rows - first)):
+                out[i, first + r] = acc[i, r]
+
+
+@numba.njit(
+    numba.void(numba.int8[:, :, ::1], _BLOCKS, _BLOCKS, numba.int64, _ROWS),
+    parallel=True,
+    fastmath={"reassoc", "nsz", "arcp"},  # no contraction: code * scale + offset as written
+    cache=True,
+)
+def dequantize_tile(codes, scales, offsets, first_block, out):
+    """out [in, width] = the float32 weights of blocks first_block .. + width / ROW_BLOCK,
+    transposed (the right operand of x W^T)."""
+    cols = codes.shape[1]
+    size = cols // scales.shape[1]
+    width = out.shape[1] // ROW_BLOCK
+    for k in numba.prange(cols):
+        j = k // size
+        row = out[k]
+        for t in range(width):
+            c, s, at = codes[first_block + t, k], scales[first_block + t, j], t * ROW_BLOCK
+            if offsets.shape[0]:
+                o = offsets[first_block + t, j]
+                for r in range(ROW_BLOCK):
+                    row[at + r] = np.float32(c[r]) * s[r] + o[r]
+            else:
+                for r in range(ROW_BLOCK):
+                    row[at + r] = np.float32(c[r]) * s[r]
+
+
+NO_OFFSETS = np.zeros((0, 0, 0), np.float32)
+TILE_BYTES = 1 << 20  # a float32 tile of the weight: within a core's L2 beside the rows
+
+
+@dataclass(frozen=True)
+class RowCodes:
+    """A weight `w[n, k] = code * scale + offset` (a scale and an offset per group of
+    columns) laid out for `gemv_codes` (see the module docstring)."""
+
+    codes: np.ndarray  # [blocks, in, ROW_BLOCK] int8, centred
+    scales: np.ndarray  # [blocks, groups, ROW_BLOCK] float32
+    offsets: np.ndarray  # the same, centre folded in; NO_OFFSETS where every one is zero
+    out_features: int
+
+    @classmethod
+    def of(cls, codes: torch.Tensor, bits: int, scales: torch.Tensor, offsets: torch.Tensor):
+        """From codes [out, in] (0 .. 2^bits - 1, one per element) and their scales and
+        offsets [out, groups] (float32), the groups contiguous runs of columns."""
+        out, cols = codes.shape
+        groups = scales.shape[1]
+        if bits > 8 or cols % groups or (cols // groups) % 8 or offsets.shape != scales.shape:
+            raise ValueError(
+                f"{bits}-bit codes {tuple(codes.shape)} with scales {tuple(scales.shape)} and "
+                f"offsets {tuple(offsets.shape)}"
+            )
+        centre = 1 << (bits - 1)
+        centred = (codes.to(torch.int16) - centre).to(torch.int8)
+        folded = offsets.float() + centre * scales.float()
+        blocks = -(-out // ROW_BLOCK)
+
+        def by_block(t: torch.Tensor) -> np.ndarray:  # [out, c] -> [blocks, c, ROW_BLOCK]
+            padded = t.new_zeros(blocks * ROW_BLOCK, t.shape[1])
+            padded[:out] = t
+            return padded.view(blocks, ROW_BLOCK, -1).transpose(1, 2).contiguous().numpy()
+
+        return cls(
+            by_block(centred),
+            by_block(scales.float()),
+            by_block(folded) if bool(folded.any()) else NO_OFFSETS,
+            out,
+        )
+
+    @classmethod
+    def exact_int8(cls, weight: torch.Tensor, group: int = 32) -> RowCodes | None:
+        """A float weight's own symmetric 8-bit codes, where each run of `group` columns holds
+        integer multiples of its largest magnitude / 127 and nothing else: a GGUF Q8_0 tensor
+        dequantized at load (an fp16 scale times an int8 code is exact in float32, and Q8_0's
+        largest code is 127). None where any group is not so: the float weight stays."""
+        out, cols = weight.shape
+        if cols % group or group % 8 or weight.dtype != torch.float32:
+            return None
+        w = weight.detach().reshape(out, cols // group, group)
+        scales = w.abs().amax(dim=2) / 127
+        unit = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(2)
+        codes = (w / unit).round()
+        if not torch.equal(codes * unit, w):  # also refuses NaN and infinities
+            return None
+        return cls.of((codes + 128).to(torch.uint8).view(out, cols), 8, scales, -128 * scales)
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1]
+
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.offsets.nbytes
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.codes, self.scales, self.offsets
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias) for one float32 row x [1, in] (a new [1, out] tensor)."""
+        if x.shape != (1, self.in_features) or x.dtype != torch.float32:
+            raise ValueError(f"one float32 row of {self.in_features}, not {tuple(x.shape)}")
+        out = np.empty(self.out_features, np.float32)
+        b = NO_BIAS if bias is None else bias.detach().float().contiguous().numpy()
+        gemv_codes(*self.arrays(), x.contiguous().numpy()[0], b, False, out)
+        return torch.from_numpy(out).view(1, -1)
+
+    def matmul(self, x: torch.Tensor, tile_rows: int | None = None) -> torch.Tensor:
+        """x W^T for float32 rows x [m, in] (a new [m, out] tensor): from `tile_rows` rows
+        (None: never) on float32 tiles of the weight, each dequantized once into a buffer of
+        about TILE_BYTES and multiplied by torch's matmul; fewer rows on the codes as they
+        are. The float weight is never held whole."""
+        if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.float32:
+            raise ValueError(f"float32 rows of {self.in_features}, not {tuple(x.shape)}")
+        x = x.contiguous()
+        if tile_rows is None or x.shape[0] < tile_rows:
+            out = np.empty((x.shape[0], self.out_features), np.float32)
+            if x.shape[0] == 1:
+                gemv_codes(*self.arrays(), x.numpy()[0], NO_BIAS, False, out[0])
+            else:
+                gemm_codes(*self.arrays(), x.numpy(), out)
+            return torch.from_numpy(out)
+        blocks = self.codes.shape[0]
+        per_tile = max(1, TILE_BYTES // (4 * ROW_BLOCK * self.in_features))
+        out = torch.empty(x.shape[0], blocks * ROW_BLOCK)
+        buffer = np.empty(self.in_features * min(blocks, per_tile) * ROW_BLOCK, np.float32)
+        for first in range(0, blocks, per_tile):
+            count = min(per_tile, blocks - first)
+            tile = buffer[: self.in_features * count * ROW_BLOCK].reshape(self.in_features, -1)
+            dequantize_tile(*self.arrays(), first, tile)
+            at = first * ROW_BLOCK
+            out[:, at : at + count * ROW_BLOCK] = torch.mm(x, torch.from_numpy(tile))
+        return out[:, : self.out_features]
+
+    def one_row(self, x, weight=None, bias=None, residual=None) -> torch.Tensor:
+        """A float Linear's one-row path (model/linear.py's `one_row`) on these codes: its
+        weight argument is the float copy they stand for, not read."""
+        y = self(x, bias)
+        return y if residual is None else residual.add_(y)
+
+
+NO_BIAS = np.zeros(0, np.float32)
