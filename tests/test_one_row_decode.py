@@ -231,12 +231,28 @@ def test_a_quantized_gguf_decodes_fused_on_its_codes_as_transformers_picks(
     assert agree >= 0.9 * 2 * TOKENS
 
 
-def test_byte_codes_past_the_budget_leave_the_layers_op_by_op(quantized_ggufs):
-    model = load_model(quantized_ggufs["Q4_1"], torch.float32, CPU, 64, linear_path="plain")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_quantized_layers_fuse_on_their_own_codes_and_a_head_copy_within_the_budget(
+    quantized_ggufs, qtype
+):
+    """The fused layers read the codes the kernels keep (no copy: the weight bytes do not
+    move); the LM head's 8-bit codes are a copy beside the float embedding, made only
+    within the budget for second copies and then counted with the weights."""
+    from pagefleet.engine.model.linear import weight_bytes
+
+    model = load_model(quantized_ggufs[qtype], torch.float32, CPU, 64, linear_path="plain")
     assert fusable_layers(model) == list(model.layers)
     assert one_row_decode.fusable_shapes(model) == frozenset()  # no float weight to plan
-    assert OneRowDecoder.build(model, budget=0) is None
-    assert OneRowDecoder.build(model, budget=1 << 30) is not None
+    before = weight_bytes(model)
+    decoder = OneRowDecoder.build(model, budget=0, coded_head=True)
+    assert decoder is not None and decoder.head_codes is None
+    assert weight_bytes(model) == before
+    model.fuse_one_row_layers(budget=1 << 30, coded_head=True)
+    head = model.one_row_decoder.head_codes
+    if qtype == "Q4_1":
+        assert head is None and weight_bytes(model) == before  # a 4-bit embedding
+    else:
+        assert weight_bytes(model) == before + head.nbytes()
 
 
 @pytest.mark.parametrize("breaks", ["tensor-parallel", "quantized", "other-family"])

@@ -136,9 +136,10 @@ def test_each_format_loads_its_oracles_weights(written, float_linear_bytes, name
     }
     assert float_layers == ({"mlp.down_proj"} if FORMATS[name].ignore else set())
     float_bytes = float_linear_bytes
-    # 4-bit: codes are 1/8 of float32, plus tinygemm's scale/zero pairs per group of 32.
+    # 4-bit: codes are 1/8 of float32, plus tinygemm's bfloat16 scale/zero pairs per group of
+    # 32 (1/32) and the float32 scales and offsets the fused one-row layers read (1/16).
     spec = FORMATS[name]
-    bound = 0.2 if spec.bits == 4 and spec.kind in ("ct-int", "gptq", "awq") else 0.32
+    bound = 0.23 if spec.bits == 4 and spec.kind in ("ct-int", "gptq", "awq") else 0.32
     bound = 0.6 if spec.ignore else bound  # a third of the linears' weights stay float
     assert _linear_bytes(model) <= bound * float_bytes
 

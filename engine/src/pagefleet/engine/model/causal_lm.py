@@ -156,6 +156,7 @@ class CausalLM(nn.Module):
         if decoder is None or head is None:
             return
         if decoder.head_codes is not None:
+            decoder.head_codes.hold_in(self.lm_head, "one_row")
             self.lm_head.one_row = decoder.head_codes.one_row
         elif head.dtype == torch.float32 and head.device.type == "cpu":
             one_row_decode.in_huge_pages([head])

@@ -14,9 +14,10 @@ It serves layers that declare the plain pre-norm shape (`one_row_fusable`, the L
 DecoderLayer over model/layers.py's Attention and MLP) on one rank, and a step of one
 single-token row over a float32 pool without fp8 scales and no LoRA wrapper. Each linear is
 read either as a float32 weight kept in its plain layout (model/linear_plan.py keeps them where
-`--linear-path auto` fuses) or, for a weight-only quantized one on torch's CPU kernels, as its
-codes a byte each in blocks of rows (quant/row_codes.py: a second copy beside tinygemm's, made
-where it fits the budget for second copies). Every other step runs the layers op by op.
+`--linear-path auto` fuses) or, for a weight-only quantized one on torch's CPU kernels, as the
+codes that kernel keeps (quant/row_codes.py: 8-bit codes a byte each, 4-bit ones in tinygemm's
+own packed bytes), in float32 with their exact scales: no second copy. Every other step runs
+the layers op by op.
 """
 
 from __future__ import annotations
@@ -43,7 +44,15 @@ from pagefleet.engine.model.linear import FloatLinearMethod, Linear
 from pagefleet.engine.model.numba_ops import _gemv, _rms_norm, _rotate_pair
 from pagefleet.engine.model.quant import row_codes
 from pagefleet.engine.model.quant.cpu_kernels import CpuIntKernel
-from pagefleet.engine.model.quant.row_codes import NO_OFFSETS, RowCodes, gemv_codes
+from pagefleet.engine.model.quant.row_codes import (
+    NO_CODES,
+    NO_OFFSETS,
+    NO_PLANE,
+    OneRowWeight,
+    RowCodes,
+    gemv_codes,
+    gemv_nibbles,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,19 +69,24 @@ _POOL = numba.float32[:, :, :, ::1]
 _INT = numba.int64
 _SHAPE = numba.types.UniTuple(numba.int64, 4)  # heads, KV heads, head dim, intermediate size
 _BLOCKS = numba.float32[:, :, ::1]
-# A linear: its float32 weight [out, in], or (weight [0, 0]) its codes, scales and offsets
-# (quant/row_codes.py); then its bias (empty: none).
-_LINEAR = numba.types.Tuple((_ROWS, numba.int8[:, :, ::1], _BLOCKS, _BLOCKS, _VECTOR))
+# A linear: its float32 weight [out, in], or (weight [0, 0]) its int8 codes or 4-bit plane
+# (the other empty) with their scales and offsets (quant/row_codes.py); then its bias (empty:
+# none).
+_LINEAR = numba.types.Tuple(
+    (_ROWS, numba.int8[:, :, ::1], numba.uint8[:, :, ::1], _BLOCKS, _BLOCKS, _VECTOR)
+)
 
 
 @numba.njit(inline="always")
 def _linear(linear, x, add, out):
     """out = (or +=) W x + bias, on whichever form the linear is kept in."""
-    weight, codes, scales, offsets, bias = linear
+    weight, codes, plane, scales, offsets, bias = linear
     if weight.shape[0]:
         _gemv(weight, x, bias, add, out)
-    else:
+    elif codes.shape[0]:
         gemv_codes(codes, scales, offsets, x, bias, add, out)
+    else:
+        gemv_nibbles(plane, scales, offsets, x, bias, add, out)
 
 
 @numba.njit(
@@ -213,7 +227,7 @@ class OneRowDecoder:
     def __init__(
         self,
         layers: list[torch.nn.Module],
-        coded: dict[Linear, RowCodes],
+        coded: dict[Linear, OneRowWeight],
         head_codes: RowCodes | None = None,
     ) -> None:
         self.layers = layers
@@ -230,18 +244,17 @@ class OneRowDecoder:
         cls, model: torch.nn.Module, budget: int | None = None, coded_head: bool = False
     ) -> OneRowDecoder | None:
         """The fused layers where they apply to the model as processed (its plain float
-        weights kept), else None. The byte codes of its quantized linears, and with
-        `coded_head` those its LM head's float weight holds exactly (a GGUF's Q8_0 token
-        embedding), must fit in `budget` bytes (None: linear_plan's budget for second
-        copies)."""
+        weights kept, its quantized ones' codes as their kernels keep them), else None. With
+        `coded_head`, the 8-bit codes its LM head's float weight holds exactly (a GGUF's Q8_0
+        token embedding) where that copy fits in `budget` bytes (None: linear_plan's budget
+        for second copies)."""
         layers = fusable_layers(model)
         coded = _row_codes(layers) if layers else None
         if coded is None:
             return None
         head = _head_codes(model) if coded_head else None
-        sizes = [codes.nbytes() for codes in coded.values()] + ([head.nbytes()] if head else [])
-        if sizes and not _codes_fit(sum(sizes), budget):
-            return None
+        if head is not None and not _codes_fit(head.nbytes(), budget):
+            head = None
         in_huge_pages(_float_weights_of(layers))
         decoder = cls(layers, coded, head)
         decoder.warm_up()
@@ -405,9 +418,9 @@ def _float_weights_of(layers) -> list[torch.Tensor]:
     ]
 
 
-def _row_codes(layers) -> dict[Linear, RowCodes] | None:
-    """The byte codes of the layers' quantized linears (none where all are float), or None
-    where a weight has none (quant/cpu_kernels.py's `row_codes`)."""
+def _row_codes(layers) -> dict[Linear, OneRowWeight] | None:
+    """The codes of the layers' quantized linears as the fused layers read them (none where
+    all are float), or None where a weight has none (quant/cpu_kernels.py's `row_codes`)."""
     coded = {}
     for layer in layers:
         for linear in _linears(layer):
@@ -415,12 +428,18 @@ def _row_codes(layers) -> dict[Linear, RowCodes] | None:
                 codes = linear.kernel.row_codes()
                 if codes is None:
                     logger.info(
-                        "decoder layers at one row: op by op (no byte codes for a %dx%d weight)",
+                        "decoder layers at one row: op by op (no codes for a %dx%d weight)",
                         linear.out_features,
                         linear.in_features,
                     )
                     return None
                 coded[linear] = codes
+    if coded:
+        logger.info(
+            "decoder layers at one row: one compiled call each, %d quantized linears on "
+            "their own codes",
+            len(coded),
+        )
     return coded
 
 
@@ -432,37 +451,36 @@ def _head_codes(model: torch.nn.Module) -> RowCodes | None:
 
 
 def _codes_fit(size: int, budget: int | None) -> bool:
-    """Whether byte codes of `size` bytes fit in `budget` (None: linear_plan's budget for
-    second copies). Logs the choice."""
+    """Whether the LM head's codes, `size` bytes, fit in `budget` (None: linear_plan's
+    budget for second copies). Logs the choice."""
     from pagefleet.engine.model.linear_plan import second_layout_budget
 
     budget = second_layout_budget() if budget is None else budget
-    if size > budget:
-        logger.info(
-            "decoder layers at one row: op by op (byte codes of %d MiB do not fit in %d MiB)",
-            size >> 20,
-            budget >> 20,
-        )
-        return False
-    logger.info("decoder layers at one row: one compiled call each, byte codes %d MiB", size >> 20)
-    return True
+    fits = size <= budget
+    logger.info(
+        "LM head at one row: %s (%d MiB of codes, %d MiB for second copies)",
+        "on its 8-bit codes" if fits else "float",
+        size >> 20,
+        budget >> 20,
+    )
+    return fits
 
 
-def _layer_weights(layer, coded: dict[Linear, RowCodes]) -> LayerWeights:
+def _layer_weights(layer, coded: dict[Linear, OneRowWeight]) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
 
     def linear(module: Linear) -> tuple:
         bias = _optional(module.bias)
         codes = coded.get(module)
         if codes is None:
-            return (_array(module.weight), _NO_CODES, NO_OFFSETS, NO_OFFSETS, bias)
+            return (_array(module.weight), NO_CODES, NO_PLANE, NO_OFFSETS, NO_OFFSETS, bias)
         # The kernel sizes its buffers by the layer's shape and checks no bounds.
         if (codes.out_features, codes.in_features) != (module.out_features, module.in_features):
             raise ValueError(
                 f"byte codes {codes.out_features}x{codes.in_features} for a "
                 f"{module.out_features}x{module.in_features} linear"
             )
-        return (_NO_WEIGHT, *codes.arrays(), bias)
+        return (_NO_WEIGHT, *codes.fused_arrays(), bias)
 
     arrays = (
         _array(layer.input_layernorm.weight),
@@ -484,7 +502,6 @@ def _layer_weights(layer, coded: dict[Linear, RowCodes]) -> LayerWeights:
 
 
 _NO_WEIGHT = np.zeros((0, 0), np.float32)
-_NO_CODES = np.zeros((0, 0, 0), np.int8)
 
 
 def _array(tensor: torch.Tensor) -> np.ndarray:

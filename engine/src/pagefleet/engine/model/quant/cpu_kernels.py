@@ -27,15 +27,10 @@ from __future__ import annotations
 import torch
 
 from pagefleet.engine.model.quant import int4_tiles
-from pagefleet.engine.model.quant.int4_tiles import (
-    Int4Tiles,
-    choose_tile_rows,
-    tinygemm_block,
-    tinygemm_codes,
-)
+from pagefleet.engine.model.quant.int4_tiles import Int4Tiles, choose_tile_rows, tinygemm_block
 from pagefleet.engine.model.quant.int_weight import GroupedInt, IntWeight
 from pagefleet.engine.model.quant.packing import unpack_codes
-from pagefleet.engine.model.quant.row_codes import RowCodes
+from pagefleet.engine.model.quant.row_codes import ROW_BLOCK, OneRowWeight, PlaneCodes, RowCodes
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)
 TINYGEMM_ROWS = 16  # tinygemm's packing wants output rows in multiples of 16
@@ -140,6 +135,7 @@ class CpuIntKernel:
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
         self.planes: list[TinyGemmPlane] = []
         self.codes: CodesPlane | None = None
+        self.plane_codes: PlaneCodes | None = None  # the fused one-row layers' view of a plane
         symmetric = bool(torch.equal(weight.offsets, -128 * weight.scales))
         if weight.bits == 8 and weight.g_idx is None and weight.scales.shape[1] == 1 and symmetric:
             self._per_row_int8(weight)
@@ -151,10 +147,12 @@ class CpuIntKernel:
             # tinygemm computes (q - 8) * scale + zero; ours is q * scale + offset.
             zeros = g.offsets + 8 * g.scales
             self.planes = [TinyGemmPlane(codes.to(torch.int32), g.scales, zeros, g.group_size)]
+            if g.index is None and tinygemm_block() == ROW_BLOCK:
+                self.plane_codes = PlaneCodes.of(self.planes[0].packed, g.scales, g.offsets)
         else:
             self.codes = CodesPlane(RowCodes.of(codes, 8, g.scales, g.offsets), g.group_size)
-            g.scales, g.offsets = g.scales[:0], g.offsets[:0]  # the codes hold their own
-        g.codes = g.codes[:0]  # only the planes or the byte codes are kept
+        # Only the planes or the byte codes are kept (each with its own scales).
+        g.codes, g.scales, g.offsets = g.codes[:0], g.scales[:0], g.offsets[:0]
 
     def _per_row_int8(self, weight: IntWeight) -> None:
         """Symmetric codes (offset -128 s): int8pack on code - 128 as it is. (With zero
@@ -175,21 +173,14 @@ class CpuIntKernel:
             y = self.planes[0](self.grouped.gather(x).to(KERNEL_DTYPE).contiguous()).to(dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
-    def row_codes(self) -> RowCodes | None:
-        """The weight a byte per code for the fused one-row layers (quant/row_codes.py): 8-bit
-        codes as kept, 4-bit ones read back from tinygemm's plane with the exact float32
-        scales and offsets (a second copy); None for per-row int8, gathered (act-order)
-        columns, or a plane in a layout int4_tiles does not read."""
-        g = self.grouped
-        if g is None or g.index is not None:
+    def row_codes(self) -> OneRowWeight | None:
+        """The weight as the fused one-row layers read it (quant/row_codes.py): 8-bit codes
+        as kept, 4-bit ones in tinygemm's plane itself with exact float32 scales and offsets
+        (PlaneCodes, where the build packs blocks of ROW_BLOCK rows: AVX-512); None for
+        per-row int8, gathered (act-order) columns, or a plane in another layout."""
+        if self.grouped is None or self.grouped.index is not None:
             return None
-        if self.codes is not None:
-            return self.codes.codes
-        block = tinygemm_block()
-        codes = None if block is None else tinygemm_codes(self.planes[0].packed, block)
-        if codes is None:
-            return None
-        return RowCodes.of(codes[: self.out_features], g.bits, g.scales, g.offsets)
+        return self.codes.codes if self.codes is not None else self.plane_codes
 
     def tensors(self) -> list[torch.Tensor]:
         """What the kernel keeps (for the weight-bytes count)."""
@@ -197,6 +188,8 @@ class CpuIntKernel:
             return list(self.int8)
         index = [self.grouped.index] if self.grouped.index is not None else []
         codes = self.codes.tensors() if self.codes is not None else []
+        if self.plane_codes is not None:
+            codes += self.plane_codes.tensors()
         return [t for plane in self.planes for t in plane.tensors()] + codes + index
 
 

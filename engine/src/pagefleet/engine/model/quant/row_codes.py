@@ -36,6 +36,7 @@ use_image_kernels()  # before the kernel below is defined (and loaded or compile
 KERNEL_CALLEES = (numba_paged.__file__,)  # its prefetch (kernel_cache.CalleeStamp)
 
 ROW_BLOCK = 64  # output rows per block: four AVX-512 vectors of float32 sums
+_HALF = ROW_BLOCK // 2
 # How far ahead the codes are asked for: the hardware prefetcher alone left the loop waiting
 # (17 G weights a second from memory; 20.5 with this, 19 at twice or half the distance).
 PREFETCH_BYTES = 2048
@@ -91,6 +92,72 @@ def gemv_codes(codes, scales, offsets, x, bias, add, out):
             if offsets.shape[0]:
                 for r in range(ROW_BLOCK):
                     acc[r] += offsets[b, j, r] * sums[j]
+        first = b * ROW_BLOCK
+        for r in range(min(ROW_BLOCK, rows - first)):
+            value = acc[r] + bias[first + r] if bias.shape[0] else acc[r]
+            if add:
+                out[first + r] += value
+            else:
+                out[first + r] = value
+
+
+@numba.njit(
+    numba.void(numba.uint8[:, :, ::1], _BLOCKS, _BLOCKS, _VECTOR, _VECTOR, numba.boolean, _VECTOR),
+    parallel=True,
+    fastmath=_FAST,
+    cache=True,
+)
+def gemv_nibbles(packed, scales, offsets, x, bias, add, out):
+    """gemv_codes on 4-bit codes as tinygemm packs them in blocks of ROW_BLOCK rows:
+    packed [blocks, in, ROW_BLOCK / 2], byte i holding row i in its low nibble and row
+    ROW_BLOCK / 2 + i in its high one; codes 0..15 (not centred), offsets always given."""
+    blocks, cols, half = packed.shape
+    groups = scales.shape[1]
+    size = cols // groups
+    rows = out.shape[0]
+    flat = packed.reshape(-1)
+    sums = np.zeros(groups, np.float32)
+    for j in range(groups):
+        for k in range(j * size, (j + 1) * size):
+            sums[j] += x[k]
+    for b in numba.prange(blocks):
+        acc = np.zeros(ROW_BLOCK, np.float32)
+        # The low nibbles' rows and the high nibbles': apart, so LLVM sees they do not alias.
+        low = np.empty(_HALF, np.float32)
+        high = np.empty(_HALF, np.float32)
+        c = packed[b]
+        for j in range(groups):
+            low[:] = 0
+            high[:] = 0
+            for k in range(j * size, (j + 1) * size, 8):
+                ahead = (b * cols + k) * half + PREFETCH_BYTES
+                for t in range(0, 8 * half, 64):
+                    if ahead + t < flat.shape[0]:
+                        prefetch(flat, ahead + t)
+                x0, x1, x2, x3 = x[k], x[k + 1], x[k + 2], x[k + 3]
+                x4, x5, x6, x7 = x[k + 4], x[k + 5], x[k + 6], x[k + 7]
+                for i in range(_HALF):
+                    b0, b1, b2, b3 = c[k, i], c[k + 1, i], c[k + 2, i], c[k + 3, i]
+                    b4, b5, b6, b7 = c[k + 4, i], c[k + 5, i], c[k + 6, i], c[k + 7, i]
+                    low[i] += (
+                        (np.float32(b0 & 15) * x0 + np.float32(b1 & 15) * x1)
+                        + (np.float32(b2 & 15) * x2 + np.float32(b3 & 15) * x3)
+                    ) + (
+                        (np.float32(b4 & 15) * x4 + np.float32(b5 & 15) * x5)
+                        + (np.float32(b6 & 15) * x6 + np.float32(b7 & 15) * x7)
+                    )
+                    high[i] += (
+                        (np.float32(b0 >> 4) * x0 + np.float32(b1 >> 4) * x1)
+                        + (np.float32(b2 >> 4) * x2 + np.float32(b3 >> 4) * x3)
+                    ) + (
+                        (np.float32(b4 >> 4) * x4 + np.float32(b5 >> 4) * x5)
+                        + (np.float32(b6 >> 4) * x6 + np.float32(b7 >> 4) * x7)
+                    )
+            for i in range(_HALF):
+                acc[i] += low[i] * scales[b, j, i] + offsets[b, j, i] * sums[j]
+            for i in range(_HALF):
+                r = _HALF + i
+                acc[r] += high[i] * scales[b, j, r] + offsets[b, j, r] * sums[j]
         first = b * ROW_BLOCK
         for r in range(min(ROW_BLOCK, rows - first)):
             value = acc[r] + bias[first + r] if bias.shape[0] else acc[r]
@@ -180,8 +247,46 @@ NO_OFFSETS = np.zeros((0, 0, 0), np.float32)
 TILE_BYTES = 1 << 20  # a float32 tile of the weight: within a core's L2 beside the rows
 
 
+class OneRowWeight:
+    """What the fused one-row layers and a float LM head's one-row path read of a weight kept
+    as codes (RowCodes, PlaneCodes): its arrays in the fused kernel's order, and its
+    product with one float32 row."""
+
+    out_features: int
+    scales: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def in_features(self) -> int:
+        raise NotImplementedError
+
+    def fused_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(int8 codes, 4-bit plane, scales, offsets), the form not kept empty."""
+        raise NotImplementedError
+
+    def _gemv(self, row: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias) for one float32 row x [1, in] (a new [1, out] tensor)."""
+        if x.shape != (1, self.in_features) or x.dtype != torch.float32:
+            raise ValueError(f"one float32 row of {self.in_features}, not {tuple(x.shape)}")
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"a bias of {self.out_features}, not {tuple(bias.shape)}")
+        out = np.empty(self.out_features, np.float32)
+        b = NO_BIAS if bias is None else bias.detach().float().contiguous().numpy()
+        self._gemv(x.contiguous().numpy()[0], b, out)
+        return torch.from_numpy(out).view(1, -1)
+
+    def one_row(self, x, weight=None, bias=None, residual=None) -> torch.Tensor:
+        """A float Linear's one-row path (model/linear.py's `one_row`) on these codes: its
+        weight argument is the float copy they stand for, not read."""
+        y = self(x, bias)
+        return y if residual is None else residual.add_(y)
+
+
 @dataclass(frozen=True)
-class RowCodes:
+class RowCodes(OneRowWeight):
     """A weight `w[n, k] = code * scale + offset` (a scale and an offset per group of
     columns) laid out for `gemv_codes` (see the module docstring)."""
 
@@ -204,13 +309,6 @@ class RowCodes:
         centre = 1 << (bits - 1)
         centred = (codes.to(torch.int16) - centre).to(torch.int8)
         folded = offsets.float() + centre * scales.float()
-        blocks = -(-out // ROW_BLOCK)
-
-        def by_block(t: torch.Tensor) -> np.ndarray:  # [out, c] -> [blocks, c, ROW_BLOCK]
-            padded = t.new_zeros(blocks * ROW_BLOCK, t.shape[1])
-            padded[:out] = t
-            return padded.view(blocks, ROW_BLOCK, -1).transpose(1, 2).contiguous().numpy()
-
         return cls(
             by_block(centred),
             by_block(scales.float()),
@@ -245,14 +343,11 @@ class RowCodes:
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.codes, self.scales, self.offsets
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T (+ bias) for one float32 row x [1, in] (a new [1, out] tensor)."""
-        if x.shape != (1, self.in_features) or x.dtype != torch.float32:
-            raise ValueError(f"one float32 row of {self.in_features}, not {tuple(x.shape)}")
-        out = np.empty(self.out_features, np.float32)
-        b = NO_BIAS if bias is None else bias.detach().float().contiguous().numpy()
-        gemv_codes(*self.arrays(), x.contiguous().numpy()[0], b, False, out)
-        return torch.from_numpy(out).view(1, -1)
+    def fused_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return self.codes, NO_PLANE, self.scales, self.offsets
+
+    def _gemv(self, row: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
+        gemv_codes(*self.arrays(), row, bias, False, out)
 
     def matmul(self, x: torch.Tensor, tile_rows: int | None = None) -> torch.Tensor:
         """x W^T for float32 rows x [m, in] (a new [m, out] tensor): from `tile_rows` rows
@@ -281,11 +376,64 @@ class RowCodes:
             out[:, at : at + count * ROW_BLOCK] = torch.mm(x, torch.from_numpy(tile))
         return out[:, : self.out_features]
 
-    def one_row(self, x, weight=None, bias=None, residual=None) -> torch.Tensor:
-        """A float Linear's one-row path (model/linear.py's `one_row`) on these codes: its
-        weight argument is the float copy they stand for, not read."""
-        y = self(x, bias)
-        return y if residual is None else residual.add_(y)
+    def hold_in(self, module: torch.nn.Module, prefix: str) -> None:
+        """Keep these arrays as `module`'s non-persistent buffers (`{prefix}_codes`, ...): a
+        copy made for the fused layers then counts with the module's weights
+        (model/linear.py's weight_bytes) and lives as long as the module."""
+        for name, array in zip(("codes", "scales", "offsets"), self.arrays(), strict=True):
+            module.register_buffer(f"{prefix}_{name}", torch.from_numpy(array), persistent=False)
+
+
+@dataclass(frozen=True)
+class PlaneCodes(OneRowWeight):
+    """A 4-bit weight read in tinygemm's own packed bytes (quant/cpu_kernels.py's plane, in
+    blocks of ROW_BLOCK rows: no second copy of the codes), with its exact float32 scales and
+    offsets in blocks, for `gemv_nibbles`."""
+
+    packed: np.ndarray  # [blocks, in, ROW_BLOCK / 2] uint8: a view of the plane's bytes
+    scales: np.ndarray  # [blocks, groups, ROW_BLOCK] float32
+    offsets: np.ndarray
+    out_features: int
+
+    @classmethod
+    def of(cls, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor):
+        """From tinygemm's `packed` [rows, in / 2] in blocks of ROW_BLOCK rows (the caller
+        knows the build packs so: int4_tiles.tinygemm_block) and the scales and offsets
+        [out, groups] of codes 0..15; None where the rows are not whole blocks."""
+        rows, cols = packed.shape[0], 2 * packed.shape[1]
+        out, groups = scales.shape
+        if rows % ROW_BLOCK or out > rows or cols % groups or (cols // groups) % 8:
+            return None
+        if offsets.shape != scales.shape:
+            raise ValueError(f"offsets {tuple(offsets.shape)} for scales {tuple(scales.shape)}")
+        view = packed.view(torch.uint8).numpy().reshape(rows // ROW_BLOCK, cols, ROW_BLOCK // 2)
+        blocks = rows // ROW_BLOCK
+        return cls(view, by_block(scales.float(), blocks), by_block(offsets.float(), blocks), out)
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[1]
+
+    def fused_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return NO_CODES, self.packed, self.scales, self.offsets
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What it keeps beside the plane's bytes (for the weight-bytes count)."""
+        return [torch.from_numpy(self.scales), torch.from_numpy(self.offsets)]
+
+    def _gemv(self, row: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
+        gemv_nibbles(self.packed, self.scales, self.offsets, row, bias, False, out)
+
+
+def by_block(t: torch.Tensor, blocks: int | None = None) -> np.ndarray:
+    """[out, c] -> [blocks, c, ROW_BLOCK] (rows past `out` zero), the kernels' layout."""
+    out = t.shape[0]
+    blocks = -(-out // ROW_BLOCK) if blocks is None else blocks
+    padded = t.new_zeros(blocks * ROW_BLOCK, t.shape[1])
+    padded[:out] = t
+    return padded.view(blocks, ROW_BLOCK, -1).transpose(1, 2).contiguous().numpy()
 
 
 NO_BIAS = np.zeros(0, np.float32)
+NO_CODES = np.zeros((0, 0, 0), np.int8)
+NO_PLANE = np.zeros((0, 0, 0), np.uint8)

@@ -101,7 +101,8 @@ class KernelMethod(LinearMethod):
         kernel = getattr(layer, "kernel", None)
         if kernel is None:
             return super().weight_bytes(layer)
-        return sum(t.numel() * t.element_size() for t in kernel.tensors())
+        held = list(layer.buffers(recurse=False))  # a copy the fused one-row layers read
+        return sum(t.numel() * t.element_size() for t in [*kernel.tensors(), *held])
 
 
 class WeightOnlyMethod(KernelMethod):
