@@ -255,6 +255,12 @@ def test_quantized_layers_fuse_on_their_own_codes_and_a_head_copy_within_the_bud
         assert weight_bytes(model) == before + head.nbytes()
 
 
+def test_a_bfloat16_quantized_model_loads_without_fused_layers(quantized_ggufs):
+    """The fused kernel is float32's: a bfloat16 model's quantized linears stay op by op."""
+    model = load_model(quantized_ggufs["Q8_0"], torch.bfloat16, CPU, 64, linear_path="auto")
+    assert fusable_layers(model) == [] and model.one_row_decoder is None
+
+
 @pytest.mark.parametrize("breaks", ["tensor-parallel", "quantized", "other-family"])
 def test_layers_that_are_not_plain_dense_float_are_not_fused(tiny_checkpoints, breaks):
     model = load_model(tiny_checkpoints["llama"], torch.float32, CPU, 64, linear_path="plain")

@@ -158,17 +158,18 @@ ROW_CODE_CASES = {
 
 @pytest.mark.parametrize("name", list(ROW_CODE_CASES))
 def test_row_codes_multiply_as_the_dequantized_weight_in_float32(name):
-    """One-row steps of the fused layers read the codes a byte each, read back from the
-    tinygemm planes (quant/row_codes.py): the float32 product of the dequantized weight up
-    to the order of the sums (tinygemm, with bfloat16 activations, is ~2^-8 off), bias
-    added, or added into a residual in place."""
+    """One-row steps of the fused layers read the codes the kernel keeps (quant/row_codes.py:
+    8-bit ones a byte each, 4-bit ones in tinygemm's packed plane itself): the float32 product
+    of the dequantized weight up to the order of the sums (tinygemm, with bfloat16
+    activations, is ~2^-8 off), bias added, or added into a residual in place; a bias of the
+    wrong length is refused before the kernel reads past it."""
     out, cols, bits, group, symmetric = ROW_CODE_CASES[name]
     weight = cases.random_int_weight(out, cols, bits, group, False, seed=5)
     if symmetric:
         weight.offsets = -(1 << (bits - 1)) * weight.scales
     codes = CpuIntKernel(weight).row_codes()
-    if int4_tiles.tinygemm_block() is None:
-        assert codes is None  # planes in a layout not read back: no byte codes
+    if bits == 4 and int4_tiles.tinygemm_block() != 64:
+        assert codes is None  # a plane in another layout: not read in place
         return
     gen = torch.Generator().manual_seed(2)
     x, bias = torch.randn(1, cols, generator=gen), torch.randn(out, generator=gen)
@@ -182,15 +183,15 @@ def test_row_codes_multiply_as_the_dequantized_weight_in_float32(name):
     assert (codes.offsets.size == 0) == symmetric
     with pytest.raises(ValueError, match="one float32 row"):
         codes(torch.randn(2, cols))
+    with pytest.raises(ValueError, match="a bias of"):
+        codes(x, bias[:1])
 
 
 def test_row_codes_decline_gathered_columns_and_rows_short_of_a_block():
-    block = int4_tiles.tinygemm_block()
-    if block is None:
-        return
-    act_order = cases.random_int_weight(block, 64, 4, 32, True, seed=1)
-    assert CpuIntKernel(act_order).row_codes() is None
-    short = cases.random_int_weight(block + 16, 64, 4, 32, False, seed=1)
+    for bits in (4, 8):
+        act_order = cases.random_int_weight(64, 64, bits, 32, True, seed=1)
+        assert CpuIntKernel(act_order).row_codes() is None
+    short = cases.random_int_weight(80, 64, 4, 32, False, seed=1)  # tinygemm pads to 80
     assert CpuIntKernel(short).row_codes() is None
 
 
@@ -202,7 +203,7 @@ def test_8_bit_codes_multiply_in_float32_on_every_path(act_order, monkeypatch):
     the order of the sums, not the 2^-8 of bfloat16 activations."""
     from pagefleet.engine.model.quant import row_codes
 
-    monkeypatch.setattr(row_codes, "TILE_BYTES", 4 * 64 * 64 * 2)  # two blocks a tile
+    monkeypatch.setattr(row_codes, "TILE_BYTES", 4 * 96 * 64 * 2)  # two blocks a tile
     weight = cases.random_int_weight(200, 96, 8, 32, act_order, seed=9)  # 4 blocks, last short
     kernel = CpuIntKernel(weight)
     assert kernel.codes is not None and not kernel.planes

@@ -173,8 +173,9 @@ class LayerWeights:
 
 def fusable_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's decoder layers where every one can run fused, else [] (a tensor-parallel
-    shard, a family without the plain pre-norm layer, weights neither float32 on the CPU nor
-    on torch's CPU integer kernels, a LoRA wrapper)."""
+    shard, a family without the plain pre-norm layer, a model not in float32 on the CPU,
+    linears neither float32 nor on torch's CPU integer kernels with codes the fused layers
+    read, a LoRA wrapper)."""
     layers = list(getattr(model, "layers", ()))
     if getattr(model, "tp", None) is not None or not layers:
         return []
@@ -187,6 +188,12 @@ def fusable_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(_float32_linear(linear) or _coded(linear) for linear in linears):
             return []
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
+        vectors = [n.weight for n in norms if n is not None] + [
+            linear.bias for linear in linears if linear.bias is not None
+        ]
+        if not all(v.dtype == torch.float32 and v.device.type == "cpu" for v in vectors):
+            return []  # a bfloat16 model's quantized linears: the kernel is float32's
     return layers
 
 
@@ -218,7 +225,12 @@ def _float32_linear(linear) -> bool:
 
 
 def _coded(linear) -> bool:
-    return type(linear) is Linear and isinstance(getattr(linear, "kernel", None), CpuIntKernel)
+    kernel = getattr(linear, "kernel", None)
+    return (
+        type(linear) is Linear
+        and isinstance(kernel, CpuIntKernel)
+        and kernel.row_codes() is not None
+    )
 
 
 class OneRowDecoder:
@@ -357,11 +369,11 @@ def _leaves_attention(backend) -> bool:
 
 
 def _data(linears: tuple[Linear, ...]) -> tuple[int, ...]:
-    """Where the linears' weights live (their numpy views are the fused layers'), or which
-    kernel a quantized one's codes came from."""
+    """Where the linears' weights live (their numpy views are the fused layers'), or the
+    kernel a quantized one's codes belong to (held here, so compared by identity)."""
     weights = [getattr(linear, "weight", None) for linear in linears]
     return tuple(
-        id(linear.kernel) if weight is None else weight.data_ptr()
+        linear.kernel if weight is None else weight.data_ptr()
         for linear, weight in zip(linears, weights, strict=True)
     )
 
@@ -469,28 +481,33 @@ def _codes_fit(size: int, budget: int | None) -> bool:
 def _layer_weights(layer, coded: dict[Linear, OneRowWeight]) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
 
-    def linear(module: Linear) -> tuple:
+    hidden, inter = layer.input_layernorm.weight.shape[0], mlp.intermediate
+    q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+
+    def linear(module: Linear, shape: tuple[int, int]) -> tuple:
+        """The kernel sizes its buffers by the layer's shape and checks no bounds: each
+        weight (or its codes) and bias is checked against that shape here."""
         bias = _optional(module.bias)
         codes = coded.get(module)
         if codes is None:
-            return (_array(module.weight), NO_CODES, NO_PLANE, NO_OFFSETS, NO_OFFSETS, bias)
-        # The kernel sizes its buffers by the layer's shape and checks no bounds.
-        if (codes.out_features, codes.in_features) != (module.out_features, module.in_features):
-            raise ValueError(
-                f"byte codes {codes.out_features}x{codes.in_features} for a "
-                f"{module.out_features}x{module.in_features} linear"
-            )
-        return (_NO_WEIGHT, *codes.fused_arrays(), bias)
+            found = tuple(module.weight.shape)
+            arrays = (_array(module.weight), NO_CODES, NO_PLANE, NO_OFFSETS, NO_OFFSETS, bias)
+        else:
+            found = (codes.out_features, codes.in_features)
+            arrays = (_NO_WEIGHT, *codes.fused_arrays(), bias)
+        if found != shape or bias.shape[0] not in (0, shape[0]):
+            raise ValueError(f"a {found} weight (bias {bias.shape}) where the layer reads {shape}")
+        return arrays
 
     arrays = (
         _array(layer.input_layernorm.weight),
-        linear(attn.qkv_proj),
+        linear(attn.qkv_proj, (q_size + 2 * kv_size, hidden)),
         _norm(attn.q_norm),
         _norm(attn.k_norm),
-        linear(attn.o_proj),
+        linear(attn.o_proj, (hidden, q_size)),
         _array(layer.post_attention_layernorm.weight),
-        linear(mlp.gate_up_proj),
-        linear(mlp.down_proj),
+        linear(mlp.gate_up_proj, (2 * inter, hidden)),
+        linear(mlp.down_proj, (hidden, inter)),
     )
     return LayerWeights(
         attn.kv_slot,

@@ -30,7 +30,7 @@ import torch
 
 from pagefleet.engine.attention import numba_paged
 from pagefleet.engine.attention.numba_paged import prefetch
-from pagefleet.engine.kernel_cache import use_image_kernels
+from pagefleet.engine.kernel_cache import match_torch_threads, use_image_kernels
 
 use_image_kernels()  # before the kernel below is defined (and loaded or compiled)
 KERNEL_CALLEES = (numba_paged.__file__,)  # its prefetch (kernel_cache.CalleeStamp)
@@ -46,6 +46,28 @@ _VECTOR = numba.float32[::1]
 _ROWS = numba.float32[:, ::1]
 
 
+@numba.njit(inline="always")
+def _group_sums(x, groups):
+    """x summed over each run of its columns: what a group's offset multiplies."""
+    size = x.shape[0] // groups
+    sums = np.zeros(groups, np.float32)
+    for j in range(groups):
+        for k in range(j * size, (j + 1) * size):
+            sums[j] += x[k]
+    return sums
+
+
+@numba.njit(inline="always")
+def _store(acc, first, bias, add, out):
+    """A block's sums into out[first:] (+ bias; added where `add`), its padding rows not."""
+    for r in range(min(ROW_BLOCK, out.shape[0] - first)):
+        value = acc[r] + bias[first + r] if bias.shape[0] else acc[r]
+        if add:
+            out[first + r] += value
+        else:
+            out[first + r] = value
+
+
 @numba.njit(
     numba.void(numba.int8[:, :, ::1], _BLOCKS, _BLOCKS, _VECTOR, _VECTOR, numba.boolean, _VECTOR),
     parallel=True,
@@ -59,13 +81,8 @@ def gemv_codes(codes, scales, offsets, x, bias, add, out):
     blocks, cols, _ = codes.shape
     groups = scales.shape[1]
     size = cols // groups
-    rows = out.shape[0]
     flat = codes.reshape(-1)
-    sums = np.zeros(groups, np.float32)  # x over each group: what the offsets multiply
-    if offsets.shape[0]:
-        for j in range(groups):
-            for k in range(j * size, (j + 1) * size):
-                sums[j] += x[k]
+    sums = _group_sums(x, groups) if offsets.shape[0] else np.zeros(groups, np.float32)
     for b in numba.prange(blocks):
         acc = np.zeros(ROW_BLOCK, np.float32)
         part = np.empty(ROW_BLOCK, np.float32)
@@ -92,13 +109,7 @@ def gemv_codes(codes, scales, offsets, x, bias, add, out):
             if offsets.shape[0]:
                 for r in range(ROW_BLOCK):
                     acc[r] += offsets[b, j, r] * sums[j]
-        first = b * ROW_BLOCK
-        for r in range(min(ROW_BLOCK, rows - first)):
-            value = acc[r] + bias[first + r] if bias.shape[0] else acc[r]
-            if add:
-                out[first + r] += value
-            else:
-                out[first + r] = value
+        _store(acc, b * ROW_BLOCK, bias, add, out)
 
 
 @numba.njit(
@@ -114,12 +125,8 @@ def gemv_nibbles(packed, scales, offsets, x, bias, add, out):
     blocks, cols, half = packed.shape
     groups = scales.shape[1]
     size = cols // groups
-    rows = out.shape[0]
     flat = packed.reshape(-1)
-    sums = np.zeros(groups, np.float32)
-    for j in range(groups):
-        for k in range(j * size, (j + 1) * size):
-            sums[j] += x[k]
+    sums = _group_sums(x, groups)
     for b in numba.prange(blocks):
         acc = np.zeros(ROW_BLOCK, np.float32)
         # The low nibbles' rows and the high nibbles': apart, so LLVM sees they do not alias.
@@ -158,13 +165,7 @@ def gemv_nibbles(packed, scales, offsets, x, bias, add, out):
             for i in range(_HALF):
                 r = _HALF + i
                 acc[r] += high[i] * scales[b, j, r] + offsets[b, j, r] * sums[j]
-        first = b * ROW_BLOCK
-        for r in range(min(ROW_BLOCK, rows - first)):
-            value = acc[r] + bias[first + r] if bias.shape[0] else acc[r]
-            if add:
-                out[first + r] += value
-            else:
-                out[first + r] = value
+        _store(acc, b * ROW_BLOCK, bias, add, out)
 
 
 @numba.njit(
@@ -275,6 +276,7 @@ class OneRowWeight:
             raise ValueError(f"a bias of {self.out_features}, not {tuple(bias.shape)}")
         out = np.empty(self.out_features, np.float32)
         b = NO_BIAS if bias is None else bias.detach().float().contiguous().numpy()
+        match_torch_threads()
         self._gemv(x.contiguous().numpy()[0], b, out)
         return torch.from_numpy(out).view(1, -1)
 
@@ -325,13 +327,18 @@ class RowCodes(OneRowWeight):
         out, cols = weight.shape
         if cols % group or group % 8 or weight.dtype != torch.float32:
             return None
-        w = weight.detach().reshape(out, cols // group, group)
-        scales = w.abs().amax(dim=2) / 127
-        unit = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(2)
-        codes = (w / unit).round()
-        if not torch.equal(codes * unit, w):  # also refuses NaN and infinities
-            return None
-        return cls.of((codes + 128).to(torch.uint8).view(out, cols), 8, scales, -128 * scales)
+        codes = torch.empty(out, cols, dtype=torch.uint8)
+        scales = torch.empty(out, cols // group)
+        for start in range(0, out, _CHECKED_ROWS):  # a few MiB of temporaries at a time
+            w = weight[start : start + _CHECKED_ROWS].detach().reshape(-1, cols // group, group)
+            part = w.abs().amax(dim=2) / 127
+            unit = torch.where(part > 0, part, torch.ones_like(part)).unsqueeze(2)
+            found = (w / unit).round()
+            if not torch.equal(found * unit, w):  # also refuses NaN and infinities
+                return None
+            codes[start : start + w.shape[0]] = (found + 128).to(torch.uint8).view(-1, cols)
+            scales[start : start + w.shape[0]] = part
+        return cls.of(codes, 8, scales, -128 * scales)
 
     @property
     def in_features(self) -> int:
@@ -357,6 +364,7 @@ class RowCodes(OneRowWeight):
         if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.float32:
             raise ValueError(f"float32 rows of {self.in_features}, not {tuple(x.shape)}")
         x = x.contiguous()
+        match_torch_threads()
         if tile_rows is None or x.shape[0] < tile_rows:
             out = np.empty((x.shape[0], self.out_features), np.float32)
             if x.shape[0] == 1:
@@ -435,5 +443,6 @@ def by_block(t: torch.Tensor, blocks: int | None = None) -> np.ndarray:
 
 
 NO_BIAS = np.zeros(0, np.float32)
+_CHECKED_ROWS = 2048
 NO_CODES = np.zeros((0, 0, 0), np.int8)
 NO_PLANE = np.zeros((0, 0, 0), np.uint8)
