@@ -187,6 +187,35 @@ def test_row_codes_multiply_as_the_dequantized_weight_in_float32(name):
         codes(x, bias[:1])
 
 
+@pytest.mark.parametrize("block", [64, 32], ids=["avx512-layout", "avx2-layout"])
+def test_4_bit_planes_in_either_tinygemm_layout_multiply_in_float32(block):
+    """tinygemm packs blocks of 64 rows on AVX-512 builds and 32 on AVX2 ones (byte i of a
+    column: row i low, row B/2 + i high); the one-row kernel reads either in place. The
+    layout written here is checked against this build's own packing where it is the same."""
+    from pagefleet.engine.model.quant.row_codes import PlaneCodes
+
+    rows, cols, group, out = 3 * block, 96, 32, 3 * block - 5
+    gen = torch.Generator().manual_seed(8)
+    codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
+    by_column = codes.view(rows // block, block, cols).permute(0, 2, 1)  # [blocks, cols, B]
+    half = block // 2
+    packed = (by_column[..., :half] | (by_column[..., half:] << 4)).contiguous()
+    packed = packed.view(rows, cols // 2)
+    if int4_tiles.tinygemm_block() == block:
+        theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
+        assert torch.equal(theirs.view(torch.uint8), packed)
+    scales = torch.rand(out, cols // group, generator=gen) * 0.02 + 0.001
+    offsets = torch.randn(out, cols // group, generator=gen) * 0.05
+    plane = PlaneCodes.of(packed, block, scales, offsets)
+    dense = codes[:out].double() * scales.double().repeat_interleave(group, 1)
+    dense += offsets.double().repeat_interleave(group, 1)
+    x, bias = torch.randn(1, cols, generator=gen), torch.randn(out, generator=gen)
+    want = (x.double() @ dense.t() + bias.double()).float()
+    assert_close(plane(x, bias), want, atol=1e-6 * want.abs().max().item(), rtol=0)
+    short = rows - 16  # not whole blocks
+    assert PlaneCodes.of(packed[:short], block, scales[: out - 16], offsets[: out - 16]) is None
+
+
 def test_row_codes_decline_gathered_columns_and_rows_short_of_a_block():
     for bits in (4, 8):
         act_order = cases.random_int_weight(64, 64, bits, 32, True, seed=1)

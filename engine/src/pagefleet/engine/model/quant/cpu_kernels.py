@@ -30,7 +30,7 @@ from pagefleet.engine.model.quant import int4_tiles
 from pagefleet.engine.model.quant.int4_tiles import Int4Tiles, choose_tile_rows, tinygemm_block
 from pagefleet.engine.model.quant.int_weight import GroupedInt, IntWeight
 from pagefleet.engine.model.quant.packing import unpack_codes
-from pagefleet.engine.model.quant.row_codes import ROW_BLOCK, OneRowWeight, PlaneCodes, RowCodes
+from pagefleet.engine.model.quant.row_codes import OneRowWeight, PlaneCodes, RowCodes
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)
 TINYGEMM_ROWS = 16  # tinygemm's packing wants output rows in multiples of 16
@@ -147,8 +147,9 @@ class CpuIntKernel:
             # tinygemm computes (q - 8) * scale + zero; ours is q * scale + offset.
             zeros = g.offsets + 8 * g.scales
             self.planes = [TinyGemmPlane(codes.to(torch.int32), g.scales, zeros, g.group_size)]
-            if g.index is None and tinygemm_block() == ROW_BLOCK:
-                self.plane_codes = PlaneCodes.of(self.planes[0].packed, g.scales, g.offsets)
+            block = tinygemm_block()
+            if g.index is None and block is not None:
+                self.plane_codes = PlaneCodes.of(self.planes[0].packed, block, g.scales, g.offsets)
         else:
             self.codes = CodesPlane(RowCodes.of(codes, 8, g.scales, g.offsets), g.group_size)
         # Only the planes or the byte codes are kept (each with its own scales).
@@ -176,8 +177,9 @@ class CpuIntKernel:
     def row_codes(self) -> OneRowWeight | None:
         """The weight as the fused one-row layers read it (quant/row_codes.py): 8-bit codes
         as kept, 4-bit ones in tinygemm's plane itself with exact float32 scales and offsets
-        (PlaneCodes, where the build packs blocks of ROW_BLOCK rows: AVX-512); None for
-        per-row int8, gathered (act-order) columns, or a plane in another layout."""
+        (PlaneCodes, in the build's blocks of rows: 64 on AVX-512, 32 on AVX2); None for
+        per-row int8, gathered (act-order) columns, rows short of a whole block, or a build
+        whose layout int4_tiles does not read."""
         if self.grouped is None or self.grouped.index is not None:
             return None
         return self.codes.codes if self.codes is not None else self.plane_codes

@@ -36,7 +36,6 @@ use_image_kernels()  # before the kernel below is defined (and loaded or compile
 KERNEL_CALLEES = (numba_paged.__file__,)  # its prefetch (kernel_cache.CalleeStamp)
 
 ROW_BLOCK = 64  # output rows per block: four AVX-512 vectors of float32 sums
-_HALF = ROW_BLOCK // 2
 # How far ahead the codes are asked for: the hardware prefetcher alone left the loop waiting
 # (17 G weights a second from memory; 20.5 with this, 19 at twice or half the distance).
 PREFETCH_BYTES = 2048
@@ -60,7 +59,7 @@ def _group_sums(x, groups):
 @numba.njit(inline="always")
 def _store(acc, first, bias, add, out):
     """A block's sums into out[first:] (+ bias; added where `add`), its padding rows not."""
-    for r in range(min(ROW_BLOCK, out.shape[0] - first)):
+    for r in range(min(acc.shape[0], out.shape[0] - first)):
         value = acc[r] + bias[first + r] if bias.shape[0] else acc[r]
         if add:
             out[first + r] += value
@@ -112,6 +111,53 @@ def gemv_codes(codes, scales, offsets, x, bias, add, out):
         _store(acc, b * ROW_BLOCK, bias, add, out)
 
 
+@numba.njit(inline="always")
+def _nibble_block(packed, scales, offsets, x, sums, b, half):
+    """Block b's sums of gemv_nibbles (`half`: half its rows)."""
+    _, cols, _ = packed.shape
+    groups = scales.shape[1]
+    size = cols // groups
+    flat = packed.reshape(-1)
+    acc = np.zeros(2 * half, np.float32)
+    # The low nibbles' rows and the high nibbles': apart, so LLVM sees they do not alias.
+    low = np.empty(half, np.float32)
+    high = np.empty(half, np.float32)
+    c = packed[b]
+    for j in range(groups):
+        low[:] = 0
+        high[:] = 0
+        for k in range(j * size, (j + 1) * size, 8):
+            ahead = (b * cols + k) * half + PREFETCH_BYTES
+            for t in range(0, 8 * half, 64):
+                if ahead + t < flat.shape[0]:
+                    prefetch(flat, ahead + t)
+            x0, x1, x2, x3 = x[k], x[k + 1], x[k + 2], x[k + 3]
+            x4, x5, x6, x7 = x[k + 4], x[k + 5], x[k + 6], x[k + 7]
+            for i in range(half):
+                b0, b1, b2, b3 = c[k, i], c[k + 1, i], c[k + 2, i], c[k + 3, i]
+                b4, b5, b6, b7 = c[k + 4, i], c[k + 5, i], c[k + 6, i], c[k + 7, i]
+                low[i] += (
+                    (np.float32(b0 & 15) * x0 + np.float32(b1 & 15) * x1)
+                    + (np.float32(b2 & 15) * x2 + np.float32(b3 & 15) * x3)
+                ) + (
+                    (np.float32(b4 & 15) * x4 + np.float32(b5 & 15) * x5)
+                    + (np.float32(b6 & 15) * x6 + np.float32(b7 & 15) * x7)
+                )
+                high[i] += (
+                    (np.float32(b0 >> 4) * x0 + np.float32(b1 >> 4) * x1)
+                    + (np.float32(b2 >> 4) * x2 + np.float32(b3 >> 4) * x3)
+                ) + (
+                    (np.float32(b4 >> 4) * x4 + np.float32(b5 >> 4) * x5)
+                    + (np.float32(b6 >> 4) * x6 + np.float32(b7 >> 4) * x7)
+                )
+        for i in range(half):
+            acc[i] += low[i] * scales[b, j, i] + offsets[b, j, i] * sums[j]
+        for i in range(half):
+            r = half + i
+            acc[r] += high[i] * scales[b, j, r] + offsets[b, j, r] * sums[j]
+    return acc
+
+
 @numba.njit(
     numba.void(numba.uint8[:, :, ::1], _BLOCKS, _BLOCKS, _VECTOR, _VECTOR, numba.boolean, _VECTOR),
     parallel=True,
@@ -119,53 +165,18 @@ def gemv_codes(codes, scales, offsets, x, bias, add, out):
     cache=True,
 )
 def gemv_nibbles(packed, scales, offsets, x, bias, add, out):
-    """gemv_codes on 4-bit codes as tinygemm packs them in blocks of ROW_BLOCK rows:
-    packed [blocks, in, ROW_BLOCK / 2], byte i holding row i in its low nibble and row
-    ROW_BLOCK / 2 + i in its high one; codes 0..15 (not centred), offsets always given."""
-    blocks, cols, half = packed.shape
-    groups = scales.shape[1]
-    size = cols // groups
-    flat = packed.reshape(-1)
-    sums = _group_sums(x, groups)
+    """gemv_codes on 4-bit codes as tinygemm packs them in blocks of B rows (64 on AVX-512
+    builds, 32 on AVX2 ones): packed [blocks, in, B / 2], byte i holding row i in its low
+    nibble and row B / 2 + i in its high one; scales and offsets [blocks, groups, B]; codes
+    0..15 (not centred), offsets always given."""
+    blocks, _, half = packed.shape
+    sums = _group_sums(x, scales.shape[1])
     for b in numba.prange(blocks):
-        acc = np.zeros(ROW_BLOCK, np.float32)
-        # The low nibbles' rows and the high nibbles': apart, so LLVM sees they do not alias.
-        low = np.empty(_HALF, np.float32)
-        high = np.empty(_HALF, np.float32)
-        c = packed[b]
-        for j in range(groups):
-            low[:] = 0
-            high[:] = 0
-            for k in range(j * size, (j + 1) * size, 8):
-                ahead = (b * cols + k) * half + PREFETCH_BYTES
-                for t in range(0, 8 * half, 64):
-                    if ahead + t < flat.shape[0]:
-                        prefetch(flat, ahead + t)
-                x0, x1, x2, x3 = x[k], x[k + 1], x[k + 2], x[k + 3]
-                x4, x5, x6, x7 = x[k + 4], x[k + 5], x[k + 6], x[k + 7]
-                for i in range(_HALF):
-                    b0, b1, b2, b3 = c[k, i], c[k + 1, i], c[k + 2, i], c[k + 3, i]
-                    b4, b5, b6, b7 = c[k + 4, i], c[k + 5, i], c[k + 6, i], c[k + 7, i]
-                    low[i] += (
-                        (np.float32(b0 & 15) * x0 + np.float32(b1 & 15) * x1)
-                        + (np.float32(b2 & 15) * x2 + np.float32(b3 & 15) * x3)
-                    ) + (
-                        (np.float32(b4 & 15) * x4 + np.float32(b5 & 15) * x5)
-                        + (np.float32(b6 & 15) * x6 + np.float32(b7 & 15) * x7)
-                    )
-                    high[i] += (
-                        (np.float32(b0 >> 4) * x0 + np.float32(b1 >> 4) * x1)
-                        + (np.float32(b2 >> 4) * x2 + np.float32(b3 >> 4) * x3)
-                    ) + (
-                        (np.float32(b4 >> 4) * x4 + np.float32(b5 >> 4) * x5)
-                        + (np.float32(b6 >> 4) * x6 + np.float32(b7 >> 4) * x7)
-                    )
-            for i in range(_HALF):
-                acc[i] += low[i] * scales[b, j, i] + offsets[b, j, i] * sums[j]
-            for i in range(_HALF):
-                r = _HALF + i
-                acc[r] += high[i] * scales[b, j, r] + offsets[b, j, r] * sums[j]
-        _store(acc, b * ROW_BLOCK, bias, add, out)
+        if half == ROW_BLOCK // 2:  # the block a constant: LLVM vectorises a known count
+            acc = _nibble_block(packed, scales, offsets, x, sums, b, ROW_BLOCK // 2)
+        else:
+            acc = _nibble_block(packed, scales, offsets, x, sums, b, half)
+        _store(acc, b * 2 * half, bias, add, out)
 
 
 @numba.njit(
@@ -395,28 +406,29 @@ class RowCodes(OneRowWeight):
 @dataclass(frozen=True)
 class PlaneCodes(OneRowWeight):
     """A 4-bit weight read in tinygemm's own packed bytes (quant/cpu_kernels.py's plane, in
-    blocks of ROW_BLOCK rows: no second copy of the codes), with its exact float32 scales and
-    offsets in blocks, for `gemv_nibbles`."""
+    its blocks of B rows: no second copy of the codes), with its exact float32 scales and
+    offsets in blocks of B rows, for `gemv_nibbles`."""
 
-    packed: np.ndarray  # [blocks, in, ROW_BLOCK / 2] uint8: a view of the plane's bytes
-    scales: np.ndarray  # [blocks, groups, ROW_BLOCK] float32
+    packed: np.ndarray  # [blocks, in, B / 2] uint8: a view of the plane's bytes
+    scales: np.ndarray  # [blocks, groups, B] float32
     offsets: np.ndarray
     out_features: int
 
     @classmethod
-    def of(cls, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor):
-        """From tinygemm's `packed` [rows, in / 2] in blocks of ROW_BLOCK rows (the caller
-        knows the build packs so: int4_tiles.tinygemm_block) and the scales and offsets
-        [out, groups] of codes 0..15; None where the rows are not whole blocks."""
+    def of(cls, packed: torch.Tensor, block: int, scales: torch.Tensor, offsets: torch.Tensor):
+        """From tinygemm's `packed` [rows, in / 2] in blocks of `block` rows (this build's:
+        int4_tiles.tinygemm_block) and the scales and offsets [out, groups] of codes 0..15;
+        None where the rows are not whole blocks."""
         rows, cols = packed.shape[0], 2 * packed.shape[1]
         out, groups = scales.shape
-        if rows % ROW_BLOCK or out > rows or cols % groups or (cols // groups) % 8:
+        if block % 2 or rows % block or out > rows or cols % groups or (cols // groups) % 8:
             return None
         if offsets.shape != scales.shape:
             raise ValueError(f"offsets {tuple(offsets.shape)} for scales {tuple(scales.shape)}")
-        view = packed.view(torch.uint8).numpy().reshape(rows // ROW_BLOCK, cols, ROW_BLOCK // 2)
-        blocks = rows // ROW_BLOCK
-        return cls(view, by_block(scales.float(), blocks), by_block(offsets.float(), blocks), out)
+        blocks = rows // block
+        view = packed.view(torch.uint8).numpy().reshape(blocks, cols, block // 2)
+        scales, offsets = (by_block(t.float(), blocks, block) for t in (scales, offsets))
+        return cls(view, scales, offsets, out)
 
     @property
     def in_features(self) -> int:
@@ -433,13 +445,13 @@ class PlaneCodes(OneRowWeight):
         gemv_nibbles(self.packed, self.scales, self.offsets, row, bias, False, out)
 
 
-def by_block(t: torch.Tensor, blocks: int | None = None) -> np.ndarray:
-    """[out, c] -> [blocks, c, ROW_BLOCK] (rows past `out` zero), the kernels' layout."""
+def by_block(t: torch.Tensor, blocks: int | None = None, block: int = ROW_BLOCK) -> np.ndarray:
+    """[out, c] -> [blocks, c, block] (rows past `out` zero), the kernels' layout."""
     out = t.shape[0]
-    blocks = -(-out // ROW_BLOCK) if blocks is None else blocks
-    padded = t.new_zeros(blocks * ROW_BLOCK, t.shape[1])
+    blocks = -(-out // block) if blocks is None else blocks
+    padded = t.new_zeros(blocks * block, t.shape[1])
     padded[:out] = t
-    return padded.view(blocks, ROW_BLOCK, -1).transpose(1, 2).contiguous().numpy()
+    return padded.view(blocks, block, -1).transpose(1, 2).contiguous().numpy()
 
 
 NO_BIAS = np.zeros(0, np.float32)
