@@ -101,8 +101,7 @@ class KernelMethod(LinearMethod):
         kernel = getattr(layer, "kernel", None)
         if kernel is None:
             return super().weight_bytes(layer)
-        held = list(layer.buffers(recurse=False))  # a copy the fused one-row layers read
-        return sum(t.numel() * t.element_size() for t in [*kernel.tensors(), *held])
+        return sum(t.numel() * t.element_size() for t in kernel.tensors())
 
 
 class WeightOnlyMethod(KernelMethod):
