@@ -100,7 +100,7 @@ def _dequantize_tile(packed, scale_zeros, group, block, first_row, k_rows, out, 
                     row[col + j] = np.uint16((v + ((v >> 16) & 1) + 0x7FFF) >> 16)
 
 
-def tinygemm_codes(packed: torch.Tensor, block: int) -> torch.Tensor | None:
+def _tinygemm_codes(packed: torch.Tensor, block: int) -> torch.Tensor | None:
     """The codes [rows, k] (0..15) tinygemm's `packed` [rows, k / 2] holds in blocks of
     `block` rows, or None where the rows are not whole blocks."""
     rows, k = packed.shape[0], 2 * packed.shape[1]
@@ -121,7 +121,7 @@ def tinygemm_block() -> int | None:
     codes = torch.randint(0, 16, (rows, k), generator=torch.Generator().manual_seed(0))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
     for block in BLOCKS:
-        if torch.equal(tinygemm_codes(packed, block), codes.to(torch.uint8)):
+        if torch.equal(_tinygemm_codes(packed, block), codes.to(torch.uint8)):
             return block
     return None
 

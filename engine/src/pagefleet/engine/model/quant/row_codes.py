@@ -43,6 +43,7 @@ _FAST = {"reassoc", "contract", "nsz", "arcp"}
 _BLOCKS = numba.float32[:, :, ::1]
 _VECTOR = numba.float32[::1]
 _ROWS = numba.float32[:, ::1]
+NO_BIAS = np.zeros(0, np.float32)
 
 
 @numba.njit(inline="always")
@@ -67,8 +68,13 @@ def _store(acc, first, bias, add, out):
             out[first + r] = value
 
 
+def _gemv_signature(codes):
+    """(codes, scales, offsets, x, bias, add, out) for codes of the numba type `codes`."""
+    return numba.void(codes, _BLOCKS, _BLOCKS, _VECTOR, _VECTOR, numba.boolean, _VECTOR)
+
+
 @numba.njit(
-    numba.void(numba.int8[:, :, ::1], _BLOCKS, _BLOCKS, _VECTOR, _VECTOR, numba.boolean, _VECTOR),
+    _gemv_signature(numba.int8[:, :, ::1]),
     parallel=True,
     fastmath=_FAST,
     cache=True,
@@ -85,6 +91,7 @@ def gemv_codes(codes, scales, offsets, x, bias, add, out):
     for b in numba.prange(blocks):
         acc = np.zeros(ROW_BLOCK, np.float32)
         part = np.empty(ROW_BLOCK, np.float32)
+        c = codes[b]
         for j in range(groups):
             part[:] = 0
             for k in range(j * size, (j + 1) * size, 8):  # eight columns per pass over `part`
@@ -94,7 +101,6 @@ def gemv_codes(codes, scales, offsets, x, bias, add, out):
                         prefetch(flat, ahead + t * ROW_BLOCK)
                 x0, x1, x2, x3 = x[k], x[k + 1], x[k + 2], x[k + 3]
                 x4, x5, x6, x7 = x[k + 4], x[k + 5], x[k + 6], x[k + 7]
-                c = codes[b]
                 for r in range(ROW_BLOCK):
                     part[r] += (
                         (np.float32(c[k, r]) * x0 + np.float32(c[k + 1, r]) * x1)
@@ -159,7 +165,7 @@ def _nibble_block(packed, scales, offsets, x, sums, b, half):
 
 
 @numba.njit(
-    numba.void(numba.uint8[:, :, ::1], _BLOCKS, _BLOCKS, _VECTOR, _VECTOR, numba.boolean, _VECTOR),
+    _gemv_signature(numba.uint8[:, :, ::1]),
     parallel=True,
     fastmath=_FAST,
     cache=True,
@@ -192,13 +198,10 @@ def gemm_codes(codes, scales, offsets, x, out):
     m = x.shape[0]
     groups = scales.shape[1]
     size = cols // groups
-    rows = out.shape[1]
     sums = np.zeros((m, groups), np.float32)
     if offsets.shape[0]:
         for i in range(m):
-            for j in range(groups):
-                for k in range(j * size, (j + 1) * size):
-                    sums[i, j] += x[i, k]
+            sums[i] = _group_sums(x[i], groups)
     for b in numba.prange(blocks):
         acc = np.zeros((m, ROW_BLOCK), np.float32)
         part = np.empty((m, ROW_BLOCK), np.float32)
@@ -223,10 +226,8 @@ def gemm_codes(codes, scales, offsets, x, out):
                 if offsets.shape[0]:
                     for r in range(ROW_BLOCK):
                         acc[i, r] += offsets[b, j, r] * sums[i, j]
-        first = b * ROW_BLOCK
         for i in range(m):
-            for r in range(min(ROW_BLOCK, rows - first)):
-                out[i, first + r] = acc[i, r]
+            _store(acc[i], b * ROW_BLOCK, NO_BIAS, False, out[i])
 
 
 @numba.njit(
@@ -454,7 +455,6 @@ def by_block(t: torch.Tensor, blocks: int | None = None, block: int = ROW_BLOCK)
     return padded.view(blocks, block, -1).transpose(1, 2).contiguous().numpy()
 
 
-NO_BIAS = np.zeros(0, np.float32)
 _CHECKED_ROWS = 2048
 NO_CODES = np.zeros((0, 0, 0), np.int8)
 NO_PLANE = np.zeros((0, 0, 0), np.uint8)
